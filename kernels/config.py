@@ -1,0 +1,169 @@
+"""Qwen3 model configuration, read from a Hugging Face ``config.json``.
+
+Parsing is strict on purpose: a wrong or missing field in a checkpoint should fail
+at load time with the field's name, not later as a shape error deep in a layer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+class ConfigError(ValueError):
+    """A model's config.json is unreadable or describes an unsupported model."""
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """Map a dtype name (``bf16``, ``bfloat16``, ...) to a torch dtype."""
+    if isinstance(name, torch.dtype):
+        if name not in _DTYPES.values():
+            raise ConfigError(f"unsupported dtype {name}; use float32, bfloat16 or float16")
+        return name
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ConfigError(
+            f"unsupported dtype {name!r}; use one of {sorted(set(_DTYPES))}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Qwen3Config:
+    """The fields of a Qwen3 dense checkpoint that the kernels use."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    eos_token_ids: tuple[int, ...] = field(default=())
+    bos_token_id: int | None = None
+    dtype: str = "bfloat16"
+
+    @property
+    def num_kv_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config") -> Qwen3Config:
+        """Validate a parsed config.json; ``source`` names the file in error messages."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+        model_type = raw.get("model_type", "qwen3")
+        if model_type != "qwen3":
+            raise ConfigError(f"{source}: model_type {model_type!r} is not supported (want 'qwen3')")
+
+        def need_int(key: str, default: int | None = None, minimum: int = 1) -> int:
+            value = raw.get(key, default)
+            if value is None:
+                raise ConfigError(f"{source}: missing required field {key!r}")
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{source}: field {key!r} must be an integer, got {value!r}")
+            if value < minimum:
+                raise ConfigError(f"{source}: field {key!r} must be >= {minimum}, got {value}")
+            return value
+
+        def need_float(key: str, default: float) -> float:
+            value = raw.get(key, default)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{source}: field {key!r} must be a number, got {value!r}")
+            return float(value)
+
+        hidden = need_int("hidden_size")
+        heads = need_int("num_attention_heads")
+        kv_heads = need_int("num_key_value_heads", heads)
+        head_dim = need_int("head_dim", hidden // heads if hidden % heads == 0 else None)
+        if heads % kv_heads:
+            raise ConfigError(
+                f"{source}: num_attention_heads ({heads}) is not a multiple of "
+                f"num_key_value_heads ({kv_heads})"
+            )
+        if head_dim % 2:
+            raise ConfigError(f"{source}: head_dim must be even for rotary embedding, got {head_dim}")
+
+        rope = raw.get("rope_parameters") or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"{source}: field 'rope_parameters' must be an object")
+        scaling = raw.get("rope_scaling")
+        rope_type = rope.get("rope_type", (scaling or {}).get("rope_type", "default"))
+        if rope_type != "default":
+            raise ConfigError(f"{source}: rope type {rope_type!r} is not supported (only 'default')")
+        theta = rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0))
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+            raise ConfigError(f"{source}: rope_theta must be a positive number, got {theta!r}")
+
+        if raw.get("use_sliding_window"):
+            raise ConfigError(f"{source}: sliding-window attention is not supported")
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{source}: hidden_act {act!r} is not supported (want 'silu')")
+
+        eos = raw.get("eos_token_id")
+        if eos is None:
+            eos_ids: tuple[int, ...] = ()
+        elif isinstance(eos, int) and not isinstance(eos, bool):
+            eos_ids = (eos,)
+        elif isinstance(eos, list) and all(isinstance(e, int) for e in eos):
+            eos_ids = tuple(eos)
+        else:
+            raise ConfigError(f"{source}: eos_token_id must be an int or list of ints, got {eos!r}")
+
+        dtype = raw.get("dtype", raw.get("torch_dtype")) or "bfloat16"
+        parse_dtype(dtype)
+        return cls(
+            vocab_size=need_int("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=need_int("intermediate_size"),
+            num_hidden_layers=need_int("num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=need_float("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            max_position_embeddings=need_int("max_position_embeddings", 32768),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            eos_token_ids=eos_ids,
+            bos_token_id=raw.get("bos_token_id"),
+            dtype=dtype,
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Qwen3Config:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{path}: no config.json in model directory")
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{path}: malformed config.json: {exc}") from None
+        return cls.from_dict(raw, source=str(path))

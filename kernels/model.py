@@ -1,0 +1,286 @@
+"""The Qwen3 dense model: batched prefill and the fused, allocation-free decode step.
+
+``decode_step`` is one call that embeds on the device, runs every layer over the
+paged cache, applies the final norm and lm_head, and samples on the device (greedy
+ids, and top-K candidates for host-side stochastic sampling), writing into
+``SampleOutputs`` the caller created once. Nothing comes back to the host unless
+the caller copies it: that is the point (DESIGN.md, the argument contract).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kernels.attention import AttentionScratch, paged_decode_attention, prefill_attention
+from kernels.config import Qwen3Config, parse_dtype
+from kernels.kv_cache import PagedKVCache
+from kernels.loader import Qwen3Weights, load_weights
+from kernels.ops import linear, rms_norm, rope_tables, rotary
+
+
+@dataclass
+class SampleOutputs:
+    """Device-side outputs of a launch, sized for the largest batch; rows [:B] are written."""
+
+    greedy_ids: torch.Tensor  # [max_batch] int32
+    topk_values: torch.Tensor  # [max_batch, K] float32
+    topk_ids: torch.Tensor  # [max_batch, K] int32
+    logits: torch.Tensor  # [max_batch, vocab] float32
+
+    @classmethod
+    def allocate(
+        cls, max_batch: int, vocab: int, top_k: int, device: torch.device | str = "cpu"
+    ) -> SampleOutputs:
+        return cls(
+            greedy_ids=torch.zeros(max_batch, dtype=torch.int32, device=device),
+            topk_values=torch.zeros(max_batch, top_k, dtype=torch.float32, device=device),
+            topk_ids=torch.zeros(max_batch, top_k, dtype=torch.int32, device=device),
+            logits=torch.zeros(max_batch, vocab, dtype=torch.float32, device=device),
+        )
+
+
+class DecodeWorkspace:
+    """Every intermediate of a decode step, allocated once for ``max_batch``."""
+
+    def __init__(self, c: Qwen3Config, max_batch: int, max_ctx: int, block_size: int,
+                 top_k: int, dtype: torch.dtype, device: torch.device | str):
+        kw = {"dtype": dtype, "device": device}
+        f32 = {"dtype": torch.float32, "device": device}
+        b, d = max_batch, c.hidden_size
+        self.max_batch = max_batch
+        self.hidden = torch.empty(b, d, **kw)
+        self.normed = torch.empty(b, d, **kw)
+        self.norm_f32 = torch.empty(b * max(d, c.q_size), **f32)
+        self.norm_var = torch.empty(b * c.num_attention_heads, **f32)
+        self.qkv = torch.empty(b, c.q_size + 2 * c.kv_size, **kw)
+        self.rot_tmp = torch.empty(b * c.q_size, **kw)
+        self.cos = torch.empty(b, c.head_dim, **kw)
+        self.sin = torch.empty(b, c.head_dim, **kw)
+        self.attn = torch.empty(b, c.q_size, **kw)
+        self.o = torch.empty(b, d, **kw)
+        self.gate_up = torch.empty(b, 2 * c.intermediate_size, **kw)
+        self.act = torch.empty(b, c.intermediate_size, **kw)
+        self.logits = None if dtype == torch.float32 else torch.empty(b, c.vocab_size, **kw)
+        self.argmax = torch.empty(b, dtype=torch.int64, device=device)
+        # 0-dim constants: a Python scalar operand would be boxed into a new tensor per op.
+        self.eps = torch.tensor(c.rms_norm_eps, **f32)
+        self.inv_hidden = torch.tensor(1.0 / d, **f32)
+        self.inv_head = torch.tensor(1.0 / c.head_dim, **f32)
+        self.topk_values = torch.empty(b, top_k, **f32)
+        self.topk_ids = torch.empty(b, top_k, dtype=torch.int64, device=device)
+        self.attention = AttentionScratch(
+            max_batch, max_ctx, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+            block_size, dtype, device,
+        )
+
+
+class Qwen3Model:
+    """Weights, rotary tables and the launch entry points for one device."""
+
+    def __init__(self, config: Qwen3Config, weights: Qwen3Weights, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", max_model_len: int | None = None):
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.max_model_len = min(max_model_len or config.max_position_embeddings,
+                                 config.max_position_embeddings)
+        self.w = _to_device(weights, self.device)
+        self.cos, self.sin = rope_tables(config.head_dim, config.rope_theta,
+                                         self.max_model_len, dtype)
+        self.cos, self.sin = self.cos.to(self.device), self.sin.to(self.device)
+        self.scale = config.head_dim ** -0.5
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, dtype: str | torch.dtype | None = None,
+                        device: torch.device | str = "cpu",
+                        max_model_len: int | None = None) -> Qwen3Model:
+        config = Qwen3Config.from_dir(model_dir)
+        torch_dtype = parse_dtype(dtype or config.dtype)
+        weights = load_weights(model_dir, config, torch_dtype)
+        return cls(config, weights, torch_dtype, device, max_model_len)
+
+    # ----------------------------------------------------------------- allocation
+
+    def new_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        return PagedKVCache(self.config, num_blocks, block_size, self.dtype, self.device)
+
+    def new_workspace(self, max_batch: int, block_size: int, top_k: int) -> DecodeWorkspace:
+        max_ctx = -(-self.max_model_len // block_size) * block_size
+        return DecodeWorkspace(self.config, max_batch, max_ctx, block_size, top_k,
+                               self.dtype, self.device)
+
+    def new_outputs(self, max_batch: int, top_k: int) -> SampleOutputs:
+        return SampleOutputs.allocate(max_batch, self.config.vocab_size, top_k, self.device)
+
+    # --------------------------------------------------------------------- decode
+
+    def decode_step(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv: PagedKVCache,
+        ws: DecodeWorkspace,
+        out: SampleOutputs,
+        ctx_len: int | None = None,
+        want_topk: bool = True,
+    ) -> None:
+        """Decode one token for each of B sequences, entirely on the device.
+
+        token_ids, positions, seq_lens (incl. this token), slot_mapping: [B] int32;
+        block_tables: [B, max_blocks] int32. ``ctx_len`` bounds the context gathered
+        (defaults to block_tables' width x block_size); pass max(seq_lens) rounded up
+        to a block to avoid a device->host read. Writes rows [:B] of ``out``.
+        """
+        c, w = self.config, self.w
+        b = token_ids.shape[0]
+        eps = ws.eps
+        if ctx_len is None:
+            ctx_len = block_tables.shape[1] * kv.block_size
+        x = ws.hidden[:b]
+        h = ws.normed[:b]
+        torch.index_select(w.embed, 0, token_ids, out=x)
+        cos = ws.cos[:b]
+        sin = ws.sin[:b]
+        torch.index_select(self.cos, 0, positions, out=cos)
+        torch.index_select(self.sin, 0, positions, out=sin)
+        cos3, sin3 = cos.unsqueeze(1), sin.unsqueeze(1)
+        slots, mask = ws.attention.prepare(block_tables, seq_lens, ctx_len)
+        nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        f32_h = ws.norm_f32[: b * c.hidden_size].view(b, c.hidden_size)
+        var_h = ws.norm_var[:b].view(b, 1)
+        f32_q = ws.norm_f32[: b * c.q_size].view(b, nh, hd)
+        var_q = ws.norm_var[: b * nh].view(b, nh, 1)
+        f32_k = ws.norm_f32[: b * c.kv_size].view(b, nkv, hd)
+        var_k = ws.norm_var[: b * nkv].view(b, nkv, 1)
+        rot_q = ws.rot_tmp[: b * c.q_size].view(b, nh, hd)
+        rot_k = ws.rot_tmp[: b * c.kv_size].view(b, nkv, hd)
+        qkv = ws.qkv[:b]
+        attn = ws.attn[:b].view(b, nh, hd)
+        for i, lw in enumerate(w.layers):
+            rms_norm(x, lw.input_norm, eps, h, f32_h, var_h, ws.inv_hidden)
+            linear(h, lw.qkv, qkv)
+            if lw.qkv_bias is not None:
+                qkv.add_(lw.qkv_bias)
+            q = qkv[:, : c.q_size].view(b, nh, hd)
+            k = qkv[:, c.q_size : c.q_size + c.kv_size].view(b, nkv, hd)
+            v = qkv[:, c.q_size + c.kv_size :].view(b, nkv, hd)
+            rms_norm(q, lw.q_norm, eps, q, f32_q, var_q, ws.inv_head)
+            rms_norm(k, lw.k_norm, eps, k, f32_k, var_k, ws.inv_head)
+            rotary(q, cos3, sin3, rot_q)
+            rotary(k, cos3, sin3, rot_k)
+            k_cache, v_cache = kv.layer(i)
+            k_cache.index_copy_(0, slot_mapping, k)
+            v_cache.index_copy_(0, slot_mapping, v)
+            paged_decode_attention(q, k_cache, v_cache, slots, mask, None, ws.attention, attn)
+            linear(attn.view(b, c.q_size), lw.o_proj, ws.o[:b])
+            x.add_(ws.o[:b])
+            rms_norm(x, lw.post_norm, eps, h, f32_h, var_h, ws.inv_hidden)
+            self._mlp(h, lw, ws, b)
+            x.add_(ws.o[:b])
+        rms_norm(x, w.final_norm, eps, h, f32_h, var_h, ws.inv_hidden)
+        self._sample(h, ws, out, b, want_topk)
+
+    def _mlp(self, h: torch.Tensor, lw, ws: DecodeWorkspace, b: int) -> None:
+        inter = self.config.intermediate_size
+        gu = ws.gate_up[:b]
+        linear(h, lw.gate_up, gu)
+        gate = gu[:, :inter]
+        torch.nn.functional.silu(gate, inplace=True)
+        torch.mul(gate, gu[:, inter:], out=ws.act[:b])
+        linear(ws.act[:b], lw.down, ws.o[:b])
+
+    def _sample(self, h: torch.Tensor, ws: DecodeWorkspace, out: SampleOutputs, b: int,
+                want_topk: bool) -> None:
+        """lm_head and on-device sampling into ``out`` rows [:b]."""
+        logits = out.logits[:b]
+        if ws.logits is None:
+            linear(h, self.w.lm_head, logits)
+        else:
+            linear(h, self.w.lm_head, ws.logits[:b])
+            logits.copy_(ws.logits[:b])
+        torch.argmax(logits, dim=-1, out=ws.argmax[:b])
+        out.greedy_ids[:b].copy_(ws.argmax[:b])
+        if want_topk:
+            k = out.topk_values.shape[1]
+            torch.topk(logits, k, dim=-1, out=(ws.topk_values[:b], ws.topk_ids[:b]))
+            out.topk_values[:b].copy_(ws.topk_values[:b])
+            out.topk_ids[:b].copy_(ws.topk_ids[:b])
+
+    # -------------------------------------------------------------------- prefill
+
+    def prefill(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cu_seqlens: list[int],
+        slot_mapping: torch.Tensor,
+        kv: PagedKVCache,
+        ws: DecodeWorkspace,
+        out: SampleOutputs,
+        want_topk: bool = True,
+    ) -> None:
+        """Run B packed prompts, write their K/V into pages, sample each one's next token.
+
+        token_ids, positions, slot_mapping: [T] for all prompts packed back to back;
+        ``cu_seqlens`` [B + 1] are their boundaries. Rows [:B] of ``out`` are written.
+        Prefill may allocate (its shapes vary with the prompts); decode does not.
+        """
+        c, w = self.config, self.w
+        nh, nkv, hd, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        b = len(cu_seqlens) - 1
+        if b > ws.max_batch:
+            raise ValueError(f"prefill batch {b} exceeds the workspace's max batch {ws.max_batch}")
+        x = w.embed.index_select(0, token_ids)
+        t = x.shape[0]
+        cos = self.cos.index_select(0, positions).unsqueeze(1)
+        sin = self.sin.index_select(0, positions).unsqueeze(1)
+        f32 = {"dtype": torch.float32, "device": x.device}
+        f32_h, var_h = torch.empty(t, c.hidden_size, **f32), torch.empty(t, 1, **f32)
+        f32_q, var_q = torch.empty(t, nh, hd, **f32), torch.empty(t, nh, 1, **f32)
+        f32_k, var_k = torch.empty(t, nkv, hd, **f32), torch.empty(t, nkv, 1, **f32)
+        h = torch.empty_like(x)
+        for i, lw in enumerate(w.layers):
+            rms_norm(x, lw.input_norm, eps, h, f32_h, var_h)
+            qkv = torch.mm(h, lw.qkv.t())
+            if lw.qkv_bias is not None:
+                qkv.add_(lw.qkv_bias)
+            q = qkv[:, : c.q_size].reshape(t, nh, hd)
+            k = qkv[:, c.q_size : c.q_size + c.kv_size].reshape(t, nkv, hd)
+            v = qkv[:, c.q_size + c.kv_size :].reshape(t, nkv, hd)
+            rms_norm(q, lw.q_norm, eps, q, f32_q, var_q)
+            rms_norm(k, lw.k_norm, eps, k, f32_k, var_k)
+            rotary(q, cos, sin, torch.empty_like(q))
+            rotary(k, cos, sin, torch.empty_like(k))
+            k_cache, v_cache = kv.layer(i)
+            k_cache.index_copy_(0, slot_mapping, k)
+            v_cache.index_copy_(0, slot_mapping, v)
+            o = prefill_attention(q, k, v, cu_seqlens, self.scale)
+            x.add_(torch.mm(o.reshape(t, c.q_size), lw.o_proj.t()))
+            rms_norm(x, lw.post_norm, eps, h, f32_h, var_h)
+            gu = torch.mm(h, lw.gate_up.t())
+            act = torch.nn.functional.silu(gu[:, : c.intermediate_size]) * gu[:, c.intermediate_size :]
+            x.add_(torch.mm(act, lw.down.t()))
+        last = torch.tensor([e - 1 for e in cu_seqlens[1:]], device=x.device)
+        x_last = x.index_select(0, last)
+        hb = ws.normed[:b]
+        rms_norm(x_last, w.final_norm, eps, hb, f32_h[:b], var_h[:b])
+        self._sample(hb, ws, out, b, want_topk)
+
+
+def _to_device(w: Qwen3Weights, device: torch.device) -> Qwen3Weights:
+    if device.type == "cpu":
+        return w
+    embed = w.embed.to(device)
+    return Qwen3Weights(
+        embed=embed,
+        layers=[type(lw)(**{k: (None if t is None else t.to(device)) for k, t in vars(lw).items()})
+                for lw in w.layers],
+        final_norm=w.final_norm.to(device),
+        lm_head=embed if w.lm_head is w.embed else w.lm_head.to(device),
+    )
