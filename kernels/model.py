@@ -46,12 +46,14 @@ class DecodeWorkspace:
     """Every intermediate of a decode step, allocated once for ``max_batch``."""
 
     def __init__(self, c: Qwen3Config, max_batch: int, max_ctx: int, block_size: int,
-                 top_k: int, dtype: torch.dtype, device: torch.device | str):
+                 top_k: int, dtype: torch.dtype, device: torch.device | str,
+                 hidden: torch.Tensor | None = None):
         kw = {"dtype": dtype, "device": device}
         f32 = {"dtype": torch.float32, "device": device}
         b, d = max_batch, c.hidden_size
         self.max_batch = max_batch
-        self.hidden = torch.empty(b, d, **kw)
+        # The residual stream ends as next_hidden; a caller's scratch pool may own it.
+        self.hidden = torch.empty(b, d, **kw) if hidden is None else hidden
         self.normed = torch.empty(b, d, **kw)
         self.norm_f32 = torch.empty(b * max(d, c.q_size), **f32)
         self.norm_var = torch.empty(b * c.num_attention_heads, **f32)
@@ -107,10 +109,11 @@ class Qwen3Model:
     def new_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         return PagedKVCache(self.config, num_blocks, block_size, self.dtype, self.device)
 
-    def new_workspace(self, max_batch: int, block_size: int, top_k: int) -> DecodeWorkspace:
+    def new_workspace(self, max_batch: int, block_size: int, top_k: int,
+                      hidden: torch.Tensor | None = None) -> DecodeWorkspace:
         max_ctx = -(-self.max_model_len // block_size) * block_size
         return DecodeWorkspace(self.config, max_batch, max_ctx, block_size, top_k,
-                               self.dtype, self.device)
+                               self.dtype, self.device, hidden)
 
     def new_outputs(self, max_batch: int, top_k: int) -> SampleOutputs:
         return SampleOutputs.allocate(max_batch, self.config.vocab_size, top_k, self.device)

@@ -1,0 +1,62 @@
+"""Coordinator side of the argument contract: write a step's inputs, read its outputs.
+
+Inputs go straight into the worker's arena views (no intermediate buffers); the
+outputs are read back as numpy views of the same shared memory, valid until the
+next launch on that arena.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from coordinator.scheduler import StepBatch
+from kernels.sampling import RowKind
+from shared_memory.arena import HostArena
+from shared_memory.result import DecodeResult
+from worker.model_runner import LaunchDescriptor
+
+
+def _put(arena: HostArena, name: str, values: np.ndarray) -> None:
+    arena.view(name, values.shape).copy_(torch.from_numpy(np.ascontiguousarray(values)))
+
+
+def write_batch(arena: HostArena, batch: StepBatch, step: int, k: int, vocab: int,
+                hidden: int) -> LaunchDescriptor:
+    topk_rows = np.asarray([i for i, r in enumerate(batch.row_kinds) if r == RowKind.TOPK],
+                           dtype=np.int64)
+    full_rows = np.asarray([i for i, r in enumerate(batch.row_kinds) if r == RowKind.FULL],
+                           dtype=np.int64)
+    dims = {"B": batch.batch_size, "NT": len(topk_rows), "NF": len(full_rows),
+            "K": k, "V": vocab, "D": hidden}
+    _put(arena, "topk_rows", topk_rows)
+    _put(arena, "full_rows", full_rows)
+    if batch.kind == "prefill":
+        dims["T"] = len(batch.token_ids)
+        _put(arena, "prefill_token_ids", batch.token_ids)
+        _put(arena, "prefill_positions", batch.positions)
+        _put(arena, "prefill_slot_mapping", batch.slot_mapping)
+        return LaunchDescriptor("prefill", dims, step, cu_seqlens=list(batch.cu_seqlens))
+    assert batch.block_tables is not None and batch.seq_lens is not None
+    dims["W"] = batch.block_tables.shape[1]
+    _put(arena, "token_ids", batch.token_ids)
+    _put(arena, "positions", batch.positions)
+    _put(arena, "seq_lens", batch.seq_lens)
+    _put(arena, "slot_mapping", batch.slot_mapping)
+    _put(arena, "block_tables", batch.block_tables)
+    return LaunchDescriptor("decode", dims, step, ctx_len=batch.ctx_len)
+
+
+def read_result(arena: HostArena, desc: LaunchDescriptor) -> DecodeResult:
+    d = desc.dims
+    topk_rows = arena.view("topk_rows", (d["NT"],)).tolist()
+    full_rows = arena.view("full_rows", (d["NF"],)).tolist()
+    return DecodeResult(
+        step=desc.step,
+        sampled_ids=arena.view("sampled_ids", (d["B"],)).numpy(),
+        topk_values=arena.view("topk_values", (d["NT"], d["K"])).numpy() if d["NT"] else None,
+        topk_ids=arena.view("topk_ids", (d["NT"], d["K"])).numpy() if d["NT"] else None,
+        topk_rows=topk_rows,
+        logits=arena.view("logits_rows", (d["NF"], d["V"])).numpy() if d["NF"] else None,
+        full_rows=full_rows,
+    )

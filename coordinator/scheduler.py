@@ -1,0 +1,285 @@
+"""Continuous batching over one worker's KV blocks.
+
+Each call to ``schedule`` returns the next launch: a prefill of newly admitted
+requests (as many as blocks and the batch allow), else one decode step of every
+running request. When blocks run out mid-decode the newest request is preempted:
+its blocks are freed and it is recomputed later from prompt + tokens so far.
+The scheduler is host-only bookkeeping; an executor runs the launches.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kernels.kv_cache import BlockManager, OutOfBlocks
+from kernels.sampling import RowKind, SamplingParams, logprob, row_kind, sample
+from shared_memory.result import DecodeResult
+
+
+class RequestError(ValueError):
+    """A request cannot be served as given; ``code`` is the protocol error code."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Sequence:
+    seq_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    text: str = ""
+    arrival: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+@dataclass
+class StepBatch:
+    """One launch's host-side inputs; rows are ``seqs`` in order."""
+
+    kind: str  # "prefill" | "decode"
+    seqs: list[Sequence]
+    token_ids: np.ndarray  # int32 [T] (prefill, packed) or [B] (decode)
+    positions: np.ndarray  # int32, like token_ids
+    slot_mapping: np.ndarray  # int64, like token_ids
+    row_kinds: list[str]
+    cu_seqlens: list[int] = field(default_factory=list)  # prefill
+    block_tables: np.ndarray | None = None  # int32 [B, W] (decode)
+    seq_lens: np.ndarray | None = None  # int32 [B] (decode)
+    ctx_len: int = 0  # decode: context gathered, a multiple of block_size
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seqs)
+
+
+@dataclass
+class TokenEvent:
+    """A token appended to a sequence by ``Scheduler.process``."""
+
+    seq: Sequence
+    token: int
+    finished: bool
+
+
+class Scheduler:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        vocab_size: int,
+        max_model_len: int,
+        max_batch: int,
+        top_k_candidates: int,
+        eos_token_ids: tuple[int, ...] = (),
+        max_prefill_tokens: int = 4096,
+        detokenize: Callable[[list[int]], str] | None = None,
+    ):
+        self.blocks = blocks
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_batch = max_batch
+        self.k = top_k_candidates
+        self.eos = set(eos_token_ids)
+        self.max_prefill_tokens = max_prefill_tokens
+        self.detokenize = detokenize
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.steps = 0
+        self._arrivals = itertools.count()
+
+    # ------------------------------------------------------------------ requests
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError for a prompt this worker's model cannot serve."""
+        if not prompt_ids:
+            raise RequestError("empty_prompt", "prompt has no tokens")
+        for i, t in enumerate(prompt_ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise RequestError(
+                    "token_out_of_range",
+                    f"prompt token {i} is {t!r}; token ids must be integers in "
+                    f"[0, {self.vocab_size})",
+                )
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(
+                "prompt_too_long",
+                f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len} "
+                "(prompt plus at least one generated token)",
+            )
+        if self.blocks.blocks_for(min(len(prompt_ids) + params.max_tokens, self.max_model_len)) \
+                > self.blocks.num_blocks:
+            raise RequestError(
+                "too_many_tokens",
+                f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) needs more KV "
+                f"blocks than the worker has ({self.blocks.num_blocks})",
+            )
+
+    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        self.validate(prompt_ids, params)
+        seq = Sequence(seq_id, list(prompt_ids), params, arrival=next(self._arrivals))
+        self.waiting.append(seq)
+        return seq
+
+    def resume(self, seq: Sequence) -> None:
+        """Queue a sequence that already has tokens (moved here from a failed worker)."""
+        self.waiting.appendleft(seq)
+
+    def abort(self, seq_id: str) -> Sequence | None:
+        for seq in list(self.waiting):
+            if seq.seq_id == seq_id:
+                self.waiting.remove(seq)
+                return seq
+        for seq in self.running:
+            if seq.seq_id == seq_id:
+                self.running.remove(seq)
+                self.blocks.free(seq_id)
+                return seq
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def load(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ------------------------------------------------------------------ batching
+
+    def schedule(self) -> StepBatch | None:
+        batch = self._schedule_prefill()
+        if batch is None and self.running:
+            batch = self._schedule_decode()
+        if batch is not None:
+            self.steps += 1
+        return batch
+
+    def _schedule_prefill(self) -> StepBatch | None:
+        admitted: list[Sequence] = []
+        tokens = 0
+        while self.waiting and len(self.running) + len(admitted) < self.max_batch:
+            seq = self.waiting[0]
+            n = seq.num_tokens
+            if admitted and tokens + n > self.max_prefill_tokens:
+                break
+            if not self.blocks.can_allocate(n + 1):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq.seq_id, n)
+            admitted.append(seq)
+            tokens += n
+        if not admitted:
+            return None
+        ids, pos, slots, cu = [], [], [], [0]
+        for seq in admitted:
+            n = seq.num_tokens
+            ids.extend(seq.all_ids)
+            pos.extend(range(n))
+            slots.extend(self.blocks.slot(seq.seq_id, p) for p in range(n))
+            cu.append(cu[-1] + n)
+        self.running.extend(admitted)
+        return StepBatch(
+            kind="prefill",
+            seqs=admitted,
+            token_ids=np.asarray(ids, dtype=np.int32),
+            positions=np.asarray(pos, dtype=np.int32),
+            slot_mapping=np.asarray(slots, dtype=np.int64),
+            row_kinds=[row_kind(s.params, self.k) for s in admitted],
+            cu_seqlens=cu,
+        )
+
+    def _schedule_decode(self) -> StepBatch | None:
+        self.running.sort(key=lambda s: s.arrival)
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            try:
+                self.blocks.ensure(seq.seq_id, seq.num_tokens)
+                i += 1
+            except OutOfBlocks:
+                self._preempt(self.running[-1])
+        if not self.running:
+            return None
+        seqs = list(self.running)
+        width = max(len(self.blocks.table(s.seq_id)) for s in seqs)
+        tables = np.zeros((len(seqs), width), dtype=np.int32)
+        for r, s in enumerate(seqs):
+            t = self.blocks.table(s.seq_id)
+            tables[r, : len(t)] = t
+        positions = np.asarray([s.num_tokens - 1 for s in seqs], dtype=np.int32)
+        return StepBatch(
+            kind="decode",
+            seqs=seqs,
+            token_ids=np.asarray([s.all_ids[-1] for s in seqs], dtype=np.int32),
+            positions=positions,
+            slot_mapping=np.asarray(
+                [self.blocks.slot(s.seq_id, s.num_tokens - 1) for s in seqs], dtype=np.int64
+            ),
+            row_kinds=[row_kind(s.params, self.k) for s in seqs],
+            block_tables=tables,
+            seq_lens=positions + 1,
+            ctx_len=width * self.blocks.block_size,
+        )
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # ------------------------------------------------------------------- results
+
+    def process(self, batch: StepBatch, result: DecodeResult) -> list[TokenEvent]:
+        """Sample each row's token from the launch's result and retire finished rows."""
+        events = []
+        for row, (seq, kind) in enumerate(zip(batch.seqs, batch.row_kinds)):
+            if seq.finish_reason is not None or seq not in self.running:
+                continue  # aborted while the launch ran
+            step = len(seq.output_ids)
+            if kind == RowKind.GREEDY:
+                token = result.greedy_id(row, seq.seq_id)
+            else:
+                values, ids = result.candidates(row, seq.seq_id)
+                token = sample(values, ids, seq.params, step)
+            if seq.params.logprobs:
+                seq.logprobs.append(logprob(result.full_logits(row, seq.seq_id), token))
+            seq.output_ids.append(token)
+            self._check_stop(seq, token)
+            if seq.finish_reason is not None:
+                self.running.remove(seq)
+                self.blocks.free(seq.seq_id)
+            events.append(TokenEvent(seq, token, seq.finish_reason is not None))
+        return events
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        if self.detokenize is not None:
+            seq.text = self.detokenize(seq.output_ids)
+            for stop in p.stop:
+                cut = seq.text.find(stop)
+                if cut >= 0:
+                    seq.text = seq.text[:cut]
+                    seq.finish_reason = "stop"
+                    return
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos):
+            seq.finish_reason = "stop"
+        elif len(seq.output_ids) >= p.max_tokens:
+            seq.finish_reason = "length"
+        elif seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"

@@ -1,0 +1,143 @@
+"""The embedded default model: a small Qwen3 checkpoint written on first use.
+
+Weights come from a fixed seed and the tokenizer is a byte-level BPE trained on a
+built-in text, so every machine writes the same files and the main job needs no
+download. A real model directory with its own ``tokenizer.json`` is used as is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NAME = "fusedserve-qwen3-tiny-v1"
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+#: Shape of the embedded model; ``benchmark`` is large enough to spill the CPU caches.
+PRESETS: dict[str, dict] = {
+    "tiny": dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    "benchmark": dict(vocab_size=32768, hidden_size=1024, intermediate_size=3072,
+                      num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=8,
+                      head_dim=64),
+}
+
+_CORPUS = """\
+The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is Rome.
+A serving system batches requests so that one pass over the weights produces many tokens.
+Large language models predict the next token from the tokens before it.
+Once upon a time there was a small model that wanted to answer every question quickly.
+The quick brown fox jumps over the lazy dog. Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000.
+def hello(name):\n    return f"Hello, {name}!"\nprint(hello("world"))
+Memory bandwidth limits decoding: each step reads every weight once for the whole batch.
+Questions and answers: What is two plus two? Four. What colour is the sky? Blue.
+"""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FUSEDSERVE_CACHE", Path.home() / ".cache" / "fusedserve"))
+
+
+def build_tokenizer(vocab_size: int) -> Tokenizer:
+    """A byte-level BPE trained deterministically on the built-in corpus."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    return tok
+
+
+def write_checkpoint(out_dir: Path, preset: str = "tiny", seed: int = 0,
+                     dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write config.json, model.safetensors and tokenizer.json for a preset."""
+    shape = dict(PRESETS[preset])
+    tok = build_tokenizer(min(shape["vocab_size"], 1024))
+    eos = tok.token_to_id("<|endoftext|>")
+    config = dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", **shape,
+        rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=2048,
+        tie_word_embeddings=False, attention_bias=False, hidden_act="silu",
+        eos_token_id=eos, bos_token_id=None, torch_dtype=str(dtype).removeprefix("torch."),
+    )
+    g = torch.Generator().manual_seed(seed)
+    hidden, inter, hd = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
+    q, kv = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
+
+    def rand(*s: int, std: float = 0.02) -> torch.Tensor:
+        return (torch.randn(*s, generator=g) * std).to(dtype)
+
+    def ones(n: int) -> torch.Tensor:
+        return (1.0 + 0.1 * torch.randn(n, generator=g)).to(dtype)
+
+    tensors = {"model.embed_tokens.weight": rand(shape["vocab_size"], hidden, std=1.0),
+               "lm_head.weight": rand(shape["vocab_size"], hidden, std=2.0 * hidden**-0.5),
+               "model.norm.weight": ones(hidden)}
+    for i in range(shape["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "input_layernorm.weight": ones(hidden),
+            p + "post_attention_layernorm.weight": ones(hidden),
+            p + "self_attn.q_proj.weight": rand(q, hidden, std=hidden**-0.5),
+            p + "self_attn.k_proj.weight": rand(kv, hidden, std=hidden**-0.5),
+            p + "self_attn.v_proj.weight": rand(kv, hidden, std=hidden**-0.5),
+            p + "self_attn.o_proj.weight": rand(hidden, q, std=q**-0.5),
+            p + "self_attn.q_norm.weight": ones(hd),
+            p + "self_attn.k_norm.weight": ones(hd),
+            p + "mlp.gate_proj.weight": rand(inter, hidden, std=hidden**-0.5),
+            p + "mlp.up_proj.weight": rand(inter, hidden, std=hidden**-0.5),
+            p + "mlp.down_proj.weight": rand(hidden, inter, std=inter**-0.5),
+        }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    tok.save(str(out_dir / "tokenizer.json"))
+
+
+def default_model_dir(preset: str = "tiny") -> Path:
+    """The embedded model's directory, written atomically on first use.
+
+    Several workers may ask at once: each writes a private temp dir and renames it
+    into place; a loser of the race just uses the winner's files.
+    """
+    final = cache_root() / f"{DEFAULT_NAME}-{preset}"
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        log.info("writing the embedded %s model to %s", preset, final)
+        write_checkpoint(tmp, preset)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def resolve_model(model: str) -> Path:
+    """``default`` (or ``default:PRESET``) names the embedded model; else a directory."""
+    if model == "default" or model.startswith("default:"):
+        return default_model_dir(model.partition(":")[2] or "tiny")
+    path = Path(model)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {model!r} does not exist")
+    return path

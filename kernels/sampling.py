@@ -1,0 +1,102 @@
+"""Sampling parameters and host-side sampling from device-produced candidates.
+
+The device returns the top-K (values, ids) of each stochastic row; the host applies
+temperature, top-k and top-p to them and draws. Candidates serve a request exactly
+when its top_k is in 1..K (top-p is then taken over the renormalised top-k set, as
+transformers and vLLM do); any other stochastic setting needs the full logits row.
+Draws are seeded from (seed, step) so a request recomputed after preemption or a
+worker failure draws the same tokens.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class SamplingError(ValueError):
+    """Sampling parameters are out of range."""
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = whole vocabulary
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False  # full-vocabulary logprob of each sampled token
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise SamplingError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise SamplingError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
+            raise SamplingError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SamplingError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or self.seed < 0):
+            raise SamplingError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.seed is None:
+            self.seed = random.getrandbits(63)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RowKind:
+    """What a row needs back from the device after a launch."""
+
+    GREEDY = "greedy"  # the argmax id
+    TOPK = "topk"  # the top-K candidates
+    FULL = "full"  # the whole logits row
+
+
+def row_kind(params: SamplingParams, k: int) -> str:
+    """Classify a request: which device output its next token is drawn from."""
+    if params.logprobs:
+        return RowKind.FULL
+    if params.greedy:
+        return RowKind.GREEDY
+    if 1 <= params.top_k <= k:
+        return RowKind.TOPK
+    return RowKind.FULL
+
+
+def sample(values: np.ndarray, ids: np.ndarray, params: SamplingParams, step: int) -> int:
+    """Draw one token from candidate logits ``values`` (any order) with ids ``ids``.
+
+    Works for top-K candidates and for a full logits row alike (``ids`` = arange).
+    """
+    if params.greedy:
+        return int(ids[int(np.argmax(values))])
+    order = np.argsort(-values, kind="stable")
+    if params.top_k:
+        order = order[: params.top_k]
+    logits = values[order].astype(np.float64) / params.temperature
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    if params.top_p < 1.0:
+        cum = np.cumsum(probs)
+        keep = int(np.searchsorted(cum, params.top_p, side="left")) + 1
+        probs = probs[:keep] / probs[:keep].sum()
+        order = order[:keep]
+    rng = np.random.default_rng([params.seed, step])
+    return int(ids[order[int(rng.choice(len(probs), p=probs))]])
+
+
+def logprob(logits_row: np.ndarray, token: int) -> float:
+    """Full-vocabulary log-probability of ``token`` under ``logits_row``."""
+    row = logits_row.astype(np.float64)
+    m = row.max()
+    return float(row[token] - m - np.log(np.exp(row - m).sum()))

@@ -1,0 +1,239 @@
+"""The host arena: one POSIX shared-memory segment holding a worker's HOST_SHARED slots.
+
+The coordinator creates it (unique name: prefix + owner pid + random suffix) and the
+worker attaches by name; both map every slot as a torch tensor over the same bytes,
+so neither side copies to hand data across. The creator unlinks the segment on
+``close``, at interpreter exit and on SIGTERM/SIGINT; segments whose owner pid is
+dead are leftovers of a killed run and ``remove_stale`` deletes them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import secrets
+import signal
+import threading
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+from pathlib import Path
+
+import torch
+
+from shared_memory.slots import SlotError, SlotTable
+
+log = logging.getLogger(__name__)
+
+PREFIX = "fusedserve"
+SHM_DIR = Path("/dev/shm")
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]  # at the maximum dims
+    dtype: torch.dtype
+
+
+def plan_layout(tables: list[SlotTable], max_dims: dict[str, int]) -> tuple[dict[str, SlotLayout], int]:
+    """Byte offsets for every HOST_SHARED slot of ``tables`` at ``max_dims``.
+
+    A slot name shared by several tables (the sampling outputs) gets one region; its
+    declarations must agree.
+    """
+    layout: dict[str, SlotLayout] = {}
+    seen = {}
+    offset = 0
+    for table in tables:
+        for slot in table:
+            if not slot.host_shared:
+                continue
+            if slot.name in seen:
+                if seen[slot.name] != slot:
+                    raise SlotError(f"slot {slot.name!r} is declared differently in two tables")
+                continue
+            seen[slot.name] = slot
+            nbytes = slot.nbytes(max_dims)
+            layout[slot.name] = SlotLayout(offset, nbytes, slot.concrete(max_dims), slot.dtype)
+            offset += -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+    return layout, max(offset, _ALIGN)
+
+
+def _untrack(shm: shared_memory.SharedMemory) -> None:
+    """Keep multiprocessing's resource tracker out: this module owns unlinking
+    (close, exit and signal hooks, ``remove_stale``), and an attached worker must
+    never unlink the coordinator's segment when it exits."""
+    try:
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - tracker internals differ across versions
+        pass
+
+
+def _owner_pid(name: str) -> int | None:
+    parts = name.split("_")
+    if len(parts) >= 3 and parts[0] == PREFIX and parts[1].isdigit():
+        return int(parts[1])
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale(shm_dir: Path = SHM_DIR) -> list[str]:
+    """Unlink arena segments whose owner process no longer exists; returns their names."""
+    removed = []
+    if not shm_dir.is_dir():
+        return removed
+    for entry in shm_dir.iterdir():
+        pid = _owner_pid(entry.name)
+        if pid is not None and pid != os.getpid() and not _pid_alive(pid):
+            try:
+                entry.unlink()
+                removed.append(entry.name)
+            except FileNotFoundError:
+                pass
+    if removed:
+        log.info("removed %d stale shared-memory segments: %s", len(removed), removed)
+    return removed
+
+
+def list_segments(shm_dir: Path = SHM_DIR) -> list[str]:
+    """Names of every fusedserve segment present (for tests and diagnostics)."""
+    if not shm_dir.is_dir():
+        return []
+    return sorted(e.name for e in shm_dir.iterdir() if _owner_pid(e.name) is not None)
+
+
+class HostArena:
+    """Typed tensor views over one shared-memory segment."""
+
+    def __init__(self, shm: shared_memory.SharedMemory, layout: dict[str, SlotLayout], owner: bool):
+        self._shm = shm
+        self.layout = layout
+        self.owner = owner
+        self.name = shm.name
+        self._closed = False
+        self._tensors = {
+            name: torch.frombuffer(shm.buf, dtype=torch.uint8, count=lay.nbytes, offset=lay.offset)
+            .view(lay.dtype)
+            .view(lay.shape)
+            if lay.nbytes
+            else torch.empty(lay.shape, dtype=lay.dtype)
+            for name, lay in layout.items()
+        }
+        if owner:
+            _register_owned(self)
+
+    @classmethod
+    def create(cls, tables: list[SlotTable], max_dims: dict[str, int],
+               tag: str = "w") -> HostArena:
+        layout, size = plan_layout(tables, max_dims)
+        name = f"{PREFIX}_{os.getpid()}_{tag}_{secrets.token_hex(4)}"
+        shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+        _untrack(shm)
+        log.debug("created arena %s (%d bytes)", name, size)
+        return cls(shm, layout, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, tables: list[SlotTable], max_dims: dict[str, int]) -> HostArena:
+        """Map an existing arena; the layout is recomputed from the same declarations."""
+        layout, size = plan_layout(tables, max_dims)
+        shm = shared_memory.SharedMemory(name=name, create=False)
+        _untrack(shm)
+        if shm.size < size:
+            shm.close()
+            raise SlotError(f"arena {name}: {shm.size} bytes, the slot tables need {size}")
+        return cls(shm, layout, owner=False)
+
+    def full(self, name: str) -> torch.Tensor:
+        """The slot's tensor at its maximum shape."""
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise SlotError(f"arena {self.name} has no HOST_SHARED slot {name!r}") from None
+
+    def view(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The slot's first ``prod(shape)`` elements, shaped ``shape`` (contiguous, no copy)."""
+        full = self.full(name)
+        n = 1
+        for d in shape:
+            n *= d
+        if n > full.numel() or len(shape) != full.dim() or any(
+            d > m for d, m in zip(shape, full.shape)
+        ):
+            raise SlotError(f"slot {name!r}: shape {shape} exceeds the arena's {tuple(full.shape)}")
+        return full.view(-1)[:n].view(shape)
+
+    def close(self) -> None:
+        """Unmap; the owner also unlinks the segment. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._tensors.clear()
+        try:
+            self._shm.close()
+        except BufferError:
+            log.warning("arena %s: views still alive at close; unmapping later", self.name)
+        if self.owner:
+            try:  # the module call, not shm.unlink(): that would re-notify the tracker
+                shared_memory._posixshmem.shm_unlink(self._shm._name)  # type: ignore[attr-defined]
+            except FileNotFoundError:
+                pass
+            _OWNED.pop(self.name, None)
+
+    def __enter__(self) -> HostArena:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------- cleanup hooks
+
+_OWNED: dict[str, HostArena] = {}
+_hooks_installed = False
+_hooks_lock = threading.Lock()
+
+
+def close_all() -> None:
+    """Unlink every arena this process created (exit and signal handlers call it)."""
+    for arena in list(_OWNED.values()):
+        arena.close()
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    close_all()
+    previous = _PREVIOUS.get(signum)
+    if callable(previous):
+        previous(signum, frame)
+    else:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+_PREVIOUS: dict[int, object] = {}
+
+
+def _register_owned(arena: HostArena) -> None:
+    global _hooks_installed
+    _OWNED[arena.name] = arena
+    with _hooks_lock:
+        if _hooks_installed:
+            return
+        _hooks_installed = True
+        atexit.register(close_all)
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                prev = signal.getsignal(sig)
+                _PREVIOUS[sig] = prev if prev not in (signal.SIG_DFL, signal.SIG_IGN) else None
+                signal.signal(sig, _on_signal)

@@ -1,0 +1,165 @@
+"""The device scratch pool and the launch runtime that moves only HOST_SHARED bytes.
+
+The pool allocates, once per worker and at the largest dims, a device tensor for
+every slot: the DEVICE_RESIDENT ones, and device twins of the HOST_SHARED ones.
+A launch copies the HOST_SHARED inputs arena->device, runs the step on pool views,
+then copies back exactly the HOST_SHARED outputs, counting bytes each way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from shared_memory.arena import HostArena
+from shared_memory.slots import SlotError, SlotTable
+
+
+def _front(full: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
+    n = 1
+    for d in shape:
+        n *= d
+    if len(shape) != full.dim() or any(d > m for d, m in zip(shape, full.shape)):
+        raise SlotError(f"slot {name!r}: shape {shape} exceeds the allocated {tuple(full.shape)}")
+    return full.view(-1)[:n].view(shape)
+
+
+class DeviceScratchPool:
+    """Persistent device tensors for every slot of ``tables`` at ``max_dims``.
+
+    ``adopt`` hands in tensors another owner already allocated (e.g. the model's
+    residual stream as ``next_hidden``); they are checked against their slot.
+    """
+
+    def __init__(self, tables: list[SlotTable], max_dims: dict[str, int],
+                 device: torch.device | str = "cpu",
+                 adopt: dict[str, torch.Tensor] | None = None):
+        self.max_dims = dict(max_dims)
+        self.device = torch.device(device)
+        self._tensors: dict[str, torch.Tensor] = {}
+        adopt = adopt or {}
+        for table in tables:
+            for slot in table:
+                if slot.name in self._tensors:
+                    continue
+                if slot.name in adopt:
+                    slot.check(adopt[slot.name], max_dims)
+                    self._tensors[slot.name] = adopt[slot.name]
+                else:
+                    self._tensors[slot.name] = torch.zeros(
+                        slot.concrete(max_dims), dtype=slot.dtype, device=self.device
+                    )
+
+    def full(self, name: str) -> torch.Tensor:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise SlotError(f"scratch pool has no slot {name!r}") from None
+
+    def view(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return _front(self.full(name), shape, name)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+
+@dataclass
+class LaunchRecord:
+    table: str
+    dims: dict[str, int]
+    h2d_bytes: int
+    d2h_bytes: int
+    seconds: float
+
+
+@dataclass
+class TrafficCounters:
+    """Per-table totals of launches and bytes moved; ``last`` is the latest launch."""
+
+    launches: dict[str, int] = field(default_factory=dict)
+    h2d_bytes: dict[str, int] = field(default_factory=dict)
+    d2h_bytes: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    last: LaunchRecord | None = None
+
+    def record(self, rec: LaunchRecord) -> None:
+        t = rec.table
+        self.launches[t] = self.launches.get(t, 0) + 1
+        self.h2d_bytes[t] = self.h2d_bytes.get(t, 0) + rec.h2d_bytes
+        self.d2h_bytes[t] = self.d2h_bytes.get(t, 0) + rec.d2h_bytes
+        self.seconds[t] = self.seconds.get(t, 0.0) + rec.seconds
+        self.last = rec
+
+    def as_dict(self) -> dict:
+        return {
+            "launches": dict(self.launches),
+            "h2d_bytes": dict(self.h2d_bytes),
+            "d2h_bytes": dict(self.d2h_bytes),
+            "seconds": dict(self.seconds),
+            "last": None if self.last is None else vars(self.last).copy(),
+        }
+
+
+StepFn = Callable[[dict[str, torch.Tensor], dict[str, int]], None]
+
+
+class LaunchRuntime:
+    """Runs launches against declared slot tables, moving and counting HOST_SHARED bytes."""
+
+    def __init__(self, tables: list[SlotTable], arena: HostArena, pool: DeviceScratchPool):
+        self.tables = {t.name: t for t in tables}
+        self.arena = arena
+        self.pool = pool
+        self.counters = TrafficCounters()
+        self.history: list[LaunchRecord] = []
+        self.keep_history = 0  # > 0 keeps the latest N records (tests, benchmarks)
+        for table in tables:  # declarations vs. what was allocated, before any launch
+            for slot in table:
+                slot.check(pool.full(slot.name), pool.max_dims)
+                if slot.host_shared:
+                    slot.check(arena.full(slot.name), pool.max_dims)
+
+    def check_dims(self, table: SlotTable, dims: dict[str, int]) -> None:
+        for slot in table:
+            for d, m in zip(slot.concrete(dims), slot.concrete(self.pool.max_dims)):
+                if d > m or d < 0:
+                    raise SlotError(
+                        f"{table.name} launch: slot {slot.name!r} shape {slot.concrete(dims)} "
+                        f"outside the allocated {slot.concrete(self.pool.max_dims)}"
+                    )
+
+    def launch(self, table_name: str, dims: dict[str, int], step: StepFn) -> LaunchRecord:
+        """Copy inputs in, run ``step(views, dims)``, copy HOST_SHARED outputs out."""
+        table = self.tables[table_name]
+        self.check_dims(table, dims)
+        t0 = time.perf_counter()
+        views = {s.name: self.pool.view(s.name, s.concrete(dims)) for s in table}
+        h2d = 0
+        for slot in table.host_inputs():
+            shape = slot.concrete(dims)
+            views[slot.name].copy_(self.arena.view(slot.name, shape), non_blocking=True)
+            h2d += slot.nbytes(dims)
+        step(views, dims)
+        d2h = 0
+        for slot in table.host_outputs():
+            shape = slot.concrete(dims)
+            self.arena.view(slot.name, shape).copy_(views[slot.name])
+            d2h += slot.nbytes(dims)
+        _synchronize(self.pool.device)
+        rec = LaunchRecord(table_name, dict(dims), h2d, d2h, time.perf_counter() - t0)
+        self.counters.record(rec)
+        if self.keep_history:
+            self.history.append(rec)
+            del self.history[: -self.keep_history]
+        return rec
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu":  # pragma: no cover - needs Ascend hardware
+        torch.npu.synchronize(device)  # type: ignore[attr-defined]

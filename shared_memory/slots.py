@@ -1,0 +1,160 @@
+"""Declared launch arguments: the single source of truth for what a launch touches.
+
+Every tensor a prefill or decode launch reads or writes is a ``Slot`` with a
+symbolic shape, a dtype, a direction and a placement. ``HOST_SHARED`` slots live in
+the coordinator's shared-memory arena and cross host<->device around each launch;
+``DEVICE_RESIDENT`` slots live in the worker's scratch pool and never move.
+
+Dimensions: B rows, W block-table width, T packed prefill tokens, NT rows sampled
+from top-K candidates, NF rows on the full-logits fallback, K candidates, V vocab,
+D hidden size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+
+class Placement(Enum):
+    HOST_SHARED = "host_shared"
+    DEVICE_RESIDENT = "device_resident"
+
+
+class Direction(Enum):
+    IN = "in"
+    OUT = "out"
+    INOUT = "inout"
+
+
+class SlotError(ValueError):
+    """A tensor does not match its slot's declaration, or a dimension is unknown."""
+
+
+Dim = str | int
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    shape: tuple[Dim, ...]
+    dtype: torch.dtype
+    direction: Direction
+    placement: Placement
+
+    def concrete(self, dims: dict[str, int]) -> tuple[int, ...]:
+        try:
+            return tuple(d if isinstance(d, int) else dims[d] for d in self.shape)
+        except KeyError as exc:
+            raise SlotError(f"slot {self.name!r}: dimension {exc.args[0]!r} not given") from None
+
+    def nbytes(self, dims: dict[str, int]) -> int:
+        n = self.dtype.itemsize
+        for d in self.concrete(dims):
+            n *= d
+        return n
+
+    @property
+    def host_shared(self) -> bool:
+        return self.placement is Placement.HOST_SHARED
+
+    @property
+    def reads(self) -> bool:
+        return self.direction in (Direction.IN, Direction.INOUT)
+
+    @property
+    def writes(self) -> bool:
+        return self.direction in (Direction.OUT, Direction.INOUT)
+
+    def check(self, tensor: torch.Tensor, dims: dict[str, int]) -> None:
+        """Raise SlotError naming the slot if ``tensor`` is not its declared shape/dtype."""
+        want = self.concrete(dims)
+        if tuple(tensor.shape) != want:
+            raise SlotError(f"slot {self.name!r}: shape {tuple(tensor.shape)} != declared {want}")
+        if tensor.dtype != self.dtype:
+            raise SlotError(f"slot {self.name!r}: dtype {tensor.dtype} != declared {self.dtype}")
+
+
+class SlotTable:
+    """An ordered, named set of slots for one kind of launch."""
+
+    def __init__(self, name: str, slots: list[Slot]):
+        names = [s.name for s in slots]
+        if len(set(names)) != len(names):
+            raise SlotError(f"table {name!r}: duplicate slot names")
+        self.name = name
+        self.slots = list(slots)
+        self._by_name = {s.name: s for s in slots}
+
+    def __getitem__(self, name: str) -> Slot:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise SlotError(f"table {self.name!r} has no slot {name!r}") from None
+
+    def __iter__(self):
+        return iter(self.slots)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_name
+
+    def host_inputs(self) -> list[Slot]:
+        return [s for s in self.slots if s.host_shared and s.reads]
+
+    def host_outputs(self) -> list[Slot]:
+        return [s for s in self.slots if s.host_shared and s.writes]
+
+    def check_all(self, tensors: dict[str, torch.Tensor], dims: dict[str, int]) -> None:
+        """Check every given tensor against its slot; unknown names are errors too."""
+        for name, tensor in tensors.items():
+            self[name].check(tensor, dims)
+
+
+HS, DR = Placement.HOST_SHARED, Placement.DEVICE_RESIDENT
+IN, OUT = Direction.IN, Direction.OUT
+i32, i64, f32 = torch.int32, torch.int64, torch.float32
+
+
+def _sampling_slots(hidden_dtype: torch.dtype) -> list[Slot]:
+    """Outputs shared by prefill and decode: ids for every row, candidates and
+    logits only for the rows that asked for them (gathered on the device)."""
+    return [
+        Slot("topk_rows", ("NT",), i64, IN, HS),
+        Slot("full_rows", ("NF",), i64, IN, HS),
+        Slot("sampled_ids", ("B",), i32, OUT, HS),
+        Slot("topk_values", ("NT", "K"), f32, OUT, HS),
+        Slot("topk_ids", ("NT", "K"), i32, OUT, HS),
+        Slot("logits_rows", ("NF", "V"), f32, OUT, HS),
+        Slot("logits", ("B", "V"), f32, OUT, DR),
+        Slot("all_topk_values", ("B", "K"), f32, OUT, DR),
+        Slot("all_topk_ids", ("B", "K"), i32, OUT, DR),
+        Slot("next_hidden", ("B", "D"), hidden_dtype, OUT, DR),
+    ]
+
+
+def decode_table(hidden_dtype: torch.dtype = torch.float32) -> SlotTable:
+    return SlotTable(
+        "decode",
+        [
+            Slot("token_ids", ("B",), i32, IN, HS),
+            Slot("positions", ("B",), i32, IN, HS),
+            Slot("seq_lens", ("B",), i32, IN, HS),
+            Slot("slot_mapping", ("B",), i64, IN, HS),
+            Slot("block_tables", ("B", "W"), i32, IN, HS),
+            *_sampling_slots(hidden_dtype),
+        ],
+    )
+
+
+def prefill_table(hidden_dtype: torch.dtype = torch.float32) -> SlotTable:
+    return SlotTable(
+        "prefill",
+        [
+            Slot("prefill_token_ids", ("T",), i32, IN, HS),
+            Slot("prefill_positions", ("T",), i32, IN, HS),
+            Slot("prefill_slot_mapping", ("T",), i64, IN, HS),
+            *_sampling_slots(hidden_dtype),
+        ],
+    )
