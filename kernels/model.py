@@ -58,6 +58,7 @@ class DecodeWorkspace:
         self.norm_f32 = torch.empty(b * max(d, c.q_size), **f32)
         self.norm_var = torch.empty(b * c.num_attention_heads, **f32)
         self.qkv = torch.empty(b, c.q_size + 2 * c.kv_size, **kw)
+        self.q = torch.empty(b, c.q_size, **kw)  # contiguous q: batched matmul can then view it
         self.rot_tmp = torch.empty(b * c.q_size, **kw)
         self.cos = torch.empty(b, c.head_dim, **kw)
         self.sin = torch.empty(b, c.head_dim, **kw)
@@ -170,10 +171,10 @@ class Qwen3Model:
             linear(h, lw.qkv, qkv)
             if lw.qkv_bias is not None:
                 qkv.add_(lw.qkv_bias)
-            q = qkv[:, : c.q_size].view(b, nh, hd)
+            q = ws.q[:b].view(b, nh, hd)
             k = qkv[:, c.q_size : c.q_size + c.kv_size].view(b, nkv, hd)
             v = qkv[:, c.q_size + c.kv_size :].view(b, nkv, hd)
-            rms_norm(q, lw.q_norm, eps, q, f32_q, var_q, ws.inv_head)
+            rms_norm(qkv[:, : c.q_size].view(b, nh, hd), lw.q_norm, eps, q, f32_q, var_q, ws.inv_head)
             rms_norm(k, lw.k_norm, eps, k, f32_k, var_k, ws.inv_head)
             rotary(q, cos3, sin3, rot_q)
             rotary(k, cos3, sin3, rot_k)

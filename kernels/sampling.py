@@ -79,8 +79,11 @@ def sample(values: np.ndarray, ids: np.ndarray, params: SamplingParams, step: in
     Works for top-K candidates and for a full logits row alike (``ids`` = arange).
     """
     if params.greedy:
-        return int(ids[int(np.argmax(values))])
-    order = np.argsort(-values, kind="stable")
+        best = values.max()
+        return int(ids[values == best].min())
+    # Ties (common with bf16 logits) break by token id, so candidates and a full
+    # logits row order the same tokens the same way.
+    order = np.lexsort((ids, -values.astype(np.float64)))
     if params.top_k:
         order = order[: params.top_k]
     logits = values[order].astype(np.float64) / params.temperature

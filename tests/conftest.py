@@ -1,0 +1,54 @@
+"""Shared fixtures: small random-weight Qwen3 checkpoints written with transformers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+# Two shapes that differ in head_dim, GQA ratio and tied embeddings.
+CONFIGS = {
+    "gqa2_untied": dict(vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                        tie_word_embeddings=False, rope_theta=10000.0),
+    "gqa4_tied": dict(vocab_size=320, hidden_size=96, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                      tie_word_embeddings=True, rope_theta=1_000_000.0),
+}
+
+
+def write_hf_checkpoint(path: Path, name: str, seed: int = 0, shard: bool = False) -> Path:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(**CONFIGS[name], max_position_embeddings=512, rms_norm_eps=1e-6)
+    model = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
+    model.save_pretrained(path, max_shard_size="100KB" if shard else "5GB")
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    return {
+        "gqa2_untied": write_hf_checkpoint(root / "gqa2_untied", "gqa2_untied"),
+        "gqa4_tied": write_hf_checkpoint(root / "gqa4_tied", "gqa4_tied", seed=1, shard=True),
+    }
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _model_cache(tmp_path_factory):
+    """Embedded default model written into a per-run cache, as on a fresh machine."""
+    if "FUSEDSERVE_CACHE" not in os.environ:
+        os.environ["FUSEDSERVE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    yield
