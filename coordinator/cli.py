@@ -1,0 +1,156 @@
+"""The ``fusedserve`` command: serve, generate, stats, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from coordinator.client import DEFAULT_ADDRESS, Client
+from worker.model_runner import RunnerConfig
+
+DEMO_PROMPTS = [
+    "The capital of France is",
+    "Once upon a time",
+    "def hello(name):",
+    "Memory bandwidth limits decoding",
+    "Questions and answers: What is two plus two?",
+    "The quick brown fox",
+]
+
+
+def _server_config(args: argparse.Namespace):
+    from coordinator.server import ServerConfig
+
+    rc = RunnerConfig(max_batch=args.max_batch, block_size=args.block_size, num_blocks=args.num_blocks)
+    return ServerConfig(model=args.model, workers=args.workers, device=args.device, host=args.host,
+                        port=args.port, dtype=args.dtype, max_model_len=args.max_model_len, runner=rc,
+                        threads_per_worker=args.threads_per_worker)
+
+
+def _init_ray(address: str | None, workers: int) -> None:
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=max(2, workers), include_dashboard=False, log_to_driver=False)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from coordinator.server import Coordinator
+
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"refusing to bind {args.host}: only loopback is supported without authentication",
+              file=sys.stderr)
+        return 2
+    _init_ray(args.ray_address, args.workers)
+    coord = Coordinator(_server_config(args))
+    coord.start()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    coord.serve_in_thread()
+    print(f"fusedserve: serving on {coord.address}", flush=True)
+    stop.wait()
+    coord.shutdown()
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
+              "top_p": args.top_p}
+    if args.seed is not None:
+        params["seed"] = args.seed
+    with Client(args.address) as c:
+        if args.stream:
+            for frame in c.stream(args.prompt, **params):
+                if frame["type"] == "token":
+                    print(frame["token"], end=" ", flush=True)
+                else:
+                    print(f"\n{frame['text']!r} ({frame['finish_reason']})")
+        else:
+            print(json.dumps(c.generate(args.prompt, **params), indent=2))
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    with Client(args.address) as c:
+        print(json.dumps(c.stats(), indent=2))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The README's main job: a two-worker server, concurrent prompts, outputs and stats."""
+    from coordinator.server import Coordinator
+
+    _init_ray(None, args.workers)
+    args.port = 0
+    coord = Coordinator(_server_config(args))
+    coord.start()
+    coord.serve_in_thread()
+    print(f"fusedserve demo: {args.workers} {args.device} workers on {coord.address}")
+
+    def one(prompt: str) -> dict:
+        with Client(coord.address) as c:
+            return c.generate(prompt, max_tokens=args.max_tokens)
+
+    try:
+        with ThreadPoolExecutor(len(DEMO_PROMPTS)) as pool:
+            for prompt, out in zip(DEMO_PROMPTS, pool.map(one, DEMO_PROMPTS)):
+                t = out["timings"]
+                print(f"{prompt!r} -> {out['text']!r} [{out['finish_reason']}, "
+                      f"{out['usage']['completion_tokens']} tokens, ttft {t['ttft_s'] * 1e3:.0f} ms, "
+                      f"total {t['total_s'] * 1e3:.0f} ms]")
+        with Client(coord.address) as c:
+            print(json.dumps(c.stats(), indent=2))
+    finally:
+        coord.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("FUSEDSERVE_LOG", "WARNING"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ap = argparse.ArgumentParser(prog="fusedserve")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("serve", "demo"):
+        p = sub.add_parser(name)
+        p.add_argument("--model", default="default", help="a Qwen3 HF directory, or 'default'")
+        p.add_argument("--workers", type=int, default=2 if name == "demo" else 1,
+                       help="number of workers; 0 = one per device found")
+        p.add_argument("--device", default="cpu" if name == "demo" else "auto",
+                       choices=["auto", "cpu", "cuda", "npu"])
+        p.add_argument("--host", default="127.0.0.1")
+        p.add_argument("--port", type=int, default=5557)
+        p.add_argument("--dtype", default=None)
+        p.add_argument("--max-model-len", type=int, default=1024)
+        p.add_argument("--max-batch", type=int, default=16)
+        p.add_argument("--block-size", type=int, default=16)
+        p.add_argument("--num-blocks", type=int, default=256)
+        p.add_argument("--threads-per-worker", type=int, default=1)
+        p.add_argument("--max-tokens", type=int, default=16)
+        p.add_argument("--ray-address", default=None)
+    g = sub.add_parser("generate")
+    g.add_argument("prompt")
+    g.add_argument("--address", default=DEFAULT_ADDRESS)
+    g.add_argument("--max-tokens", type=int, default=16)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stream", action="store_true")
+    s = sub.add_parser("stats")
+    s.add_argument("--address", default=DEFAULT_ADDRESS)
+    args = ap.parse_args(argv)
+    return {"serve": cmd_serve, "generate": cmd_generate, "stats": cmd_stats, "demo": cmd_demo}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Python clients for the coordinator: ``Client`` (sync) and ``AsyncClient`` (asyncio).
+
+Both speak DEALER -> ROUTER with msgpack maps. A sync client is for one thread;
+the async client multiplexes many requests over one socket by id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:5557"
+
+
+class ServerError(RuntimeError):
+    def __init__(self, reply: dict):
+        super().__init__(f"{reply.get('code')}: {reply.get('message')}")
+        self.code = reply.get("code")
+        self.reply = reply
+
+
+def _generate_msg(rid: Any, prompt: str | list[int], stream: bool, params: dict) -> dict:
+    msg = {"type": "generate", "id": rid, "stream": stream, **params}
+    msg["prompt" if isinstance(prompt, str) else "prompt_ids"] = prompt
+    return msg
+
+
+class Client:
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout_s: float = 120.0):
+        self._ctx = zmq.Context.instance()
+        self.sock = self._ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+        self.sock.connect(address)
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+
+    def _next_id(self) -> str:
+        return f"{self._prefix}-{next(self._ids)}"
+
+    def send(self, msg: dict) -> None:
+        self.sock.send(msgpack.packb(msg, use_bin_type=True))
+
+    def send_raw(self, frame: bytes) -> None:
+        self.sock.send(frame)
+
+    def recv(self) -> dict:
+        try:
+            return msgpack.unpackb(self.sock.recv(), raw=False)
+        except zmq.Again:
+            raise TimeoutError("no reply from the coordinator in time") from None
+
+    def _call(self, msg: dict) -> dict:
+        self.send(msg)
+        while True:
+            reply = self.recv()
+            if reply.get("id") == msg["id"] or (reply.get("id") is None and reply["type"] == "error"):
+                if reply["type"] == "error":
+                    raise ServerError(reply)
+                return reply
+
+    def generate(self, prompt: str | list[int], **params: Any) -> dict:
+        """Send a request and wait for its ``done`` reply."""
+        return self._call(_generate_msg(self._next_id(), prompt, False, params))
+
+    def stream(self, prompt: str | list[int], request_id: str | None = None,
+               **params: Any) -> Iterator[dict]:
+        """Yield ``token`` frames, then the ``done`` frame."""
+        rid = request_id or self._next_id()
+        self.send(_generate_msg(rid, prompt, True, params))
+        while True:
+            reply = self.recv()
+            if reply.get("id") != rid:
+                continue
+            if reply["type"] == "error":
+                raise ServerError(reply)
+            yield reply
+            if reply["type"] == "done":
+                return
+
+    def abort(self, request_id: str) -> None:
+        self.send({"type": "abort", "id": request_id})
+
+    def stats(self) -> dict:
+        return self._call({"type": "stats", "id": self._next_id()})
+
+    def health(self) -> dict:
+        return self._call({"type": "health", "id": self._next_id()})
+
+    def workers(self) -> list[dict]:
+        return self._call({"type": "workers", "id": self._next_id()})["workers"]
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """Many concurrent requests over one socket; a reader task routes replies by id."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS):
+        self._ctx = zmq.asyncio.Context.instance()
+        self.sock = self._ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self._queues: dict[Any, asyncio.Queue] = {}
+        self._reader: asyncio.Task | None = None
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+
+    async def _read(self) -> None:
+        while True:
+            reply = msgpack.unpackb(await self.sock.recv(), raw=False)
+            q = self._queues.get(reply.get("id"))
+            if q is not None:
+                q.put_nowait(reply)
+
+    async def _open(self, rid: Any, msg: dict) -> asyncio.Queue:
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = q
+        await self.sock.send(msgpack.packb(msg, use_bin_type=True))
+        return q
+
+    async def stream(self, prompt: str | list[int], **params: Any) -> AsyncIterator[dict]:
+        rid = f"{self._prefix}-{next(self._ids)}"
+        q = await self._open(rid, _generate_msg(rid, prompt, True, params))
+        try:
+            while True:
+                reply = await q.get()
+                if reply["type"] == "error":
+                    raise ServerError(reply)
+                yield reply
+                if reply["type"] == "done":
+                    return
+        finally:
+            self._queues.pop(rid, None)
+
+    async def generate(self, prompt: str | list[int], **params: Any) -> dict:
+        rid = f"{self._prefix}-{next(self._ids)}"
+        q = await self._open(rid, _generate_msg(rid, prompt, False, params))
+        try:
+            reply = await q.get()
+        finally:
+            self._queues.pop(rid, None)
+        if reply["type"] == "error":
+            raise ServerError(reply)
+        return reply
+
+    async def stats(self) -> dict:
+        rid = f"{self._prefix}-{next(self._ids)}"
+        q = await self._open(rid, {"type": "stats", "id": rid})
+        try:
+            return await q.get()
+        finally:
+            self._queues.pop(rid, None)
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self.sock.close(0)

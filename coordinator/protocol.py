@@ -1,0 +1,125 @@
+"""The wire protocol: msgpack maps with a ``type`` and a client-chosen ``id``.
+
+Parsing is total: any frame either becomes a typed request or raises
+``ProtocolError`` with a code, a message and (when it could be read) the id, so
+the server can answer it and go on serving everyone else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from kernels.sampling import SamplingError, SamplingParams
+
+MAX_FRAME_BYTES = 4 << 20
+REQUEST_TYPES = ("generate", "abort", "stats", "health", "workers")
+_SAMPLING_FIELDS = {
+    "max_tokens": int, "temperature": (int, float), "top_k": int, "top_p": (int, float),
+    "seed": int, "stop_token_ids": list, "stop": list, "ignore_eos": bool, "logprobs": bool,
+}
+
+
+class ProtocolError(ValueError):
+    def __init__(self, code: str, message: str, request_id: Any = None):
+        super().__init__(message)
+        self.code = code
+        self.request_id = request_id
+
+
+@dataclass
+class GenerateRequest:
+    id: Any
+    prompt: str | None
+    prompt_ids: list[int] | None
+    params: SamplingParams
+    stream: bool
+
+
+@dataclass
+class ControlRequest:
+    type: str  # abort | stats | health | workers
+    id: Any
+    target: Any = None  # abort: the generate id to stop
+
+
+def unpack(frame: bytes) -> Any:
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError("frame_too_large", f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        return msgpack.unpackb(
+            frame, raw=False, strict_map_key=False,
+            max_str_len=1 << 20, max_bin_len=1 << 20, max_array_len=1 << 18, max_map_len=64,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # noqa: BLE001 - msgpack raises many types for bad input
+        raise ProtocolError("bad_frame", f"frame is not valid msgpack: {type(exc).__name__}") from None
+
+
+def _valid_id(value: Any) -> bool:
+    return (isinstance(value, (str, int)) and not isinstance(value, bool)
+            and (len(value) <= 256 if isinstance(value, str) else -(2**63) <= value < 2**64))
+
+
+def parse(frame: bytes) -> GenerateRequest | ControlRequest:
+    msg = unpack(frame)
+    if not isinstance(msg, dict):
+        raise ProtocolError("bad_frame", f"frame must be a msgpack map, got {type(msg).__name__}")
+    rid = msg.get("id")
+    if not _valid_id(rid):
+        raise ProtocolError("bad_field", "field 'id' must be a string (<= 256 chars) or an integer",
+                            rid if _valid_id(rid) else None)
+    kind = msg.get("type")
+    if kind not in REQUEST_TYPES:
+        raise ProtocolError("unknown_type", f"unknown request type {kind!r}; one of {REQUEST_TYPES}", rid)
+    if kind == "generate":
+        return _parse_generate(msg, rid)
+    if kind == "abort":
+        target = msg.get("target", rid)
+        if not _valid_id(target):
+            raise ProtocolError("bad_field", "field 'target' must be a request id", rid)
+        return ControlRequest("abort", rid, target)
+    return ControlRequest(kind, rid)
+
+
+def _parse_generate(msg: dict, rid: Any) -> GenerateRequest:
+    prompt, prompt_ids = msg.get("prompt"), msg.get("prompt_ids")
+    if (prompt is None) == (prompt_ids is None):
+        raise ProtocolError("bad_field", "give exactly one of 'prompt' (text) or 'prompt_ids'", rid)
+    if prompt is not None and not isinstance(prompt, str):
+        raise ProtocolError("bad_field", "field 'prompt' must be a string", rid)
+    if prompt_ids is not None and (
+        not isinstance(prompt_ids, list)
+        or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids)
+    ):
+        raise ProtocolError("bad_field", "field 'prompt_ids' must be a list of integers", rid)
+    kwargs = {}
+    for key, types in _SAMPLING_FIELDS.items():
+        if key not in msg or msg[key] is None:
+            continue
+        value = msg[key]
+        if not isinstance(value, types) or (isinstance(value, bool) and types is not bool):
+            raise ProtocolError("bad_field", f"field {key!r} has the wrong type: {type(value).__name__}", rid)
+        kwargs[key] = value
+    for key in ("stop_token_ids", "stop"):
+        want = int if key == "stop_token_ids" else str
+        if key in kwargs and not all(isinstance(v, want) and not isinstance(v, bool) for v in kwargs[key]):
+            raise ProtocolError("bad_field", f"field {key!r} must be a list of {want.__name__}", rid)
+    stream = msg.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ProtocolError("bad_field", "field 'stream' must be a boolean", rid)
+    try:
+        params = SamplingParams(**kwargs)
+    except SamplingError as exc:
+        raise ProtocolError("bad_param", str(exc), rid) from None
+    return GenerateRequest(rid, prompt, prompt_ids, params, stream)
+
+
+def pack(msg: dict) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def error(rid: Any, code: str, message: str) -> dict:
+    return {"type": "error", "id": rid, "code": code, "message": message}

@@ -1,0 +1,98 @@
+"""The Ray actor that owns one device.
+
+Lifecycle calls (start, health, stats, stop) are Ray calls; the per-step launch
+descriptors arrive on a ZeroMQ PAIR socket served by a thread of the actor, since a
+Ray call costs milliseconds against a step of tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import msgpack
+import torch
+import zmq
+
+from kernels.model import Qwen3Model
+from shared_memory.arena import HostArena
+from worker.device import torch_device
+from worker.model_runner import LaunchDescriptor, ModelRunner, RunnerConfig, slot_tables
+
+log = logging.getLogger(__name__)
+
+
+class WorkerActor:
+    """One device: weights, KV cache, scratch pool; executes launches on request."""
+
+    def __init__(self, worker_id: str, device_kind: str = "cpu", threads: int = 0):
+        self.worker_id = worker_id
+        self.device_kind = device_kind
+        if threads > 0:
+            torch.set_num_threads(threads)
+        self.runner: ModelRunner | None = None
+        self.arena: HostArena | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._ctx = zmq.Context.instance()
+        self.steps = 0
+        self.errors = 0
+        self.started_at = time.time()
+
+    def start(self, model_dir: str, dtype: str | None, max_model_len: int | None, runner: dict,
+              arena_name: str, host: str = "127.0.0.1") -> dict:
+        """Load the model, attach the arena, allocate everything, warm up, open the step socket."""
+        device = torch_device(self.device_kind)
+        model = Qwen3Model.from_pretrained(model_dir, dtype, device, max_model_len)
+        rc = RunnerConfig(**runner)
+        self.arena = HostArena.attach(arena_name, slot_tables(model), rc.max_dims(model))
+        self.runner = ModelRunner(model, rc, self.arena)
+        sock = self._ctx.socket(zmq.PAIR)
+        sock.setsockopt(zmq.LINGER, 0)
+        port = sock.bind_to_random_port(f"tcp://{host}")
+        self._thread = threading.Thread(target=self._serve, args=(sock,), daemon=True,
+                                        name=f"steps-{self.worker_id}")
+        self._thread.start()
+        return {"endpoint": f"tcp://{host}:{port}", "pid": os.getpid(), "device": str(device),
+                "kv_bytes": self.runner.kv.nbytes, "pool_bytes": self.runner.pool.nbytes}
+
+    def _serve(self, sock: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            msg = msgpack.unpackb(sock.recv(), raw=False, strict_map_key=False)
+            try:
+                rec = self.runner.execute(LaunchDescriptor.from_wire(msg))
+                self.steps += 1
+                reply = {"ok": True, "h2d": rec.h2d_bytes, "d2h": rec.d2h_bytes, "seconds": rec.seconds}
+            except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which decides
+                self.errors += 1
+                log.exception("launch failed")
+                reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            sock.send(msgpack.packb(reply))
+        sock.close(0)
+
+    def health(self) -> dict:
+        alive = self._thread is not None and self._thread.is_alive()
+        return {"worker_id": self.worker_id, "ok": alive, "steps": self.steps, "pid": os.getpid()}
+
+    def stats(self) -> dict:
+        counters = self.runner.runtime.counters.as_dict() if self.runner else {}
+        return {"worker_id": self.worker_id, "steps": self.steps, "errors": self.errors,
+                "traffic": counters}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self.arena is not None:
+            self.runner = None
+            self.arena.close()
+            self.arena = None
