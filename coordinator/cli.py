@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("stats")
     s.add_argument("--address", default=DEFAULT_ADDRESS)
     args = ap.parse_args(argv)
-    return {"serve": cmd_serve, "generate": cmd_generate, "stats": cmd_stats, "demo": cmd_demo}[args.cmd](args)
+    commands = {"serve": cmd_serve, "generate": cmd_generate, "stats": cmd_stats, "demo": cmd_demo}
+    return commands[args.cmd](args)
 
 
 if __name__ == "__main__":

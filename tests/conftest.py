@@ -52,3 +52,17 @@ def _model_cache(tmp_path_factory):
     if "FUSEDSERVE_CACHE" not in os.environ:
         os.environ["FUSEDSERVE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
     yield
+
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # tests choose explicitly (ENVIRONMENT.md)
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray cluster for the whole run (starting one costs seconds)."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
