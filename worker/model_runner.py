@@ -16,6 +16,7 @@ from kernels.model import Qwen3Model, SampleOutputs
 from shared_memory.arena import HostArena
 from shared_memory.runtime import DeviceScratchPool, LaunchRecord, LaunchRuntime
 from shared_memory.slots import SlotTable, decode_table, prefill_table
+from worker.graphs import DecodeGraphs
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,9 @@ class RunnerConfig:
     num_blocks: int = 256
     top_k: int = 64  # device-side candidates per stochastic row
     max_prefill_tokens: int = 4096
+    # "auto": capture decode graphs per batch bucket where the device has graphs (CUDA, NPU);
+    # "padded": the same bucketed, padded decode run eagerly (any device); "off": exact shapes.
+    graphs: str = "auto"
 
     def max_dims(self, model: Qwen3Model) -> dict[str, int]:
         return launch_max_dims(self, model.config.vocab_size, model.config.hidden_size,
@@ -75,7 +79,8 @@ class ModelRunner:
         self.rc = rc
         self.tables = slot_tables(model)
         self.max_dims = rc.max_dims(model)
-        self.kv = model.new_kv_cache(rc.num_blocks, rc.block_size)
+        # One spare block beyond the allocatable ones: graph padding rows write there.
+        self.kv = model.new_kv_cache(rc.num_blocks + 1, rc.block_size)
         hidden = torch.empty(rc.max_batch, model.config.hidden_size, dtype=model.dtype,
                              device=model.device)
         self.ws = model.new_workspace(rc.max_batch, rc.block_size, rc.top_k, hidden=hidden)
@@ -88,6 +93,14 @@ class ModelRunner:
             topk_ids=self.pool.full("all_topk_ids"),
             logits=self.pool.full("logits"),
         )
+        self.graphs: DecodeGraphs | None = None
+        has_graphs = model.device.type in ("cuda", "npu")
+        if rc.graphs == "padded" or (rc.graphs == "auto" and has_graphs):
+            self.graphs = DecodeGraphs(model, self.kv, self.ws, self.outputs, rc.max_batch,
+                                       pad_slot=rc.num_blocks * rc.block_size,
+                                       capture=rc.graphs == "auto")
+        elif rc.graphs not in ("auto", "off"):
+            raise ValueError(f"graphs must be auto, padded or off, got {rc.graphs!r}")
 
     def execute(self, desc: LaunchDescriptor) -> LaunchRecord:
         if desc.table == "decode":
@@ -97,10 +110,12 @@ class ModelRunner:
         raise ValueError(f"unknown launch table {desc.table!r}")
 
     def _decode(self, v: dict[str, torch.Tensor], dims: dict[str, int], desc: LaunchDescriptor) -> None:
-        self.model.decode_step(
-            v["token_ids"], v["positions"], v["block_tables"], v["seq_lens"], v["slot_mapping"],
-            self.kv, self.ws, self.outputs, ctx_len=desc.ctx_len, want_topk=dims["NT"] > 0,
-        )
+        args = (v["token_ids"], v["positions"], v["block_tables"], v["seq_lens"], v["slot_mapping"])
+        if self.graphs is not None:
+            self.graphs.run(*args)
+        else:
+            self.model.decode_step(*args, self.kv, self.ws, self.outputs, ctx_len=desc.ctx_len,
+                                   want_topk=dims["NT"] > 0)
         self._gather_rows(v, dims)
 
     def _prefill(self, v: dict[str, torch.Tensor], dims: dict[str, int], desc: LaunchDescriptor) -> None:

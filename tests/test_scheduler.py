@@ -1,0 +1,48 @@
+"""Continuous batching: admission by free blocks, preemption and recompute."""
+
+from __future__ import annotations
+
+from coordinator.engine import LLMEngine
+from coordinator.scheduler import Scheduler
+from kernels.kv_cache import BlockManager
+from kernels.sampling import SamplingParams
+from worker.model_runner import RunnerConfig
+
+PROMPTS = [f"request {i}: once upon a time" for i in range(6)]
+
+
+def _params():
+    return [SamplingParams(max_tokens=30, ignore_eos=True) if i % 2 else
+            SamplingParams(max_tokens=30, temperature=0.9, top_k=10, seed=i, ignore_eos=True)
+            for i in range(len(PROMPTS))]
+
+
+def test_preempted_requests_recompute_to_the_same_output():
+    roomy = RunnerConfig(max_batch=8, block_size=4, num_blocks=200, top_k=16)
+    tight = RunnerConfig(max_batch=8, block_size=4, num_blocks=40, top_k=16)  # 6 x 11 blocks needed
+    with LLMEngine("default", dtype="float32", runner=roomy) as eng:
+        want = eng.generate(PROMPTS, _params())
+    with LLMEngine("default", dtype="float32", runner=tight) as eng:
+        got = eng.generate(PROMPTS, _params())
+    assert sum(o.num_preemptions for o in want) == 0
+    assert sum(o.num_preemptions for o in got) > 0, "the tight cache should force preemption"
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_newest_request_is_preempted_and_blocks_return():
+    blocks = BlockManager(num_blocks=6, block_size=2)
+    s = Scheduler(blocks, vocab_size=100, max_model_len=64, max_batch=4, top_k_candidates=4)
+    a = s.add("a", [1, 2, 3], SamplingParams(max_tokens=8))
+    b = s.add("b", [4, 5, 6], SamplingParams(max_tokens=8))
+    batch = s.schedule()
+    assert batch.kind == "prefill" and [q.seq_id for q in batch.seqs] == ["a", "b"]
+    assert blocks.num_free == 2
+    for seq in (a, b):
+        seq.output_ids.extend([7, 7, 7, 7])  # pretend 4 tokens were sampled: 7 tokens each
+    batch = s.schedule()  # each needs 4 blocks now: only "a" (the oldest) fits
+    assert batch.kind == "decode" and [q.seq_id for q in batch.seqs] == ["a"]
+    assert [q.seq_id for q in s.waiting] == ["b"] and b.num_preemptions == 1
+    s.abort("a")
+    assert blocks.num_free == 6
+    batch = s.schedule()  # "b" is recomputed from prompt + its tokens so far
+    assert batch.kind == "prefill" and batch.token_ids.tolist() == [4, 5, 6, 7, 7, 7, 7]
