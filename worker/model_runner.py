@@ -101,6 +101,18 @@ class ModelRunner:
                                        capture=rc.graphs == "auto")
         elif rc.graphs not in ("auto", "off"):
             raise ValueError(f"graphs must be auto, padded or off, got {rc.graphs!r}")
+        self.pad_slot = rc.num_blocks * rc.block_size
+        self.warmup()
+
+    def warmup(self) -> None:
+        """One throwaway decode on the pool (K/V into the spare slot): first-call costs
+        (kernel selection, page faults in the workspace) happen before the first request."""
+        dev = self.model.device
+        one = torch.ones(1, dtype=torch.int32, device=dev)
+        zero = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.model.decode_step(zero, zero, zero.view(1, 1), one,
+                               torch.tensor([self.pad_slot], device=dev), self.kv, self.ws,
+                               self.outputs, ctx_len=self.rc.block_size)
 
     def execute(self, desc: LaunchDescriptor) -> LaunchRecord:
         if desc.table == "decode":
