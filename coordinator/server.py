@@ -27,6 +27,7 @@ from kernels.config import Qwen3Config
 from kernels.default_model import resolve_model
 from kernels.kv_cache import BlockManager
 from kernels.tokenizer import TextTokenizer
+from shared_memory import transport
 from shared_memory.arena import HostArena, remove_stale
 from shared_memory.slots import decode_table, prefill_table
 from worker.actor import WorkerActor
@@ -49,6 +50,8 @@ class ServerConfig:
     cpus_per_worker: int = 1
     threads_per_worker: int = 1
     step_timeout_s: float = 60.0
+    # "auto": shared memory for workers on this node, serializing for others; "serial" forces it.
+    transport: str = "auto"
 
 
 @dataclass
@@ -79,6 +82,8 @@ class WorkerHandle:
     last_decode: dict | None = None
     h2d_bytes: int = 0
     d2h_bytes: int = 0
+    serial: bool = False
+    wire_bytes: int = 0
 
 
 class Coordinator:
@@ -91,6 +96,8 @@ class Coordinator:
                   self.config.max_position_embeddings)
         self.max_model_len = mml
         self.max_dims = launch_max_dims(cfg.runner, self.config.vocab_size, self.config.hidden_size, mml)
+        # HOST_SHARED layout does not depend on the model dtype (only DEVICE_RESIDENT slots do).
+        self.tables = {t.name: t for t in (prefill_table(), decode_table())}
         self.ctx = zmq.Context()
         self.workers: list[WorkerHandle] = []
         self.pending: dict[str, Pending] = {}
@@ -111,21 +118,27 @@ class Coordinator:
         n = self.cfg.workers if self.cfg.workers > 0 else dev.count
         options = dev.ray_resources(self.cfg.cpus_per_worker)
         actor_cls = ray.remote(WorkerActor)
-        tables = [prefill_table(), decode_table()]  # HOST_SHARED layout does not depend on dtype
+        tables = list(self.tables.values())
         starts = []
+        serial = self.cfg.transport == "serial"
+        if self.cfg.transport not in ("auto", "serial"):
+            raise ValueError(f"transport must be auto or serial, got {self.cfg.transport!r}")
         for i in range(n):
             wid = f"w{i}"
             arena = HostArena.create(tables, self.max_dims, tag=wid)
             actor = actor_cls.options(max_concurrency=2, **options).remote(wid, dev.kind,
                                                                            self.cfg.threads_per_worker)
             starts.append((wid, arena, actor, actor.start.remote(
-                self.model_dir, self.cfg.dtype, self.max_model_len, vars(self.cfg.runner), arena.name)))
+                self.model_dir, self.cfg.dtype, self.max_model_len, vars(self.cfg.runner),
+                None if serial else arena.name)))
         for wid, arena, actor, ref in starts:
             info = ray.get(ref)
             sock = self.ctx.socket(zmq.PAIR)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(info["endpoint"])
-            self.workers.append(WorkerHandle(wid, actor, arena, self._new_scheduler(), sock, info))
+            info["transport"] = "serial" if serial else "shm"
+            self.workers.append(WorkerHandle(wid, actor, arena, self._new_scheduler(), sock, info,
+                                             serial=serial))
             log.info("worker %s up: %s", wid, info)
         self.frontend = self.ctx.socket(zmq.ROUTER)
         self.frontend.setsockopt(zmq.LINGER, 0)
@@ -191,7 +204,9 @@ class Coordinator:
         ready = dict(poller.poll(50))
         for w in self.workers:
             if w.inflight is not None and w.sock in ready:
-                self._finish(w, msgpack.unpackb(w.sock.recv(), raw=False))
+                raw = w.sock.recv()
+                w.wire_bytes += len(raw)
+                self._finish(w, msgpack.unpackb(raw, raw=False))
         if self.frontend in ready:
             for _ in range(256):  # bounded so a flood cannot starve the workers
                 try:
@@ -206,7 +221,12 @@ class Coordinator:
             return
         desc = write_batch(w.arena, batch, w.scheduler.steps, self.cfg.runner.top_k,
                            self.config.vocab_size, self.config.hidden_size)
-        w.sock.send(msgpack.packb(desc.to_wire()))
+        msg = desc.to_wire()
+        if w.serial:
+            msg["inputs"] = transport.pack_inputs(w.arena, self.tables[desc.table], desc.dims)
+        payload = msgpack.packb(msg)
+        w.wire_bytes += len(payload)
+        w.sock.send(payload)
         w.inflight = (batch, desc, time.perf_counter())
 
     def _finish(self, w: WorkerHandle, reply: dict) -> None:
@@ -218,6 +238,8 @@ class Coordinator:
             for seq in batch.seqs:
                 self._fail(seq.seq_id, "worker_error", reply.get("error", "launch failed"))
             return
+        if w.serial:
+            transport.unpack(w.arena, self.tables[desc.table], desc.dims, reply["outputs"], outputs=True)
         w.steps += 1
         w.h2d_bytes += reply["h2d"]
         w.d2h_bytes += reply["d2h"]
@@ -344,6 +366,7 @@ class Coordinator:
                 "h2d_bytes_per_step": w.h2d_bytes / w.steps if w.steps else 0.0,
                 "d2h_bytes_per_step": w.d2h_bytes / w.steps if w.steps else 0.0,
                 "last_decode": w.last_decode, "busy_s": w.busy_s,
+                "transport": "serial" if w.serial else "shm", "wire_bytes": w.wire_bytes,
             })
         tokens = sum(w.tokens for w in self.workers)
         return {

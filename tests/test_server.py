@@ -35,9 +35,11 @@ def reference():
         yield run
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["1worker", "2workers"])
+@pytest.fixture(scope="module", params=[(1, "auto"), (2, "auto"), (2, "serial")],
+                ids=["1worker", "2workers", "2workers-serial"])
 def server(request, ray_session):
-    coord = Coordinator(ServerConfig(workers=request.param, device="cpu", port=0, runner=RC))
+    workers, transport = request.param
+    coord = Coordinator(ServerConfig(workers=workers, device="cpu", port=0, runner=RC, transport=transport))
     coord.start()
     coord.serve_in_thread()
     yield coord
@@ -108,6 +110,8 @@ def test_greedy_decode_d2h_is_batch_times_4(server):
     assert decoded
     for d in decoded:
         assert d["d2h"] == d["batch"] * 4
+    for w in stats["workers"]:
+        assert w["transport"] == ("serial" if server.cfg.transport == "serial" else "shm")
 
 
 BAD_FRAMES = [

@@ -17,6 +17,7 @@ import torch
 import zmq
 
 from kernels.model import Qwen3Model
+from shared_memory import transport
 from shared_memory.arena import HostArena
 from worker.device import torch_device
 from worker.model_runner import LaunchDescriptor, ModelRunner, RunnerConfig, slot_tables
@@ -39,15 +40,25 @@ class WorkerActor:
         self._ctx = zmq.Context.instance()
         self.steps = 0
         self.errors = 0
+        self.serial = False
         self.started_at = time.time()
 
     def start(self, model_dir: str, dtype: str | None, max_model_len: int | None, runner: dict,
-              arena_name: str, host: str = "127.0.0.1") -> dict:
-        """Load the model, attach the arena, allocate everything, warm up, open the step socket."""
+              arena_name: str | None, host: str = "127.0.0.1") -> dict:
+        """Load the model, attach the arena, allocate everything, warm up, open the step socket.
+
+        ``arena_name=None`` selects the serializing transport (a worker on another node):
+        the worker keeps a private arena and launch messages carry the HOST_SHARED bytes.
+        """
         device = torch_device(self.device_kind)
         model = Qwen3Model.from_pretrained(model_dir, dtype, device, max_model_len)
         rc = RunnerConfig(**runner)
-        self.arena = HostArena.attach(arena_name, slot_tables(model), rc.max_dims(model))
+        tables = slot_tables(model)
+        self.serial = arena_name is None
+        if self.serial:
+            self.arena = HostArena.create(tables, rc.max_dims(model), tag="remote")
+        else:
+            self.arena = HostArena.attach(arena_name, tables, rc.max_dims(model))
         self.runner = ModelRunner(model, rc, self.arena)
         sock = self._ctx.socket(zmq.PAIR)
         sock.setsockopt(zmq.LINGER, 0)
@@ -66,9 +77,15 @@ class WorkerActor:
                 continue
             msg = msgpack.unpackb(sock.recv(), raw=False, strict_map_key=False)
             try:
-                rec = self.runner.execute(LaunchDescriptor.from_wire(msg))
+                desc = LaunchDescriptor.from_wire(msg)
+                table = self.runner.runtime.tables[desc.table]
+                if self.serial:
+                    transport.unpack(self.arena, table, desc.dims, msg["inputs"], outputs=False)
+                rec = self.runner.execute(desc)
                 self.steps += 1
                 reply = {"ok": True, "h2d": rec.h2d_bytes, "d2h": rec.d2h_bytes, "seconds": rec.seconds}
+                if self.serial:
+                    reply["outputs"] = transport.pack_outputs(self.arena, table, desc.dims)
             except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which decides
                 self.errors += 1
                 log.exception("launch failed")

@@ -1,0 +1,102 @@
+"""One worker's decode step vs batch size, against the memory-bandwidth limit.
+
+Runs the real launch path (arena -> device copies, fused step, counted copy-back)
+in-process, greedy, and reports per-step time, tokens/s, bytes read per step
+(weights + KV), the fraction of the measured read bandwidth reached, and the h2d /
+d2h bytes next to the anchor's old per-step logits copy (B x vocab x 4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from benchmarks.common import checkpoint, copy_bandwidth, machine, read_bandwidth
+from coordinator.batch_io import write_batch
+from coordinator.scheduler import StepBatch
+from kernels.model import Qwen3Model
+from kernels.sampling import RowKind
+from shared_memory.arena import HostArena
+from worker.model_runner import ModelRunner, RunnerConfig, slot_tables
+
+
+def weight_bytes(model: Qwen3Model) -> int:
+    """Bytes a decode step reads from weights: every layer, final norm and lm_head."""
+    w = model.w
+    n = w.final_norm.nbytes + w.lm_head.nbytes
+    for lw in w.layers:
+        n += sum(t.nbytes for t in vars(lw).values() if t is not None)
+    return n
+
+
+def run(batches: list[int], context: int, steps: int, dtype: str) -> dict:
+    model = Qwen3Model.from_pretrained(checkpoint(), dtype, max_model_len=context + steps + 16)
+    c = model.config
+    bs = 16
+    max_b = max(batches)
+    per_seq = -(-(context + steps + 1) // bs)
+    rc = RunnerConfig(max_batch=max_b, block_size=bs, num_blocks=max_b * per_seq, top_k=64,
+                      graphs="off")
+    arena = HostArena.create(slot_tables(model), rc.max_dims(model), tag="bench")
+    runner = ModelRunner(model, rc, arena)
+    wbytes = weight_bytes(model)
+    kv_per_token = c.num_hidden_layers * 2 * c.kv_size * model.dtype.itemsize
+    rows = []
+    for b in batches:
+        tables = np.arange(b * per_seq, dtype=np.int32).reshape(b, per_seq)
+        times, rec = [], None
+        for s in range(steps):
+            pos = context + s
+            batch = StepBatch(
+                kind="decode", seqs=[None] * b,
+                token_ids=np.full(b, 7, dtype=np.int32), positions=np.full(b, pos, dtype=np.int32),
+                slot_mapping=(tables[:, pos // bs] * bs + pos % bs).astype(np.int64),
+                row_kinds=[RowKind.GREEDY] * b, block_tables=tables,
+                seq_lens=np.full(b, pos + 1, dtype=np.int32),
+                ctx_len=-(-(pos + 1) // bs) * bs)
+            desc = write_batch(arena, batch, s, rc.top_k, c.vocab_size, c.hidden_size)
+            t0 = time.perf_counter()
+            rec = runner.execute(desc)
+            times.append(time.perf_counter() - t0)
+        step_s = float(np.median(times[2:] if len(times) > 4 else times))
+        read = wbytes + b * (context + steps // 2) * kv_per_token
+        rows.append({"batch": b, "step_ms": step_s * 1e3, "tokens_per_s": b / step_s,
+                     "bytes_read": read, "h2d_bytes": rec.h2d_bytes, "d2h_bytes": rec.d2h_bytes,
+                     "anchor_logits_d2h": b * c.vocab_size * 4})
+    arena.close()
+    bw_read, bw_copy = read_bandwidth(), copy_bandwidth()
+    for r in rows:
+        r["achieved_gbps"] = r["bytes_read"] / (r["step_ms"] / 1e3) / 1e9
+        r["fraction_of_read_bw"] = r["achieved_gbps"] * 1e9 / bw_read
+    return {"machine": machine(), "dtype": dtype, "context": context, "weights_bytes": wbytes,
+            "read_bw_gbps": bw_read / 1e9, "copy_bw_gbps": bw_copy / 1e9, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--batches", default="1,2,4,8,16,32,64")
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    res = run([int(b) for b in args.batches.split(",")], args.context, args.steps, args.dtype)
+    print(f"{res['machine']}; read bw {res['read_bw_gbps']:.1f} GB/s, copy bw {res['copy_bw_gbps']:.1f} GB/s")
+    print(f"weights read per step: {res['weights_bytes'] / 2**20:.0f} MiB ({res['dtype']})")
+    head = ("B", "ms/step", "tok/s", "GB/s", "%bw", "h2d", "d2h", "anchor d2h")
+    print("{:>4} {:>8} {:>8} {:>6} {:>5} {:>6} {:>6} {:>11}".format(*head))
+    for r in res["rows"]:
+        print(f"{r['batch']:>4} {r['step_ms']:>8.2f} {r['tokens_per_s']:>8.1f} {r['achieved_gbps']:>6.1f} "
+              f"{100 * r['fraction_of_read_bw']:>4.0f}% {r['h2d_bytes']:>6} {r['d2h_bytes']:>6} "
+              f"{r['anchor_logits_d2h']:>11}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return res
+
+
+if __name__ == "__main__":
+    main()
