@@ -12,6 +12,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,12 +79,14 @@ class WorkerHandle:
     inflight: tuple[StepBatch, LaunchDescriptor, float] | None = None
     steps: int = 0
     tokens: int = 0
-    busy_s: float = 0.0
     last_decode: dict | None = None
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     serial: bool = False
     wire_bytes: int = 0
+    kernel_s: float = 0.0
+    # Recent decode steps as (batch, coordinator wall s, worker launch s): the overhead figure.
+    recent: deque = field(default_factory=lambda: deque(maxlen=4096))
 
 
 class Coordinator:
@@ -216,6 +219,7 @@ class Coordinator:
                 self._handle(identity, frames[-1] if frames else b"")
 
     def _launch(self, w: WorkerHandle) -> None:
+        t0 = time.perf_counter()
         batch = w.scheduler.schedule()
         if batch is None:
             return
@@ -227,12 +231,11 @@ class Coordinator:
         payload = msgpack.packb(msg)
         w.wire_bytes += len(payload)
         w.sock.send(payload)
-        w.inflight = (batch, desc, time.perf_counter())
+        w.inflight = (batch, desc, t0)
 
     def _finish(self, w: WorkerHandle, reply: dict) -> None:
         batch, desc, t0 = w.inflight
         w.inflight = None
-        w.busy_s += time.perf_counter() - t0
         if not reply.get("ok"):
             log.error("worker %s launch failed: %s", w.worker_id, reply.get("error"))
             for seq in batch.seqs:
@@ -250,6 +253,9 @@ class Coordinator:
         w.tokens += len(events)
         for ev in events:
             self._emit(ev)
+        w.kernel_s += reply["seconds"]
+        if desc.table == "decode":
+            w.recent.append((desc.dims["B"], time.perf_counter() - t0, reply["seconds"]))
 
     # ------------------------------------------------------------------- requests
 
@@ -365,7 +371,7 @@ class Coordinator:
                 "h2d_bytes": w.h2d_bytes, "d2h_bytes": w.d2h_bytes,
                 "h2d_bytes_per_step": w.h2d_bytes / w.steps if w.steps else 0.0,
                 "d2h_bytes_per_step": w.d2h_bytes / w.steps if w.steps else 0.0,
-                "last_decode": w.last_decode, "busy_s": w.busy_s,
+                "last_decode": w.last_decode, "launch_s": w.kernel_s,
                 "transport": "serial" if w.serial else "shm", "wire_bytes": w.wire_bytes,
             })
         tokens = sum(w.tokens for w in self.workers)
