@@ -24,13 +24,22 @@ DEMO_PROMPTS = [
 ]
 
 
+def _workers(value: str) -> int:
+    if value == "auto":
+        return 0
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError("--workers must be >= 1 or 'auto'")
+    return n
+
+
 def _server_config(args: argparse.Namespace):
     from coordinator.server import ServerConfig
 
     rc = RunnerConfig(max_batch=args.max_batch, block_size=args.block_size, num_blocks=args.num_blocks)
     return ServerConfig(model=args.model, workers=args.workers, device=args.device, host=args.host,
                         port=args.port, dtype=args.dtype, max_model_len=args.max_model_len, runner=rc,
-                        threads_per_worker=args.threads_per_worker)
+                        threads_per_worker=args.threads_per_worker, transport=args.transport)
 
 
 def _init_ray(address: str | None, workers: int) -> None:
@@ -40,7 +49,7 @@ def _init_ray(address: str | None, workers: int) -> None:
     if address:
         ray.init(address=address, log_to_driver=False)
     else:
-        ray.init(num_cpus=max(2, workers), include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=max(2, workers or 1), include_dashboard=False, log_to_driver=False)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -57,9 +66,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     coord.serve_in_thread()
-    print(f"fusedserve: serving on {coord.address}", flush=True)
+    print(f"fusedserve: serving on {coord.address} with {len(coord.workers)} workers", flush=True)
     stop.wait()
+    print("fusedserve: shutting down", flush=True)
     coord.shutdown()
+    return 0
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    with Client(args.address) as c:
+        print(json.dumps(c.scale(args.workers), indent=2))
     return 0
 
 
@@ -123,8 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("serve", "demo"):
         p = sub.add_parser(name)
         p.add_argument("--model", default="default", help="a Qwen3 HF directory, or 'default'")
-        p.add_argument("--workers", type=int, default=2 if name == "demo" else 1,
-                       help="number of workers; 0 = one per device found")
+        p.add_argument("--workers", type=_workers, default=2 if name == "demo" else 1,
+                       help="number of workers, or 'auto' for one per device in the cluster")
+        p.add_argument("--transport", default="auto", choices=["auto", "serial"],
+                       help="serial forces the off-node serializing transport")
         p.add_argument("--device", default="cpu" if name == "demo" else "auto",
                        choices=["auto", "cpu", "cuda", "npu"])
         p.add_argument("--host", default="127.0.0.1")
@@ -148,8 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stream", action="store_true")
     s = sub.add_parser("stats")
     s.add_argument("--address", default=DEFAULT_ADDRESS)
+    sc = sub.add_parser("scale", help="add or drain workers at run time")
+    sc.add_argument("workers", type=int)
+    sc.add_argument("--address", default=DEFAULT_ADDRESS)
     args = ap.parse_args(argv)
-    commands = {"serve": cmd_serve, "generate": cmd_generate, "stats": cmd_stats, "demo": cmd_demo}
+    commands = {"serve": cmd_serve, "generate": cmd_generate, "stats": cmd_stats, "demo": cmd_demo,
+                "scale": cmd_scale}
     return commands[args.cmd](args)
 
 

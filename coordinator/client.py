@@ -94,6 +94,10 @@ class Client:
     def health(self) -> dict:
         return self._call({"type": "health", "id": self._next_id()})
 
+    def scale(self, workers: int) -> dict:
+        """Ask for ``workers`` workers: new ones start in the background, removed ones drain."""
+        return self._call({"type": "scale", "id": self._next_id(), "workers": workers})
+
     def workers(self) -> list[dict]:
         return self._call({"type": "workers", "id": self._next_id()})["workers"]
 

@@ -15,7 +15,8 @@ import msgpack
 from kernels.sampling import SamplingError, SamplingParams
 
 MAX_FRAME_BYTES = 4 << 20
-REQUEST_TYPES = ("generate", "abort", "stats", "health", "workers")
+REQUEST_TYPES = ("generate", "abort", "stats", "health", "workers", "scale")
+MAX_WORKERS = 256
 _SAMPLING_FIELDS = {
     "max_tokens": int, "temperature": (int, float), "top_k": int, "top_p": (int, float),
     "seed": int, "stop_token_ids": list, "stop": list, "ignore_eos": bool, "logprobs": bool,
@@ -40,9 +41,9 @@ class GenerateRequest:
 
 @dataclass
 class ControlRequest:
-    type: str  # abort | stats | health | workers
+    type: str  # abort | stats | health | workers | scale
     id: Any
-    target: Any = None  # abort: the generate id to stop
+    target: Any = None  # abort: the generate id to stop; scale: the worker count
 
 
 def unpack(frame: bytes) -> Any:
@@ -81,6 +82,11 @@ def parse(frame: bytes) -> GenerateRequest | ControlRequest:
         if not _valid_id(target):
             raise ProtocolError("bad_field", "field 'target' must be a request id", rid)
         return ControlRequest("abort", rid, target)
+    if kind == "scale":
+        n = msg.get("workers")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_WORKERS:
+            raise ProtocolError("bad_field", f"field 'workers' must be an integer in [1, {MAX_WORKERS}]", rid)
+        return ControlRequest("scale", rid, n)
     return ControlRequest(kind, rid)
 
 

@@ -87,6 +87,17 @@ class WorkerHandle:
     kernel_s: float = 0.0
     # Recent decode steps as (batch, coordinator wall s, worker launch s): the overhead figure.
     recent: deque = field(default_factory=lambda: deque(maxlen=4096))
+    draining: bool = False
+
+
+@dataclass
+class Starting:
+    """A worker whose start call is still running."""
+
+    worker_id: str
+    actor: Any
+    arena: HostArena
+    ref: Any
 
 
 class Coordinator:
@@ -106,6 +117,8 @@ class Coordinator:
         self.pending: dict[str, Pending] = {}
         self.by_client: dict[tuple[bytes, Any], str] = {}
         self._ids = itertools.count()
+        self._worker_ids = itertools.count()
+        self.starting: list[Starting] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.started_at = time.time()
@@ -117,32 +130,12 @@ class Coordinator:
 
     def start(self) -> None:
         remove_stale()
-        dev = probe(self.cfg.device)
-        n = self.cfg.workers if self.cfg.workers > 0 else dev.count
-        options = dev.ray_resources(self.cfg.cpus_per_worker)
-        actor_cls = ray.remote(WorkerActor)
-        tables = list(self.tables.values())
-        starts = []
-        serial = self.cfg.transport == "serial"
         if self.cfg.transport not in ("auto", "serial"):
             raise ValueError(f"transport must be auto or serial, got {self.cfg.transport!r}")
-        for i in range(n):
-            wid = f"w{i}"
-            arena = HostArena.create(tables, self.max_dims, tag=wid)
-            actor = actor_cls.options(max_concurrency=2, **options).remote(wid, dev.kind,
-                                                                           self.cfg.threads_per_worker)
-            starts.append((wid, arena, actor, actor.start.remote(
-                self.model_dir, self.cfg.dtype, self.max_model_len, vars(self.cfg.runner),
-                None if serial else arena.name)))
-        for wid, arena, actor, ref in starts:
-            info = ray.get(ref)
-            sock = self.ctx.socket(zmq.PAIR)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(info["endpoint"])
-            info["transport"] = "serial" if serial else "shm"
-            self.workers.append(WorkerHandle(wid, actor, arena, self._new_scheduler(), sock, info,
-                                             serial=serial))
-            log.info("worker %s up: %s", wid, info)
+        self.device = probe(self.cfg.device)
+        n = self.cfg.workers if self.cfg.workers > 0 else self.device_slots()
+        for starting in [self._spawn() for _ in range(n)]:
+            self._attach(starting, ray.get(starting.ref))
         self.frontend = self.ctx.socket(zmq.ROUTER)
         self.frontend.setsockopt(zmq.LINGER, 0)
         self.frontend.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
@@ -152,7 +145,89 @@ class Coordinator:
             self.address = f"tcp://{self.cfg.host}:{port}"
         else:
             self.frontend.bind(self.address)
-        log.info("coordinator serving on %s with %d %s workers", self.address, n, dev.kind)
+        log.info("coordinator serving on %s with %d %s workers", self.address, n, self.device.kind)
+
+    def device_slots(self) -> int:
+        """Workers for ``--workers auto``: every NPU/GPU the cluster reports, else one per node."""
+        res = ray.cluster_resources()
+        key = {"npu": "NPU", "cuda": "GPU"}.get(self.device.kind)
+        if key is not None:
+            return max(1, int(res.get(key, 0)))
+        return max(1, sum(1 for node in ray.nodes() if node.get("Alive")))
+
+    def _spawn(self) -> Starting:
+        """Create a worker actor and its arena; the start call runs in the background."""
+        wid = f"w{next(self._worker_ids)}"
+        arena = HostArena.create(list(self.tables.values()), self.max_dims, tag=wid)
+        options = self.device.ray_resources(self.cfg.cpus_per_worker)
+        actor = ray.remote(WorkerActor).options(max_concurrency=2, **options).remote(
+            wid, self.device.kind, self.cfg.threads_per_worker)
+        # A worker on another node cannot attach the arena and falls back to the serializing
+        # transport by itself; "serial" forces that path here too.
+        name = None if self.cfg.transport == "serial" else arena.name
+        ref = actor.start.remote(self.model_dir, self.cfg.dtype, self.max_model_len,
+                                 vars(self.cfg.runner), name)
+        return Starting(wid, actor, arena, ref)
+
+    def _attach(self, starting: Starting, info: dict) -> WorkerHandle:
+        sock = self.ctx.socket(zmq.PAIR)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(info["endpoint"])
+        w = WorkerHandle(starting.worker_id, starting.actor, starting.arena, self._new_scheduler(), sock,
+                         info, serial=info["transport"] == "serial")
+        self.workers.append(w)
+        log.info("worker %s up: %s", w.worker_id, info)
+        return w
+
+    # -------------------------------------------------------------------- scaling
+
+    def scale(self, n: int) -> dict:
+        """Grow to ``n`` workers (started in the background) or shrink by draining the newest."""
+        active = [w for w in self.workers if not w.draining]
+        total = len(active) + len(self.starting)
+        for _ in range(n - total):
+            self.starting.append(self._spawn())
+        for w in reversed(active[n:] if n < len(active) else []):
+            self._drain(w)
+        return {"active": min(n, len(active)), "starting": len(self.starting),
+                "draining": sum(w.draining for w in self.workers)}
+
+    def _drain(self, w: WorkerHandle) -> None:
+        """Stop routing to ``w``; its not-yet-started requests move now, running ones finish there."""
+        w.draining = True
+        others = [o for o in self.workers if not o.draining]
+        if not others:
+            return
+        while w.scheduler.waiting:
+            seq = w.scheduler.waiting.pop()
+            target = min(others, key=lambda o: o.scheduler.load)
+            target.scheduler.resume(seq)
+            self.pending[seq.seq_id].worker = target
+
+    def _service_workers(self) -> None:
+        for starting in list(self.starting):
+            ready, _ = ray.wait([starting.ref], timeout=0)
+            if ready:
+                self.starting.remove(starting)
+                try:
+                    self._attach(starting, ray.get(starting.ref))
+                except Exception:  # noqa: BLE001 - a failed start must not take the server down
+                    log.exception("worker %s failed to start", starting.worker_id)
+                    starting.arena.close()
+        for w in list(self.workers):
+            if w.draining and w.inflight is None and not w.scheduler.has_work():
+                self.workers.remove(w)
+                self._stop_worker(w)
+                log.info("worker %s drained and stopped", w.worker_id)
+
+    def _stop_worker(self, w: WorkerHandle) -> None:
+        try:
+            ray.get(w.actor.stop.remote(), timeout=10)
+            ray.kill(w.actor)
+        except Exception:  # noqa: BLE001 - the worker may already be gone
+            log.warning("worker %s did not stop cleanly", w.worker_id)
+        w.sock.close(0)
+        w.arena.close()
 
     def _new_scheduler(self) -> Scheduler:
         rc = self.cfg.runner
@@ -181,14 +256,12 @@ class Coordinator:
             self._send(p.identity, protocol.error(p.client_id, "shutdown", "server is shutting down"))
         self.pending.clear()
         for w in self.workers:
-            try:
-                ray.get(w.actor.stop.remote(), timeout=10)
-                ray.kill(w.actor)
-            except Exception:  # noqa: BLE001 - the worker may already be gone
-                log.warning("worker %s did not stop cleanly", w.worker_id)
-            w.sock.close(0)
-            w.arena.close()
+            self._stop_worker(w)
         self.workers.clear()
+        for starting in self.starting:
+            ray.kill(starting.actor)
+            starting.arena.close()
+        self.starting.clear()
         if self.frontend is not None:
             self.frontend.close(0)
         self.ctx.term()
@@ -196,6 +269,8 @@ class Coordinator:
     # ----------------------------------------------------------------------- loop
 
     def loop_once(self) -> None:
+        if self.starting or any(w.draining for w in self.workers):
+            self._service_workers()
         for w in self.workers:
             if w.inflight is None and w.scheduler.has_work():
                 self._launch(w)
@@ -286,7 +361,7 @@ class Coordinator:
             prompt_ids = self.tokenizer.encode(req.prompt)
         else:
             prompt_ids = req.prompt_ids
-        w = min(self.workers, key=lambda h: h.scheduler.load)
+        w = min((h for h in self.workers if not h.draining), key=lambda h: h.scheduler.load)
         seq_id = f"r{next(self._ids)}"
         seq = w.scheduler.add(seq_id, prompt_ids, req.params)
         self.pending[seq_id] = Pending(identity, req.id, req.stream, seq, w, time.perf_counter())
@@ -303,6 +378,8 @@ class Coordinator:
             self._done(p)
             if req.id != req.target:
                 self._send(identity, {"type": "done", "id": req.id, "aborted": req.target})
+        elif req.type == "scale":
+            self._send(identity, {"type": "scale", "id": req.id, **self.scale(req.target)})
         elif req.type == "stats":
             self._send(identity, {"type": "stats", "id": req.id, **self.stats()})
         elif req.type == "health":
@@ -365,7 +442,7 @@ class Coordinator:
         for w in self.workers:
             b = w.scheduler.blocks
             workers.append({
-                "id": w.worker_id, "steps": w.steps, "tokens": w.tokens,
+                "id": w.worker_id, "draining": w.draining, "steps": w.steps, "tokens": w.tokens,
                 "waiting": len(w.scheduler.waiting), "running": len(w.scheduler.running),
                 "kv_blocks_used": b.num_used, "kv_blocks_free": b.num_free,
                 "h2d_bytes": w.h2d_bytes, "d2h_bytes": w.d2h_bytes,
@@ -379,5 +456,5 @@ class Coordinator:
             "queue_length": sum(len(w.scheduler.waiting) for w in self.workers),
             "running": sum(len(w.scheduler.running) for w in self.workers),
             "completed": self.completed, "tokens": tokens, "tokens_per_s": tokens / elapsed,
-            "uptime_s": elapsed, "workers": workers,
+            "uptime_s": elapsed, "workers": workers, "starting": len(self.starting),
         }

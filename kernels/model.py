@@ -18,7 +18,7 @@ from kernels.attention import AttentionScratch, paged_decode_attention, prefill_
 from kernels.config import Qwen3Config, parse_dtype
 from kernels.kv_cache import PagedKVCache
 from kernels.loader import Qwen3Weights, load_weights
-from kernels.ops import linear, rms_norm, rope_tables, rotary
+from kernels.ops import linear, linear_gemv, rms_norm, rope_tables, rotary
 
 
 @dataclass
@@ -141,9 +141,15 @@ class Qwen3Model:
         (defaults to block_tables' width x block_size); pass max(seq_lens) rounded up
         to a block to avoid a device->host read. Writes rows [:B] of ``out``.
         """
+        self._decode(token_ids, positions, block_tables, seq_lens, slot_mapping, kv, ws, out, ctx_len,
+                     want_topk)
+
+    def _decode(self, token_ids, positions, block_tables, seq_lens, slot_mapping, kv, ws, out,
+                ctx_len, want_topk) -> None:
         c, w = self.config, self.w
         b = token_ids.shape[0]
         eps = ws.eps
+        linear = self._linear_for(b)
         if ctx_len is None:
             ctx_len = block_tables.shape[1] * kv.block_size
         x = ws.hidden[:b]
@@ -190,8 +196,17 @@ class Qwen3Model:
         rms_norm(x, w.final_norm, eps, h, f32_h, var_h, ws.inv_hidden)
         self._sample(h, ws, out, b, want_topk)
 
+    def _linear_for(self, rows: int):
+        """The matmul for a step of ``rows`` rows: ATen's native GEMV for one bf16 row on the
+        CPU (measured here ~1.7x the weight-streaming rate of oneDNN's, which wins from two
+        rows up), else ``torch.mm``."""
+        if rows == 1 and self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            return linear_gemv
+        return linear
+
     def _mlp(self, h: torch.Tensor, lw, ws: DecodeWorkspace, b: int) -> None:
         inter = self.config.intermediate_size
+        linear = self._linear_for(b)
         gu = ws.gate_up[:b]
         linear(h, lw.gate_up, gu)
         gate = gu[:, :inter]
@@ -202,6 +217,7 @@ class Qwen3Model:
     def _sample(self, h: torch.Tensor, ws: DecodeWorkspace, out: SampleOutputs, b: int,
                 want_topk: bool) -> None:
         """lm_head and on-device sampling into ``out`` rows [:b]."""
+        linear = self._linear_for(b)
         logits = out.logits[:b]
         if ws.logits is None:
             linear(h, self.w.lm_head, logits)

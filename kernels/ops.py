@@ -63,3 +63,16 @@ def rope_tables(
 def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out = x @ weight.T`` for a [out_features, in_features] weight."""
     return torch.mm(x, weight.t(), out=out)
+
+
+def linear_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``linear`` through ATen's native kernel rather than oneDNN (faster for one bf16 row).
+
+    The oneDNN switch is process-global: it is restored before returning.
+    """
+    previous = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        return torch.mm(x, weight.t(), out=out)
+    finally:
+        torch._C._set_mkldnn_enabled(previous)

@@ -13,6 +13,7 @@ import threading
 import time
 
 import msgpack
+import ray
 import torch
 import zmq
 
@@ -54,11 +55,17 @@ class WorkerActor:
         model = Qwen3Model.from_pretrained(model_dir, dtype, device, max_model_len)
         rc = RunnerConfig(**runner)
         tables = slot_tables(model)
-        self.serial = arena_name is None
+        self.arena = None
+        if arena_name is not None:
+            try:
+                self.arena = HostArena.attach(arena_name, tables, rc.max_dims(model))
+            except FileNotFoundError:  # another node: the coordinator's memory is not here
+                log.info("arena %s not on this node: serializing transport", arena_name)
+        self.serial = self.arena is None
         if self.serial:
             self.arena = HostArena.create(tables, rc.max_dims(model), tag="remote")
-        else:
-            self.arena = HostArena.attach(arena_name, tables, rc.max_dims(model))
+            if arena_name is not None:  # truly off-node (not forced): reachable on the node's address
+                host = ray.util.get_node_ip_address()
         self.runner = ModelRunner(model, rc, self.arena)
         sock = self._ctx.socket(zmq.PAIR)
         sock.setsockopt(zmq.LINGER, 0)
@@ -67,6 +74,8 @@ class WorkerActor:
                                         name=f"steps-{self.worker_id}")
         self._thread.start()
         return {"endpoint": f"tcp://{host}:{port}", "pid": os.getpid(), "device": str(device),
+                "transport": "serial" if self.serial else "shm",
+                "node_id": ray.get_runtime_context().get_node_id(),
                 "kv_bytes": self.runner.kv.nbytes, "pool_bytes": self.runner.pool.nbytes}
 
     def _serve(self, sock: zmq.Socket) -> None:

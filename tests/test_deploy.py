@@ -1,0 +1,135 @@
+"""Deployment: scaling workers at run time, and ``ray job submit`` against a real head."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from coordinator.client import Client
+from coordinator.engine import LLMEngine
+from coordinator.server import Coordinator, ServerConfig
+from kernels.sampling import SamplingParams
+from shared_memory.arena import list_segments
+from worker.model_runner import RunnerConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+RC = RunnerConfig(max_batch=8, block_size=8, num_blocks=96, top_k=16)
+PROMPTS = [f"stream {i}: once upon a time" for i in range(20)]
+
+
+def _wait(pred, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_scale_1_to_2_to_1_while_20_requests_stream(ray_session):
+    params = [{"max_tokens": 40, "ignore_eos": True} if i % 2 else
+              {"max_tokens": 40, "temperature": 0.8, "top_k": 8, "seed": i, "ignore_eos": True}
+              for i in range(20)]
+    with LLMEngine("default", runner=RC) as eng:
+        want = [eng.generate([p], SamplingParams(**kw))[0].token_ids for p, kw in zip(PROMPTS, params)]
+    coord = Coordinator(ServerConfig(workers=1, device="cpu", port=0, runner=RC))
+    coord.start()
+    coord.serve_in_thread()
+    try:
+        results: dict[int, list[int]] = {}
+        first_tokens = threading.Semaphore(0)
+
+        def one(i: int) -> None:
+            with Client(coord.address, timeout_s=300) as c:
+                got = []
+                for f in c.stream(PROMPTS[i], **params[i]):
+                    if f["type"] == "token":
+                        got.append(f["token"])
+                        if len(got) == 1:
+                            first_tokens.release()
+                    else:
+                        assert f["token_ids"] == got
+                results[i] = got
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(20)]
+        for t in threads:
+            t.start()
+        first_tokens.acquire(timeout=120)
+        with Client(coord.address) as c:
+            assert c.scale(2)["starting"] == 1
+            _wait(lambda: len([w for w in c.stats()["workers"] if not w["draining"]]) == 2, 120, "2 workers")
+            reply = c.scale(1)
+            assert reply["draining"] == 1
+            _wait(lambda: len(c.stats()["workers"]) == 1, 120, "the drained worker to stop")
+        for t in threads:
+            t.join(timeout=300)
+        assert sorted(results) == list(range(20)), "every request finished"
+        assert [results[i] for i in range(20)] == want
+        with Client(coord.address) as c:
+            stats = c.stats()
+        assert stats["running"] == 0 and all(w["kv_blocks_used"] == 0 for w in stats["workers"])
+    finally:
+        coord.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(shutil.which("ray", path=str(Path(sys.executable).parent)) is None,
+                    reason="the ray CLI is not installed beside this python")
+def test_ray_job_submit_serves_and_job_stop_cleans_up(tmp_path):
+    bindir = Path(sys.executable).parent
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", RAY_AUTH_MODE="disabled",
+               RAY_USAGE_STATS_ENABLED="0", FUSEDSERVE_CACHE=os.environ["FUSEDSERVE_CACHE"])
+    env.pop("RAY_ADDRESS", None)
+    gcs, dash, port = _free_port(), _free_port(), _free_port()
+    ray_bin = str(bindir / "ray")
+    before = set(list_segments())
+    subprocess.run([ray_bin, "start", "--head", f"--port={gcs}", f"--dashboard-port={dash}",
+                    "--dashboard-host=127.0.0.1", "--num-cpus=3", "--disable-usage-stats"],
+                   env=env, check=True, capture_output=True, timeout=120)
+    address = f"http://127.0.0.1:{dash}"
+    try:
+        out = subprocess.run(
+            [ray_bin, "job", "submit", "--address", address, "--working-dir", str(ROOT), "--no-wait",
+             "--", "python", "-m", "deploy.serve", "--model", "default", "--workers", "auto",
+             "--device", "cpu", "--port", str(port), "--max-batch", "4", "--num-blocks", "64"],
+            env=env, check=True, capture_output=True, text=True, timeout=180)
+        words = out.stdout.split()
+        job_id = next(w.strip("'\"") for w in words if w.strip("'\"").startswith("raysubmit_"))
+        with Client(f"tcp://127.0.0.1:{port}", timeout_s=5) as c:
+            def up() -> bool:
+                try:
+                    return c.health()["ok"]
+                except TimeoutError:
+                    return False
+            _wait(up, 150, "the job's server")
+            got = c.generate("The capital of France is", max_tokens=12, ignore_eos=True)
+        with LLMEngine("default", runner=RunnerConfig(max_batch=4, num_blocks=64)) as eng:
+            want = eng.generate(["The capital of France is"], SamplingParams(max_tokens=12, ignore_eos=True))
+        assert got["token_ids"] == want[0].token_ids
+        subprocess.run([ray_bin, "job", "stop", "--address", address, job_id], env=env, check=True,
+                       capture_output=True, timeout=120)
+        probe = ("from ray.util.state import list_actors; import json; "
+                 "print(json.dumps([a.class_name for a in "
+                 f"list_actors(address={address!r}, filters=[('state', '=', 'ALIVE')])]))")
+
+        def clean() -> bool:
+            alive = json.loads(subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                                              text=True, timeout=60).stdout.strip().splitlines()[-1])
+            return "WorkerActor" not in alive and set(list_segments()) <= before
+        _wait(clean, 60, "no worker actor and no new segment after job stop")
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
