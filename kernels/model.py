@@ -84,8 +84,12 @@ class Qwen3Model:
     """Weights, rotary tables and the launch entry points for one device."""
 
     def __init__(self, config: Qwen3Config, weights: Qwen3Weights, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", max_model_len: int | None = None):
+                 device: torch.device | str = "cpu", max_model_len: int | None = None,
+                 single_row_gemv: bool = False):
         self.config = config
+        # Opt-in: faster one-row bf16 decode on the CPU, but its rounding differs from the
+        # batched kernel's, so outputs stop being independent of the batch a request lands in.
+        self.single_row_gemv = single_row_gemv
         self.dtype = dtype
         self.device = torch.device(device)
         self.max_model_len = min(max_model_len or config.max_position_embeddings,
@@ -197,10 +201,10 @@ class Qwen3Model:
         self._sample(h, ws, out, b, want_topk)
 
     def _linear_for(self, rows: int):
-        """The matmul for a step of ``rows`` rows: ATen's native GEMV for one bf16 row on the
-        CPU (measured here ~1.7x the weight-streaming rate of oneDNN's, which wins from two
-        rows up), else ``torch.mm``."""
-        if rows == 1 and self.device.type == "cpu" and self.dtype == torch.bfloat16:
+        """The matmul for a step of ``rows`` rows: with ``single_row_gemv``, ATen's native GEMV
+        for one bf16 row on the CPU (measured here ~1.7x the weight-streaming rate of oneDNN's,
+        which wins from two rows up); else ``torch.mm``, whose rows do not depend on the batch."""
+        if self.single_row_gemv and rows == 1 and self.device.type == "cpu" and self.dtype == torch.bfloat16:
             return linear_gemv
         return linear
 
