@@ -22,7 +22,7 @@ from shared_memory.arena import list_segments
 from worker.model_runner import RunnerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-RC = RunnerConfig(max_batch=8, block_size=8, num_blocks=96, top_k=16)
+RC = RunnerConfig(max_batch=8, block_size=8, num_blocks=200, top_k=16)  # no preemption here
 PROMPTS = [f"stream {i}: once upon a time" for i in range(20)]
 
 
@@ -39,9 +39,9 @@ def test_scale_1_to_2_to_1_while_20_requests_stream(ray_session):
     params = [{"max_tokens": 40, "ignore_eos": True} if i % 2 else
               {"max_tokens": 40, "temperature": 0.8, "top_k": 8, "seed": i, "ignore_eos": True}
               for i in range(20)]
-    with LLMEngine("default", runner=RC) as eng:
+    with LLMEngine("default", dtype="float32", runner=RC) as eng:
         want = [eng.generate([p], SamplingParams(**kw))[0].token_ids for p, kw in zip(PROMPTS, params)]
-    coord = Coordinator(ServerConfig(workers=1, device="cpu", port=0, runner=RC))
+    coord = Coordinator(ServerConfig(workers=1, device="cpu", port=0, runner=RC, dtype="float32"))
     coord.start()
     coord.serve_in_thread()
     try:
@@ -97,16 +97,25 @@ def test_ray_job_submit_serves_and_job_stop_cleans_up(tmp_path):
     gcs, dash, port = _free_port(), _free_port(), _free_port()
     ray_bin = str(bindir / "ray")
     before = set(list_segments())
+    # Every port explicit: the session's in-process cluster already holds the default agent ports.
+    agent = [f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
+             f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
+             f"--node-manager-port={_free_port()}", f"--object-manager-port={_free_port()}"]
     subprocess.run([ray_bin, "start", "--head", f"--port={gcs}", f"--dashboard-port={dash}",
-                    "--dashboard-host=127.0.0.1", "--num-cpus=3", "--disable-usage-stats"],
+                    "--dashboard-host=127.0.0.1", "--num-cpus=3", "--disable-usage-stats", *agent],
                    env=env, check=True, capture_output=True, timeout=120)
     address = f"http://127.0.0.1:{dash}"
     try:
-        out = subprocess.run(
-            [ray_bin, "job", "submit", "--address", address, "--working-dir", str(ROOT), "--no-wait",
-             "--", "python", "-m", "deploy.serve", "--model", "default", "--workers", "auto",
-             "--device", "cpu", "--port", str(port), "--max-batch", "4", "--num-blocks", "64"],
-            env=env, check=True, capture_output=True, text=True, timeout=180)
+        submit = [ray_bin, "job", "submit", "--address", address, "--working-dir", str(ROOT), "--no-wait",
+                  "--", "python", "-m", "deploy.serve", "--model", "default", "--workers", "auto",
+                  "--device", "cpu", "--port", str(port), "--max-batch", "4", "--num-blocks", "64",
+                  "--dtype", "float32"]
+        for _ in range(20):  # the head's job agent comes up a few seconds after `ray start`
+            out = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=180)
+            if out.returncode == 0 or "No available agent" not in out.stderr:
+                break
+            time.sleep(2)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
         words = out.stdout.split()
         job_id = next(w.strip("'\"") for w in words if w.strip("'\"").startswith("raysubmit_"))
         with Client(f"tcp://127.0.0.1:{port}", timeout_s=5) as c:
@@ -117,7 +126,7 @@ def test_ray_job_submit_serves_and_job_stop_cleans_up(tmp_path):
                     return False
             _wait(up, 150, "the job's server")
             got = c.generate("The capital of France is", max_tokens=12, ignore_eos=True)
-        with LLMEngine("default", runner=RunnerConfig(max_batch=4, num_blocks=64)) as eng:
+        with LLMEngine("default", dtype="float32", runner=RunnerConfig(max_batch=4, num_blocks=64)) as eng:
             want = eng.generate(["The capital of France is"], SamplingParams(max_tokens=12, ignore_eos=True))
         assert got["token_ids"] == want[0].token_ids
         subprocess.run([ray_bin, "job", "stop", "--address", address, job_id], env=env, check=True,

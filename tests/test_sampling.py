@@ -12,7 +12,8 @@ from worker.model_runner import RunnerConfig
 
 @pytest.fixture(scope="module")
 def engine():
-    with LLMEngine("default", runner=RunnerConfig(max_batch=8, num_blocks=64, top_k=32)) as eng:
+    rc = RunnerConfig(max_batch=8, num_blocks=64, top_k=32)
+    with LLMEngine("default", dtype="float32", runner=rc) as eng:
         yield eng
 
 

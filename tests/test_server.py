@@ -17,6 +17,9 @@ from shared_memory.arena import list_segments
 from worker.model_runner import RunnerConfig
 
 RC = RunnerConfig(max_batch=8, block_size=8, num_blocks=96, top_k=16)
+# float32: its CPU kernels give each row the same bits whatever the batch, so served output
+# (batched with strangers) can equal offline output exactly; bf16 oneDNN kernels do not.
+DTYPE = "float32"
 PROMPTS = [f"prompt {i}: the capital of France is" for i in range(6)] + ["Hello", "def hello(name):"]
 
 
@@ -29,7 +32,7 @@ def _params(i: int) -> dict:
 
 @pytest.fixture(scope="module")
 def reference():
-    with LLMEngine("default", runner=RC) as eng:
+    with LLMEngine("default", dtype=DTYPE, runner=RC) as eng:
         def run(prompt: str, params: dict) -> list[int]:
             return eng.generate([prompt], SamplingParams(**params))[0].token_ids
         yield run
@@ -39,7 +42,8 @@ def reference():
                 ids=["1worker", "2workers", "2workers-serial"])
 def server(request, ray_session):
     workers, transport = request.param
-    coord = Coordinator(ServerConfig(workers=workers, device="cpu", port=0, runner=RC, transport=transport))
+    coord = Coordinator(ServerConfig(workers=workers, device="cpu", port=0, runner=RC, transport=transport,
+                                     dtype=DTYPE))
     coord.start()
     coord.serve_in_thread()
     yield coord
