@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -81,6 +83,31 @@ def test_scale_1_to_2_to_1_while_20_requests_stream(ray_session):
         coord.shutdown()
 
 
+def _stop_head(temp_dir: str) -> None:
+    """End the processes of the head started with ``temp_dir`` (and only those)."""
+    def pids() -> list[int]:
+        found = []
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit() and int(d.name) != os.getpid():
+                try:
+                    if temp_dir.encode() in (d / "cmdline").read_bytes():
+                        found.append(int(d.name))
+                except OSError:
+                    pass
+        return found
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + 10
+        while pids() and time.time() < deadline:
+            time.sleep(0.2)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -101,8 +128,10 @@ def test_ray_job_submit_serves_and_job_stop_cleans_up(tmp_path):
     agent = [f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
              f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
              f"--node-manager-port={_free_port()}", f"--object-manager-port={_free_port()}"]
+    temp_dir = tempfile.mkdtemp(prefix="rayhead", dir="/tmp")  # short: Ray puts sockets in it
     subprocess.run([ray_bin, "start", "--head", f"--port={gcs}", f"--dashboard-port={dash}",
-                    "--dashboard-host=127.0.0.1", "--num-cpus=3", "--disable-usage-stats", *agent],
+                    "--dashboard-host=127.0.0.1", "--num-cpus=3", "--disable-usage-stats",
+                    f"--temp-dir={temp_dir}", *agent],
                    env=env, check=True, capture_output=True, timeout=120)
     address = f"http://127.0.0.1:{dash}"
     try:
@@ -141,4 +170,4 @@ def test_ray_job_submit_serves_and_job_stop_cleans_up(tmp_path):
             return "WorkerActor" not in alive and set(list_segments()) <= before
         _wait(clean, 60, "no worker actor and no new segment after job stop")
     finally:
-        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        _stop_head(temp_dir)  # not `ray stop`: that would also end this session's own cluster
