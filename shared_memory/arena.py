@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from shared_memory.slots import SlotError, SlotTable
+from shared_memory.slots import SlotError, SlotTable, front_view
 
 log = logging.getLogger(__name__)
 
@@ -164,15 +164,7 @@ class HostArena:
 
     def view(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The slot's first ``prod(shape)`` elements, shaped ``shape`` (contiguous, no copy)."""
-        full = self.full(name)
-        n = 1
-        for d in shape:
-            n *= d
-        if n > full.numel() or len(shape) != full.dim() or any(
-            d > m for d, m in zip(shape, full.shape)
-        ):
-            raise SlotError(f"slot {name!r}: shape {shape} exceeds the arena's {tuple(full.shape)}")
-        return full.view(-1)[:n].view(shape)
+        return front_view(self.full(name), shape, name)
 
     def close(self) -> None:
         """Unmap; the owner also unlinks the segment. Idempotent."""

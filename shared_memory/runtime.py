@@ -15,16 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared_memory.arena import HostArena
-from shared_memory.slots import SlotError, SlotTable
-
-
-def _front(full: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
-    n = 1
-    for d in shape:
-        n *= d
-    if len(shape) != full.dim() or any(d > m for d, m in zip(shape, full.shape)):
-        raise SlotError(f"slot {name!r}: shape {shape} exceeds the allocated {tuple(full.shape)}")
-    return full.view(-1)[:n].view(shape)
+from shared_memory.slots import SlotError, SlotTable, front_view
 
 
 class DeviceScratchPool:
@@ -60,7 +51,7 @@ class DeviceScratchPool:
             raise SlotError(f"scratch pool has no slot {name!r}") from None
 
     def view(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        return _front(self.full(name), shape, name)
+        return front_view(self.full(name), shape, name)
 
     @property
     def nbytes(self) -> int:

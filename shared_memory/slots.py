@@ -36,6 +36,17 @@ class SlotError(ValueError):
 Dim = str | int
 
 
+def front_view(full: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
+    """The first ``prod(shape)`` elements of a max-sized slot tensor, shaped ``shape``
+    (contiguous, no copy): how a launch with smaller dims uses buffers sized once."""
+    n = 1
+    for d in shape:
+        n *= d
+    if len(shape) != full.dim() or any(d > m for d, m in zip(shape, full.shape)):
+        raise SlotError(f"slot {name!r}: shape {shape} exceeds the allocated {tuple(full.shape)}")
+    return full.view(-1)[:n].view(shape)
+
+
 @dataclass(frozen=True)
 class Slot:
     name: str
