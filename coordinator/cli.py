@@ -11,7 +11,7 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from coordinator.client import DEFAULT_ADDRESS, Client
+from coordinator.client import DEFAULT_ADDRESS, TOKEN_ENV, Client
 from worker.model_runner import RunnerConfig
 
 DEMO_PROMPTS = [
@@ -33,13 +33,28 @@ def _workers(value: str) -> int:
     return n
 
 
-def _server_config(args: argparse.Namespace):
-    from coordinator.server import ServerConfig
+AUTH_HELP = (f"a file holding the shared auth token (or set ${TOKEN_ENV}); required to bind beyond "
+             "loopback. Every frame must then carry it. The token is checked, not encrypted: beyond a "
+             "trusted network, reach the port through an SSH tunnel or a VPN.")
+
+
+def _read_token(args: argparse.Namespace) -> str | None:
+    if getattr(args, "auth_token_file", None):
+        with open(args.auth_token_file) as f:
+            return f.read().strip() or None
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def _server_config(args: argparse.Namespace, token: str | None = None):
+    from coordinator.server import Limits, ServerConfig
 
     rc = RunnerConfig(max_batch=args.max_batch, block_size=args.block_size, num_blocks=args.num_blocks)
+    limits = Limits(max_tokens=args.max_tokens_limit, max_requests_per_client=args.max_requests_per_client,
+                    max_prompt_tokens=args.max_prompt_tokens)
     return ServerConfig(model=args.model, workers=args.workers, device=args.device, host=args.host,
                         port=args.port, dtype=args.dtype, max_model_len=args.max_model_len, runner=rc,
-                        threads_per_worker=args.threads_per_worker, transport=args.transport)
+                        threads_per_worker=args.threads_per_worker, transport=args.transport,
+                        auth_token=token, limits=limits)
 
 
 def _init_ray(address: str | None, workers: int) -> None:
@@ -53,28 +68,45 @@ def _init_ray(address: str | None, workers: int) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from coordinator.server import Coordinator
+    from coordinator.server import LOOPBACK, MIN_TOKEN_CHARS, Coordinator
 
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"refusing to bind {args.host}: only loopback is supported without authentication",
+    token = _read_token(args)
+    if args.host not in LOOPBACK and token is None:
+        print(f"fusedserve: refusing to bind {args.host}: beyond loopback every client must "
+              f"authenticate. Give --auth-token-file FILE (or set ${TOKEN_ENV}) with a token of at "
+              f"least {MIN_TOKEN_CHARS} characters; clients send it with --auth-token-file or "
+              f"${TOKEN_ENV}.", file=sys.stderr)
+        return 2
+    if token is not None and len(token) < MIN_TOKEN_CHARS:
+        print(f"fusedserve: the auth token must have at least {MIN_TOKEN_CHARS} characters",
               file=sys.stderr)
         return 2
     _init_ray(args.ray_address, args.workers)
-    coord = Coordinator(_server_config(args))
+    coord = Coordinator(_server_config(args, token))
     coord.start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     coord.serve_in_thread()
-    print(f"fusedserve: serving on {coord.address} with {len(coord.workers)} workers", flush=True)
-    stop.wait()
+    auth = "token auth on every frame" if token else "no auth (loopback only)"
+    print(f"fusedserve: serving on {coord.address} with {len(coord.workers)} workers; {auth}", flush=True)
+    rc = 0
+    while not stop.wait(0.5):
+        if not coord.alive():
+            print("fusedserve: the coordinator loop died; see the log", file=sys.stderr)
+            rc = 1
+            break
     print("fusedserve: shutting down", flush=True)
     coord.shutdown()
-    return 0
+    return rc
+
+
+def _client(args: argparse.Namespace) -> Client:
+    return Client(args.address, token=_read_token(args))
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
-    with Client(args.address) as c:
+    with _client(args) as c:
         print(json.dumps(c.scale(args.workers), indent=2))
     return 0
 
@@ -84,7 +116,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
               "top_p": args.top_p}
     if args.seed is not None:
         params["seed"] = args.seed
-    with Client(args.address) as c:
+    with _client(args) as c:
         if args.stream:
             for frame in c.stream(args.prompt, **params):
                 if frame["type"] == "token":
@@ -97,7 +129,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    with Client(args.address) as c:
+    with _client(args) as c:
         print(json.dumps(c.stats(), indent=2))
     return 0
 
@@ -145,7 +177,15 @@ def main(argv: list[str] | None = None) -> int:
                        help="serial forces the off-node serializing transport")
         p.add_argument("--device", default="cpu" if name == "demo" else "auto",
                        choices=["auto", "cpu", "cuda", "npu"])
-        p.add_argument("--host", default="127.0.0.1")
+        p.add_argument("--host", default="127.0.0.1",
+                       help="bind address; anything beyond loopback requires --auth-token-file")
+        p.add_argument("--auth-token-file", default=None, help=AUTH_HELP)
+        p.add_argument("--max-tokens-limit", type=int, default=None,
+                       help="largest max_tokens a request may ask for (default: max-model-len)")
+        p.add_argument("--max-prompt-tokens", type=int, default=None,
+                       help="longest prompt in tokens (default: max-model-len - 1)")
+        p.add_argument("--max-requests-per-client", type=int, default=256,
+                       help="requests one connection may have in flight")
         p.add_argument("--port", type=int, default=5557)
         p.add_argument("--dtype", default=None)
         p.add_argument("--max-model-len", type=int, default=1024)
@@ -157,7 +197,6 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--ray-address", default=None)
     g = sub.add_parser("generate")
     g.add_argument("prompt")
-    g.add_argument("--address", default=DEFAULT_ADDRESS)
     g.add_argument("--max-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -165,10 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stream", action="store_true")
     s = sub.add_parser("stats")
-    s.add_argument("--address", default=DEFAULT_ADDRESS)
     sc = sub.add_parser("scale", help="add or drain workers at run time")
     sc.add_argument("workers", type=int)
-    sc.add_argument("--address", default=DEFAULT_ADDRESS)
+    for p in (g, s, sc):
+        p.add_argument("--address", default=DEFAULT_ADDRESS)
+        p.add_argument("--auth-token-file", default=None, help=f"the server's token file (or ${TOKEN_ENV})")
     args = ap.parse_args(argv)
     commands = {"serve": cmd_serve, "generate": cmd_generate, "stats": cmd_stats, "demo": cmd_demo,
                 "scale": cmd_scale}

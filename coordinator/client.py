@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -17,6 +18,7 @@ import zmq
 import zmq.asyncio
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5557"
+TOKEN_ENV = "FUSEDSERVE_AUTH_TOKEN"
 
 
 class ServerError(RuntimeError):
@@ -32,8 +34,16 @@ def _generate_msg(rid: Any, prompt: str | list[int], stream: bool, params: dict)
     return msg
 
 
+def _token(token: str | None) -> str | None:
+    return token if token is not None else os.environ.get(TOKEN_ENV) or None
+
+
 class Client:
-    def __init__(self, address: str = DEFAULT_ADDRESS, timeout_s: float = 120.0):
+    """``token``: the server's auth token (default: $FUSEDSERVE_AUTH_TOKEN), sent on every frame."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout_s: float = 120.0,
+                 token: str | None = None):
+        self.token = _token(token)
         self._ctx = zmq.Context.instance()
         self.sock = self._ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -46,16 +56,22 @@ class Client:
         return f"{self._prefix}-{next(self._ids)}"
 
     def send(self, msg: dict) -> None:
+        if self.token is not None:
+            msg = {**msg, "auth": self.token}
         self.sock.send(msgpack.packb(msg, use_bin_type=True))
 
     def send_raw(self, frame: bytes) -> None:
         self.sock.send(frame)
 
     def recv(self) -> dict:
-        try:
-            return msgpack.unpackb(self.sock.recv(), raw=False)
-        except zmq.Again:
-            raise TimeoutError("no reply from the coordinator in time") from None
+        """The next reply; the server's liveness ``ping`` frames are skipped."""
+        while True:
+            try:
+                reply = msgpack.unpackb(self.sock.recv(), raw=False)
+            except zmq.Again:
+                raise TimeoutError("no reply from the coordinator in time") from None
+            if reply.get("type") != "ping":
+                return reply
 
     def _call(self, msg: dict) -> dict:
         self.send(msg)
@@ -114,7 +130,8 @@ class Client:
 class AsyncClient:
     """Many concurrent requests over one socket; a reader task routes replies by id."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS):
+    def __init__(self, address: str = DEFAULT_ADDRESS, token: str | None = None):
+        self.token = _token(token)
         self._ctx = zmq.asyncio.Context.instance()
         self.sock = self._ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -136,6 +153,8 @@ class AsyncClient:
             self._reader = asyncio.get_running_loop().create_task(self._read())
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
+        if self.token is not None:
+            msg = {**msg, "auth": self.token}
         await self.sock.send(msgpack.packb(msg, use_bin_type=True))
         return q
 

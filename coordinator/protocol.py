@@ -3,10 +3,16 @@
 Parsing is total: any frame either becomes a typed request or raises
 ``ProtocolError`` with a code, a message and (when it could be read) the id, so
 the server can answer it and go on serving everyone else.
+
+Authentication: a server started with a token refuses (``unauthorized``) every frame
+whose ``auth`` field does not carry it, before reading anything else in the frame.
+Server-to-client frames are ``token``, ``done``, ``error``, the control replies, and
+``ping`` (no id): a liveness probe that clients ignore.
 """
 
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,10 +70,19 @@ def _valid_id(value: Any) -> bool:
             and (len(value) <= 256 if isinstance(value, str) else -(2**63) <= value < 2**64))
 
 
-def parse(frame: bytes) -> GenerateRequest | ControlRequest:
+def check_token(expected: str | None, given: Any) -> bool:
+    """Constant-time comparison: a wrong token takes as long to refuse as a right one to pass."""
+    if expected is None:
+        return True
+    return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
+
+
+def parse(frame: bytes, token: str | None = None) -> GenerateRequest | ControlRequest:
     msg = unpack(frame)
     if not isinstance(msg, dict):
         raise ProtocolError("bad_frame", f"frame must be a msgpack map, got {type(msg).__name__}")
+    if not check_token(token, msg.get("auth")):
+        raise ProtocolError("unauthorized", "missing or wrong auth token (field 'auth')")
     rid = msg.get("id")
     if not _valid_id(rid):
         raise ProtocolError("bad_field", "field 'id' must be a string (<= 256 chars) or an integer",

@@ -137,6 +137,10 @@ class Scheduler:
         self.waiting.append(seq)
         return seq
 
+    def enqueue(self, seq: Sequence) -> None:
+        """Queue a request validated elsewhere (the coordinator numbers arrivals globally)."""
+        self.waiting.append(seq)
+
     def resume(self, seq: Sequence) -> None:
         """Queue a sequence that already has tokens (moved here from a failed worker)."""
         self.waiting.appendleft(seq)

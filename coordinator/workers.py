@@ -1,0 +1,270 @@
+"""The coordinator's worker actors: start, attach, watch for death, replace, drain, stop.
+
+Each worker gets its own arena and scheduler here. Death is seen from the step
+socket, not from Ray: the coordinator's PAIR socket carries a monitor (a process
+that dies closes its TCP connection at once) and ZMTP heartbeats (a host that
+vanishes stops answering them), so a lost worker is noticed in milliseconds to
+about a second, and a launch that outlives ``step_timeout_s`` counts as a hung
+worker. What to do with a lost worker's requests is the coordinator's business.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from coordinator.scheduler import Scheduler, Sequence, StepBatch
+from shared_memory.arena import HostArena
+from shared_memory.slots import SlotTable
+from worker.actor import WorkerActor
+from worker.device import DeviceInfo
+from worker.model_runner import LaunchDescriptor
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_IVL_MS = 200
+HEARTBEAT_TIMEOUT_MS = 800
+STOP_GRACE_S = 10.0
+
+
+@dataclass
+class WorkerHandle:
+    worker_id: str
+    actor: Any
+    arena: HostArena
+    scheduler: Scheduler
+    sock: zmq.Socket
+    monitor: zmq.Socket
+    info: dict
+    inflight: tuple[StepBatch, LaunchDescriptor, float] | None = None
+    steps: int = 0
+    tokens: int = 0
+    last_decode: dict | None = None
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    serial: bool = False
+    wire_bytes: int = 0
+    kernel_s: float = 0.0
+    # Recent decode steps as (batch, coordinator wall s, worker launch s): the overhead figure.
+    recent: deque = field(default_factory=lambda: deque(maxlen=4096))
+    draining: bool = False
+
+    def lost(self) -> bool:
+        """True when the step socket's peer has disconnected (drains the monitor)."""
+        gone = False
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            gone = gone or event["event"] in (zmq.EVENT_DISCONNECTED, zmq.EVENT_MONITOR_STOPPED)
+        return gone
+
+    def sequences(self) -> list[Sequence]:
+        """Every unfinished request this worker holds, oldest first."""
+        s = self.scheduler
+        return sorted([*s.running, *s.waiting], key=lambda q: q.arrival)
+
+
+@dataclass
+class Starting:
+    """A worker whose start call is still running."""
+
+    worker_id: str
+    actor: Any
+    arena: HostArena
+    ref: Any
+    replaces: str | None = None
+
+
+@dataclass
+class Failure:
+    worker_id: str
+    reason: str
+    at: float
+    requests: int  # unfinished requests it held, all re-run elsewhere
+
+
+@dataclass
+class PoolConfig:
+    model_dir: str
+    dtype: str | None
+    max_model_len: int
+    runner: dict
+    cpus_per_worker: int
+    threads_per_worker: int
+    serial: bool
+    step_timeout_s: float
+    max_restarts: int  # replacements allowed per restart_window_s
+    restart_window_s: float = 60.0
+
+
+class WorkerPool:
+    def __init__(self, ctx: zmq.Context, cfg: PoolConfig, device: DeviceInfo, tables: list[SlotTable],
+                 max_dims: dict[str, int], new_scheduler: Callable[[], Scheduler]):
+        self.ctx = ctx
+        self.cfg = cfg
+        self.device = device
+        self.tables = tables
+        self.max_dims = max_dims
+        self.new_scheduler = new_scheduler
+        self.workers: list[WorkerHandle] = []
+        self.starting: list[Starting] = []
+        self.stopping: list[tuple[Any, Any, float]] = []
+        self.failures: list[Failure] = []
+        self._restarts: deque[float] = deque()
+        self._next_id = 0
+
+    @property
+    def active(self) -> list[WorkerHandle]:
+        return [w for w in self.workers if not w.draining]
+
+    def spawn(self, replaces: str | None = None) -> Starting:
+        """Create a worker actor and its arena; the start call runs in the background."""
+        wid = f"w{self._next_id}"
+        self._next_id += 1
+        arena = HostArena.create(self.tables, self.max_dims, tag=wid)
+        options = self.device.ray_resources(self.cfg.cpus_per_worker)
+        actor = ray.remote(WorkerActor).options(max_concurrency=2, **options).remote(
+            wid, self.device.kind, self.cfg.threads_per_worker)
+        # A worker on another node cannot attach the arena and falls back to the serializing
+        # transport by itself; the serial option forces that path here too.
+        name = None if self.cfg.serial else arena.name
+        ref = actor.start.remote(self.cfg.model_dir, self.cfg.dtype, self.cfg.max_model_len,
+                                 self.cfg.runner, name)
+        starting = Starting(wid, actor, arena, ref, replaces)
+        self.starting.append(starting)
+        return starting
+
+    def start(self, n: int) -> None:
+        """Start ``n`` workers and wait for all of them (the server's first start)."""
+        for starting in [self.spawn() for _ in range(n)]:
+            self.starting.remove(starting)
+            self._attach(starting, ray.get(starting.ref))
+
+    def _attach(self, starting: Starting, info: dict) -> WorkerHandle:
+        sock = self.ctx.socket(zmq.PAIR)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        sock.setsockopt(zmq.RECONNECT_IVL, -1)  # a worker's endpoint is never reused
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(info["endpoint"])
+        w = WorkerHandle(starting.worker_id, starting.actor, starting.arena, self.new_scheduler(), sock,
+                         monitor, info, serial=info["transport"] == "serial")
+        self.workers.append(w)
+        log.info("worker %s up: %s", w.worker_id, info)
+        return w
+
+    def poll_starting(self) -> list[WorkerHandle]:
+        """Attach the workers whose start finished; a failed start is replaced if allowed."""
+        attached = []
+        for starting in list(self.starting):
+            ready, _ = ray.wait([starting.ref], timeout=0)
+            if not ready:
+                continue
+            self.starting.remove(starting)
+            try:
+                attached.append(self._attach(starting, ray.get(starting.ref)))
+            except Exception as exc:  # noqa: BLE001 - a failed start must not take the server down
+                log.error("worker %s failed to start: %s", starting.worker_id, exc)
+                self._kill(starting.actor)
+                starting.arena.close()
+                self.failures.append(Failure(starting.worker_id, f"start failed: {exc}", time.time(), 0))
+                self._replace(starting.worker_id)
+        return attached
+
+    def find_lost(self, ready: dict) -> list[tuple[WorkerHandle, str]]:
+        """Workers whose socket peer left, or whose launch outlived ``step_timeout_s``."""
+        lost = []
+        now = time.perf_counter()
+        for w in self.workers:
+            if w.monitor in ready and w.lost():
+                lost.append((w, "step socket disconnected (process gone)"))
+            elif w.inflight is not None and now - w.inflight[2] > self.cfg.step_timeout_s:
+                lost.append((w, f"launch ran over {self.cfg.step_timeout_s:.0f} s (hung)"))
+        return lost
+
+    def remove_lost(self, w: WorkerHandle, reason: str) -> list[Sequence]:
+        """Drop a dead or hung worker; return its unfinished requests and start a replacement."""
+        seqs = w.sequences()
+        log.error("worker %s lost: %s; re-running %d requests", w.worker_id, reason, len(seqs))
+        self.workers.remove(w)
+        self.failures.append(Failure(w.worker_id, reason, time.time(), len(seqs)))
+        self._kill(w.actor)
+        self._close(w)
+        if not w.draining:
+            self._replace(w.worker_id)
+        return seqs
+
+    def _replace(self, worker_id: str) -> None:
+        now = time.monotonic()
+        while self._restarts and now - self._restarts[0] > self.cfg.restart_window_s:
+            self._restarts.popleft()
+        if len(self._restarts) >= self.cfg.max_restarts:
+            log.error("not replacing %s: %d restarts in %.0f s", worker_id, len(self._restarts),
+                      self.cfg.restart_window_s)
+            return
+        self._restarts.append(now)
+        self.spawn(replaces=worker_id)
+
+    def retire(self, w: WorkerHandle) -> None:
+        """Stop a drained worker without waiting on it: ask, then kill once it answered."""
+        self.workers.remove(w)
+        self.stopping.append((w.actor, w.actor.stop.remote(), time.monotonic() + STOP_GRACE_S))
+        self._close(w)
+
+    def poll_stopping(self) -> None:
+        for entry in list(self.stopping):
+            actor, ref, deadline = entry
+            ready, _ = ray.wait([ref], timeout=0)
+            if ready or time.monotonic() > deadline:
+                self.stopping.remove(entry)
+                self._kill(actor)
+
+    def shutdown(self) -> None:
+        """Stop every worker (in parallel, bounded wait), close sockets, unlink arenas."""
+        refs = []
+        for w in self.workers:
+            try:
+                refs.append(w.actor.stop.remote())
+            except Exception:  # noqa: BLE001 - the worker may already be gone
+                pass
+        try:
+            ray.wait(refs, num_returns=len(refs), timeout=STOP_GRACE_S)
+        except Exception:  # noqa: BLE001
+            log.warning("workers did not all stop cleanly")
+        for w in self.workers:
+            self._kill(w.actor)
+            self._close(w)
+        self.workers.clear()
+        for starting in self.starting:
+            self._kill(starting.actor)
+            starting.arena.close()
+        self.starting.clear()
+        for actor, _, _ in self.stopping:
+            self._kill(actor)
+        self.stopping.clear()
+
+    def busy(self) -> bool:
+        """Something for ``service`` to do: starts, stops or drains in progress."""
+        return bool(self.starting or self.stopping or any(w.draining for w in self.workers))
+
+    @staticmethod
+    def _kill(actor: Any) -> None:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+    @staticmethod
+    def _close(w: WorkerHandle) -> None:
+        w.sock.disable_monitor()
+        w.monitor.close(0)
+        w.sock.close(0)
+        w.arena.close()
