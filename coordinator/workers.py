@@ -31,7 +31,7 @@ from worker.model_runner import LaunchDescriptor
 log = logging.getLogger(__name__)
 
 HEARTBEAT_IVL_MS = 200
-HEARTBEAT_TIMEOUT_MS = 800
+HEARTBEAT_TIMEOUT_MS = 600
 STOP_GRACE_S = 10.0
 
 
@@ -185,7 +185,7 @@ class WorkerPool:
         now = time.perf_counter()
         for w in self.workers:
             if w.monitor in ready and w.lost():
-                lost.append((w, "step socket disconnected (process gone)"))
+                lost.append((w, "step socket disconnected (process gone or heartbeats unanswered)"))
             elif w.inflight is not None and now - w.inflight[2] > self.cfg.step_timeout_s:
                 lost.append((w, f"launch ran over {self.cfg.step_timeout_s:.0f} s (hung)"))
         return lost
