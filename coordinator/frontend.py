@@ -29,6 +29,11 @@ PING = protocol.pack({"type": "ping"})
 PROBE_WINDOW_S = 1.0  # libzmq may report a disconnect before the ROUTER drops the peer
 PROBE_EVERY_S = 0.1
 LAST_WORDS_S = 10.0
+# ZMTP heartbeats drop peers that vanished without closing TCP (a cable, a frozen host).
+# A peer that stops reading also stops answering them, so the timeout is kept well above
+# the time a stalled reader takes to fill its queue: that peer is found by FULL instead.
+HEARTBEAT_IVL_MS = 2000
+HEARTBEAT_TIMEOUT_MS = 30000
 
 
 class Delivery(enum.Enum):
@@ -56,7 +61,9 @@ class Frontend:
     disconnects: int = 0
 
     @classmethod
-    def bind(cls, ctx: zmq.Context, host: str, port: int, send_hwm: int) -> Frontend:
+    def bind(cls, ctx: zmq.Context, host: str, port: int, send_hwm: int,
+             send_buffer_bytes: int = 0) -> Frontend:
+        """Bind the ROUTER; ``send_buffer_bytes`` > 0 caps each peer's kernel send buffer."""
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         # Oversize frames are refused by libzmq while reading the header: the peer is
@@ -64,9 +71,10 @@ class Frontend:
         sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.SNDHWM, send_hwm)
-        # Heartbeats drop peers that vanished without closing TCP (a cable, a frozen host).
-        sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
+        if send_buffer_bytes > 0:
+            sock.setsockopt(zmq.SNDBUF, send_buffer_bytes)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         if port == 0:
             port = sock.bind_to_random_port(f"tcp://{host}")

@@ -77,6 +77,7 @@ class ServerConfig:
     max_restarts: int = 8  # worker replacements allowed per minute
     max_workers: int = 64  # the most a scale request may ask for
     send_hwm: int = 4096  # frames queued per client before it counts as not reading
+    send_buffer_bytes: int = 0  # kernel send buffer per client (0: the OS default, autotuned)
     # Required for any bind beyond loopback; when set, every frame must carry it as "auth".
     auth_token: str | None = None
     limits: Limits = field(default_factory=Limits)
@@ -163,7 +164,8 @@ class Coordinator:
                                self._new_scheduler)
         n = cfg.workers if cfg.workers > 0 else self.device_slots()
         self.pool.start(n)
-        self.frontend = Frontend.bind(self.ctx, cfg.host, cfg.port, cfg.send_hwm)
+        self.frontend = Frontend.bind(self.ctx, cfg.host, cfg.port, cfg.send_hwm,
+                                      cfg.send_buffer_bytes)
         self.address = self.frontend.address
         log.info("coordinator serving on %s with %d %s workers", self.address, n, self.device.kind)
 
