@@ -11,7 +11,7 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from coordinator.client import DEFAULT_ADDRESS, TOKEN_ENV, Client
+from coordinator.client import DEFAULT_ADDRESS, TOKEN_ENV, Client, ServerError
 from worker.model_runner import RunnerConfig
 
 DEMO_PROMPTS = [
@@ -212,7 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     commands = {"serve": cmd_serve, "generate": cmd_generate, "stats": cmd_stats, "demo": cmd_demo,
                 "scale": cmd_scale}
-    return commands[args.cmd](args)
+    try:
+        return commands[args.cmd](args)
+    except (ServerError, TimeoutError) as exc:  # a refused or unanswered client command
+        print(f"fusedserve: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -81,9 +81,10 @@ def parse(frame: bytes, token: str | None = None) -> GenerateRequest | ControlRe
     msg = unpack(frame)
     if not isinstance(msg, dict):
         raise ProtocolError("bad_frame", f"frame must be a msgpack map, got {type(msg).__name__}")
-    if not check_token(token, msg.get("auth")):
-        raise ProtocolError("unauthorized", "missing or wrong auth token (field 'auth')")
     rid = msg.get("id")
+    if not check_token(token, msg.get("auth")):
+        raise ProtocolError("unauthorized", "missing or wrong auth token (field 'auth')",
+                            rid if _valid_id(rid) else None)
     if not _valid_id(rid):
         raise ProtocolError("bad_field", "field 'id' must be a string (<= 256 chars) or an integer",
                             rid if _valid_id(rid) else None)

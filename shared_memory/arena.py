@@ -103,7 +103,8 @@ def remove_stale(shm_dir: Path = SHM_DIR) -> list[str]:
             except FileNotFoundError:
                 pass
     if removed:
-        log.info("removed %d stale shared-memory segments: %s", len(removed), removed)
+        log.warning("removed %d stale shared-memory segments (their owner died): %s",
+                    len(removed), removed)
     return removed
 
 

@@ -1,0 +1,90 @@
+"""`fusedserve serve` as a child process, joined to the test session's Ray cluster."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+
+SERVING = re.compile(r"serving on (tcp://\S+)")
+
+
+@dataclass
+class ServeProcess:
+    """A running coordinator process; ``address`` is where it listens."""
+
+    proc: subprocess.Popen
+    address: str
+    log_path: Path
+    lines: list[str] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, log_path: Path, *args: str, env: dict[str, str] | None = None,
+              timeout_s: float = 120.0) -> ServeProcess:
+        """Start ``fusedserve serve ARGS`` and wait for its "serving on" line."""
+        cmd = [sys.executable, "-m", "coordinator.cli", "serve", "--port", "0",
+               "--ray-address", ray.get_runtime_context().gcs_address, *args]
+        err = open(log_path, "w")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
+                                env={**os.environ, **(env or {})})
+        err.close()
+        lines: list[str] = []
+        found = threading.Event()
+
+        def read() -> None:
+            for line in proc.stdout:
+                lines.append(line)
+                if SERVING.search(line):
+                    found.set()
+            found.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not found.wait(timeout_s) or not any(SERVING.search(x) for x in lines):
+            proc.kill()
+            raise AssertionError(f"serve did not start: {lines} {log_path.read_text()[-3000:]}")
+        address = next(SERVING.search(x).group(1) for x in lines if SERVING.search(x))
+        return cls(proc, address.rstrip(";"), log_path, lines)
+
+    def signal(self, sig: signal.Signals) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout_s: float = 60.0) -> int:
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"serve did not exit: {self.log_path.read_text()[-3000:]}") from None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def wait_for(pred, timeout_s: float, what: str) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if pred():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
