@@ -79,7 +79,8 @@ def _owner_pid(name: str) -> int | None:
     return None
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process exists (owned by anyone): segment names carry their owner's pid."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -96,7 +97,7 @@ def remove_stale(shm_dir: Path = SHM_DIR) -> list[str]:
         return removed
     for entry in shm_dir.iterdir():
         pid = _owner_pid(entry.name)
-        if pid is not None and pid != os.getpid() and not _pid_alive(pid):
+        if pid is not None and pid != os.getpid() and not pid_alive(pid):
             try:
                 entry.unlink()
                 removed.append(entry.name)

@@ -21,20 +21,12 @@ from coordinator.engine import LLMEngine
 from coordinator.server import Coordinator, ServerConfig
 from kernels.sampling import SamplingParams
 from shared_memory.arena import list_segments
+from tests.waiting import wait_for
 from worker.model_runner import RunnerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 RC = RunnerConfig(max_batch=8, block_size=8, num_blocks=200, top_k=16)  # no preemption here
 PROMPTS = [f"stream {i}: once upon a time" for i in range(20)]
-
-
-def _wait(pred, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_scale_1_to_2_to_1_while_20_requests_stream(ray_session):
@@ -68,10 +60,11 @@ def test_scale_1_to_2_to_1_while_20_requests_stream(ray_session):
         first_tokens.acquire(timeout=120)
         with Client(coord.address) as c:
             assert c.scale(2)["starting"] == 1
-            _wait(lambda: len([w for w in c.stats()["workers"] if not w["draining"]]) == 2, 120, "2 workers")
+            wait_for(lambda: len([w for w in c.stats()["workers"] if not w["draining"]]) == 2, 120,
+                     "2 workers", every_s=0.1)
             reply = c.scale(1)
             assert reply["draining"] == 1
-            _wait(lambda: len(c.stats()["workers"]) == 1, 120, "the drained worker to stop")
+            wait_for(lambda: len(c.stats()["workers"]) == 1, 120, "the drained worker to stop", every_s=0.1)
         for t in threads:
             t.join(timeout=300)
         assert sorted(results) == list(range(20)), "every request finished"
@@ -153,7 +146,7 @@ def test_ray_job_submit_serves_and_job_stop_cleans_up(tmp_path):
                     return c.health()["ok"]
                 except TimeoutError:
                     return False
-            _wait(up, 150, "the job's server")
+            wait_for(up, 150, "the job's server", every_s=0.1)
             got = c.generate("The capital of France is", max_tokens=12, ignore_eos=True)
         with LLMEngine("default", dtype="float32", runner=RunnerConfig(max_batch=4, num_blocks=64)) as eng:
             want = eng.generate(["The capital of France is"], SamplingParams(max_tokens=12, ignore_eos=True))
@@ -168,6 +161,6 @@ def test_ray_job_submit_serves_and_job_stop_cleans_up(tmp_path):
             alive = json.loads(subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
                                               text=True, timeout=60).stdout.strip().splitlines()[-1])
             return "WorkerActor" not in alive and set(list_segments()) <= before
-        _wait(clean, 60, "no worker actor and no new segment after job stop")
+        wait_for(clean, 60, "no worker actor and no new segment after job stop", every_s=0.1)
     finally:
         _stop_head(temp_dir)  # not `ray stop`: that would also end this session's own cluster

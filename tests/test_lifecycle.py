@@ -15,7 +15,8 @@ import zmq
 
 from coordinator.client import Client
 from shared_memory.arena import list_segments
-from tests.serve_proc import ServeProcess, pid_alive, wait_for
+from tests.serve_proc import ServeProcess
+from tests.waiting import pid_alive, wait_for
 
 ARGS = ("--workers", "2", "--dtype", "float32", "--max-model-len", "1024")
 

@@ -17,7 +17,8 @@ import zmq
 from coordinator.client import Client
 from coordinator.engine import LLMEngine
 from kernels.sampling import SamplingParams
-from tests.serve_proc import ServeProcess, wait_for
+from tests.serve_proc import ServeProcess
+from tests.waiting import wait_for
 from worker.model_runner import RunnerConfig
 
 log = logging.getLogger(__name__)

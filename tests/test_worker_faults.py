@@ -15,6 +15,7 @@ from coordinator.engine import LLMEngine
 from coordinator.server import Coordinator, ServerConfig
 from kernels.sampling import SamplingParams
 from shared_memory.arena import list_segments
+from tests.waiting import pid_alive, wait_for
 from worker.model_runner import RunnerConfig
 
 RC = RunnerConfig(max_batch=16, block_size=8, num_blocks=200, top_k=16)
@@ -29,23 +30,6 @@ PARAMS = [{"max_tokens": 64, "ignore_eos": True} if i % 2 else
 def want() -> list[list[int]]:
     with LLMEngine("default", dtype="float32", runner=RC) as eng:
         return [eng.generate([p], SamplingParams(**kw))[0].token_ids for p, kw in zip(PROMPTS, PARAMS)]
-
-
-def _wait(pred, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 # SIGSTOP: a frozen process keeps its TCP connection open; only the heartbeats find it.
@@ -85,7 +69,7 @@ def test_worker_killed_mid_decode(ray_session, want, workers, how, notice_s):
             ray.kill(victim.actor)
         else:
             os.kill(pid, getattr(signal, how))
-        _wait(lambda: coord.pool.failures, 5, "the coordinator to notice")
+        wait_for(lambda: coord.pool.failures, 5, "the coordinator to notice")
         failure = coord.pool.failures[0]
         print(f"{how}: lost worker noticed after {failure.at - t_kill:.3f} s "
               f"({failure.requests} requests re-run): {failure.reason}")
@@ -100,12 +84,12 @@ def test_worker_killed_mid_decode(ray_session, want, workers, how, notice_s):
             assert len(dones) == 1 and frames[i][-1] is dones[0], f"request {i} finished exactly once"
             assert [f["index"] for f in tokens] == list(range(len(tokens))), f"request {i}: no repeats"
             assert [f["token"] for f in tokens] == dones[0]["token_ids"] == want[i], f"request {i}"
-        _wait(lambda: len(coord.pool.active) == workers, 120, "the replacement worker")
+        wait_for(lambda: len(coord.pool.active) == workers, 120, "the replacement worker")
         stats = Client(coord.address).stats()
         assert stats["faults"]["reruns"] == failure.requests
         assert stats["completed"] == N and stats["running"] == 0 and stats["queue_length"] == 0
         assert all(w["kv_blocks_used"] == 0 for w in stats["workers"])
         assert segment not in list_segments(), "the lost worker's arena is unlinked"
-        _wait(lambda: not _pid_alive(pid), 30, "the killed process to be gone")
+        wait_for(lambda: not pid_alive(pid), 30, "the killed process to be gone")
     finally:
         coord.shutdown()
