@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -23,34 +22,33 @@ class ServeProcess:
     proc: subprocess.Popen
     address: str
     log_path: Path
-    lines: list[str] = field(default_factory=list)
+    lines: list[str]
 
     @classmethod
-    def start(cls, log_path: Path, *args: str, env: dict[str, str] | None = None,
-              timeout_s: float = 120.0) -> ServeProcess:
+    def start(cls, log_path: Path, *args: str, timeout_s: float = 120.0) -> ServeProcess:
         """Start ``fusedserve serve ARGS`` and wait for its "serving on" line."""
         cmd = [sys.executable, "-m", "coordinator.cli", "serve", "--port", "0",
                "--ray-address", ray.get_runtime_context().gcs_address, *args]
         err = open(log_path, "w")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
-                                env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
         err.close()
         lines: list[str] = []
-        found = threading.Event()
+        found: list[str] = []
+        done = threading.Event()
 
-        def read() -> None:
+        def read() -> None:  # keeps draining stdout so the child never blocks on it
             for line in proc.stdout:
                 lines.append(line)
-                if SERVING.search(line):
-                    found.set()
-            found.set()
+                if not found and (m := SERVING.search(line)):
+                    found.append(m.group(1))
+                    done.set()
+            done.set()
 
         threading.Thread(target=read, daemon=True).start()
-        if not found.wait(timeout_s) or not any(SERVING.search(x) for x in lines):
+        if not done.wait(timeout_s) or not found:
             proc.kill()
             raise AssertionError(f"serve did not start: {lines} {log_path.read_text()[-3000:]}")
-        address = next(SERVING.search(x).group(1) for x in lines if SERVING.search(x))
-        return cls(proc, address.rstrip(";"), log_path, lines)
+        return cls(proc, found[0], log_path, lines)
 
     def signal(self, sig: signal.Signals) -> None:
         self.proc.send_signal(sig)

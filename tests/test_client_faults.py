@@ -10,6 +10,7 @@ import zmq
 
 from coordinator.client import Client
 from coordinator.server import Coordinator, ServerConfig
+from tests.support import dealer, settled
 from worker.model_runner import RunnerConfig
 
 RC = RunnerConfig(max_batch=16, block_size=16, num_blocks=1200, top_k=16)
@@ -25,29 +26,9 @@ def server(ray_session):
     coord.shutdown()
 
 
-def _raw(address: str, **opts: int) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    for name, value in opts.items():
-        sock.setsockopt(getattr(zmq, name), value)
-    sock.connect(address)
-    return sock
-
-
 def _request(rid: int, stream: bool, max_tokens: int) -> bytes:
     return msgpack.packb({"type": "generate", "id": rid, "prompt_ids": [3, 1, 4, 1, 5],
                           "max_tokens": max_tokens, "ignore_eos": True, "stream": stream})
-
-
-def _settled(c: Client, timeout: float = 30) -> dict:
-    """Stats once nothing runs or waits and every KV block is free (or the last stats)."""
-    deadline = time.time() + timeout
-    while True:
-        stats = c.stats()
-        idle = stats["running"] == 0 and stats["queue_length"] == 0 and stats["coordinator"]["pending"] == 0
-        if idle and all(w["kv_blocks_used"] == 0 for w in stats["workers"]) or time.time() > deadline:
-            return stats
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streaming", "non-streaming"])
@@ -55,7 +36,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server, stream):
     with Client(server.address) as c:
         before = c.stats()
         gone_before, tokens_before = before["faults"]["client_gone"], before["tokens"]
-        sock = _raw(server.address)
+        sock = dealer(server.address)
         sock.send(_request(1, stream, 1500))
         if stream:
             for _ in range(3):
@@ -66,7 +47,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server, stream):
                 time.sleep(0.01)
         assert c.stats()["workers"][0]["kv_blocks_used"] > 0, "the request holds blocks"
         sock.close(0)
-        stats = _settled(c)
+        stats = settled(c)
         assert stats["running"] == 0 and stats["coordinator"]["pending"] == 0
         assert all(w["kv_blocks_used"] == 0 for w in stats["workers"])
         assert stats["faults"]["client_gone"] == gone_before + 1
@@ -80,7 +61,7 @@ def test_slow_client_does_not_stall_others(server):
         reference = c.generate([7, 8, 9], max_tokens=24, ignore_eos=True)["token_ids"]
         # A client that asks for 8 x 2000 streamed tokens and reads none of them: its queue
         # (SNDHWM 64, then 64 KiB of kernel send buffer) fills and the server stops owing it.
-        slow = _raw(server.address, RCVHWM=1, RCVBUF=4096)
+        slow = dealer(server.address, RCVHWM=1, RCVBUF=4096)
         for i in range(8):
             slow.send(_request(i, True, 2000))
         start = time.time()
@@ -89,7 +70,7 @@ def test_slow_client_does_not_stall_others(server):
             # Others are served meanwhile: a blocked loop would never answer this.
             assert c.generate([7, 8, 9], max_tokens=24, ignore_eos=True)["token_ids"] == reference
         print(f"slow client dropped after {time.time() - start:.1f} s")
-        stats = _settled(c)
+        stats = settled(c)
         assert stats["faults"]["slow_client"] > 0, "the unread client was aborted"
         assert all(w["kv_blocks_used"] == 0 for w in stats["workers"])
         assert stats["coordinator"]["clients"] == 0

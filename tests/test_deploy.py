@@ -21,7 +21,7 @@ from coordinator.engine import LLMEngine
 from coordinator.server import Coordinator, ServerConfig
 from kernels.sampling import SamplingParams
 from shared_memory.arena import list_segments
-from tests.waiting import wait_for
+from tests.support import wait_for
 from worker.model_runner import RunnerConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coordinator.client import Client
 from coordinator.protocol import MAX_FRAME_BYTES, REQUEST_TYPES
 from coordinator.server import Coordinator, Limits, ServerConfig
+from tests.support import dealer
 from worker.model_runner import RunnerConfig
 
 RC = RunnerConfig(max_batch=8, block_size=8, num_blocks=64, top_k=16)
@@ -108,9 +108,7 @@ def test_random_field_mixes(client, msg, extra_frames):
 def test_server_intact_after_the_storm(server, client):
     # An oversize frame: libzmq drops the connection while reading the header (ZMQ_MAXMSGSIZE);
     # the socket reconnects by itself and the server serves it again.
-    big = zmq.Context.instance().socket(zmq.DEALER)
-    big.setsockopt(zmq.LINGER, 0)
-    big.connect(server.address)
+    big = dealer(server.address)
     big.send(b"\x00" * (MAX_FRAME_BYTES + 1))
     assert not big.poll(500), "no reply to an oversize frame"
     big.close(0)

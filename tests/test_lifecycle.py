@@ -14,9 +14,9 @@ import msgpack
 import zmq
 
 from coordinator.client import Client
-from shared_memory.arena import list_segments
+from shared_memory.arena import list_segments, pid_alive
 from tests.serve_proc import ServeProcess
-from tests.waiting import pid_alive, wait_for
+from tests.support import dealer, wait_for
 
 ARGS = ("--workers", "2", "--dtype", "float32", "--max-model-len", "1024")
 
@@ -31,10 +31,7 @@ def _worker_pids(address: str) -> list[int]:
 
 
 def _stream(address: str, rid: str, stream: bool) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 30000)
-    sock.connect(address)
+    sock = dealer(address, RCVTIMEO=30000)
     sock.send(msgpack.packb({"type": "generate", "id": rid, "prompt": "a long story",
                              "max_tokens": 900, "ignore_eos": True, "stream": stream}))
     return sock

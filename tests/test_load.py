@@ -18,7 +18,7 @@ from coordinator.client import Client
 from coordinator.engine import LLMEngine
 from kernels.sampling import SamplingParams
 from tests.serve_proc import ServeProcess
-from tests.waiting import wait_for
+from tests.support import settled
 from worker.model_runner import RunnerConfig
 
 log = logging.getLogger(__name__)
@@ -100,19 +100,6 @@ def _round(address: str, first: int, count: int) -> tuple[dict[str, list[dict]],
     return finals, time.perf_counter() - start
 
 
-def _settled(address: str) -> dict:
-    with Client(address) as c:
-        box: dict = {}
-
-        def idle() -> bool:
-            box["stats"] = s = c.stats()
-            return (s["coordinator"]["pending"] == 0 and s["running"] == 0
-                    and all(w["kv_blocks_used"] == 0 for w in s["workers"]))
-
-        wait_for(idle, 30, "the server to go idle")
-        return box["stats"]
-
-
 def _check(finals: dict[str, list[dict]], first: int, count: int, reference) -> None:
     want_ids = {f"c{n}-r{first + k}" for n in range(CLIENTS) for k in range(count)}
     assert set(finals) == want_ids, "every request has a final frame, and no stray ids"
@@ -130,13 +117,15 @@ def _check(finals: dict[str, list[dict]], first: int, count: int, reference) -> 
 def test_thousand_requests_fifty_clients(serve, reference):
     warm, warm_s = _round(serve.address, 0, WARMUP)
     _check(warm, 0, WARMUP, reference)
-    base = _settled(serve.address)
+    with Client(serve.address) as admin:
+        base = settled(admin)
     rss0 = base["coordinator"]["rss_bytes"]
 
     rest = PER_CLIENT - WARMUP
     finals, load_s = _round(serve.address, WARMUP, rest)
     _check(finals, WARMUP, rest, reference)
-    stats = _settled(serve.address)
+    with Client(serve.address) as admin:
+        stats = settled(admin)
     total = CLIENTS * PER_CLIENT
     growth = stats["coordinator"]["rss_bytes"] - rss0
     log.warning("load: %d requests from %d clients: warm-up %.1f s, %d requests in %.1f s "

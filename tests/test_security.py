@@ -8,10 +8,10 @@ import sys
 
 import msgpack
 import pytest
-import zmq
 
 from coordinator.client import TOKEN_ENV, Client, ServerError
 from coordinator.server import Coordinator, Limits, ServerConfig
+from tests.support import dealer
 from worker.model_runner import RunnerConfig
 
 TOKEN = "s3cret-token-for-tests-0123456789"
@@ -70,10 +70,7 @@ def test_right_token_is_served_and_read_from_the_environment(server, monkeypatch
 
 def test_unauthorized_frame_is_not_read_further(server):
     """A bad token is refused before any other field: no parse errors leak to strangers."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 10000)
-    sock.connect(server.local)
+    sock = dealer(server.local, RCVTIMEO=10000)
     sock.send(msgpack.packb({"type": "nonsense", "id": 7, "max_tokens": "lots"}))
     reply = msgpack.unpackb(sock.recv())
     sock.close(0)

@@ -14,8 +14,8 @@ from coordinator.client import Client
 from coordinator.engine import LLMEngine
 from coordinator.server import Coordinator, ServerConfig
 from kernels.sampling import SamplingParams
-from shared_memory.arena import list_segments
-from tests.waiting import pid_alive, wait_for
+from shared_memory.arena import list_segments, pid_alive
+from tests.support import wait_for
 from worker.model_runner import RunnerConfig
 
 RC = RunnerConfig(max_batch=16, block_size=8, num_blocks=200, top_k=16)
