@@ -20,7 +20,8 @@ from coordinator.scheduler import StepBatch
 from kernels.model import Qwen3Model
 from kernels.sampling import RowKind
 from shared_memory.arena import HostArena
-from worker.model_runner import ModelRunner, RunnerConfig, slot_tables
+from shared_memory.contract import RunnerConfig, slot_tables
+from worker.model_runner import ModelRunner, model_dims
 
 
 def weight_bytes(model: Qwen3Model) -> int:
@@ -41,7 +42,7 @@ def run(batches: list[int], context: int, steps: int, dtype: str, single_row_gem
     per_seq = -(-(context + steps + 1) // bs)
     rc = RunnerConfig(max_batch=max_b, block_size=bs, num_blocks=max_b * per_seq, top_k=64,
                       graphs="off")
-    arena = HostArena.create(slot_tables(model), rc.max_dims(model), tag="bench")
+    arena = HostArena.create(slot_tables(model.dtype), model_dims(model, rc), tag="bench")
     runner = ModelRunner(model, rc, arena)
     wbytes = weight_bytes(model)
     kv_per_token = c.num_hidden_layers * 2 * c.kv_size * model.dtype.itemsize

@@ -16,15 +16,16 @@ from benchmarks.throughput import prompts
 def _server(transport: str, max_batch: int, threads: int, dtype: str):
     import ray
 
-    from coordinator.server import Coordinator, ServerConfig
-    from worker.model_runner import RunnerConfig
+    from coordinator.config import ServerConfig
+    from coordinator.server import Server
+    from shared_memory.contract import RunnerConfig
 
     if not ray.is_initialized():
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     cfg = ServerConfig(model="default:benchmark", workers=1, device="cpu", port=0, dtype=dtype,
                        max_model_len=256, threads_per_worker=threads, transport=transport,
                        runner=RunnerConfig(max_batch=max_batch, block_size=16, num_blocks=max_batch * 16 + 8))
-    coord = Coordinator(cfg)
+    coord = Server(cfg)
     coord.start()
     coord.serve_in_thread()
     return coord

@@ -45,8 +45,9 @@ def server_generate(batch: list[list[int]], output_len: int, dtype: str, threads
     import ray
 
     from coordinator.client import Client
-    from coordinator.server import Coordinator, ServerConfig
-    from worker.model_runner import RunnerConfig
+    from coordinator.config import ServerConfig
+    from coordinator.server import Server
+    from shared_memory.contract import RunnerConfig
 
     if not ray.is_initialized():
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -54,7 +55,7 @@ def server_generate(batch: list[list[int]], output_len: int, dtype: str, threads
     cfg = ServerConfig(model=f"default:{'benchmark'}", workers=1, device="cpu", port=0, dtype=dtype,
                        max_model_len=len(batch[0]) + output_len + 16, threads_per_worker=threads,
                        runner=RunnerConfig(max_batch=max_batch, block_size=16, num_blocks=blocks))
-    coord = Coordinator(cfg)
+    coord = Server(cfg)
     coord.start()
     coord.serve_in_thread()
     try:

@@ -13,8 +13,8 @@ import torch
 from coordinator.scheduler import StepBatch
 from kernels.sampling import RowKind
 from shared_memory.arena import HostArena
+from shared_memory.contract import LaunchDescriptor
 from shared_memory.result import DecodeResult
-from worker.model_runner import LaunchDescriptor
 
 
 def _put(arena: HostArena, name: str, values: np.ndarray) -> None:

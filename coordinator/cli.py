@@ -12,7 +12,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from coordinator.client import DEFAULT_ADDRESS, TOKEN_ENV, Client, ServerError
-from worker.model_runner import RunnerConfig
+from shared_memory.contract import RunnerConfig
 
 DEMO_PROMPTS = [
     "The capital of France is",
@@ -46,7 +46,7 @@ def _read_token(args: argparse.Namespace) -> str | None:
 
 
 def _server_config(args: argparse.Namespace, token: str | None = None):
-    from coordinator.server import Limits, ServerConfig
+    from coordinator.config import Limits, ServerConfig
 
     rc = RunnerConfig(max_batch=args.max_batch, block_size=args.block_size, num_blocks=args.num_blocks)
     limits = Limits(max_tokens=args.max_tokens_limit, max_requests_per_client=args.max_requests_per_client,
@@ -68,7 +68,8 @@ def _init_ray(address: str | None, workers: int) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from coordinator.server import LOOPBACK, MIN_TOKEN_CHARS, Coordinator
+    from coordinator.config import LOOPBACK, MIN_TOKEN_CHARS
+    from coordinator.server import Server
 
     token = _read_token(args)
     if args.host not in LOOPBACK and token is None:
@@ -82,7 +83,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     _init_ray(args.ray_address, args.workers)
-    coord = Coordinator(_server_config(args, token))
+    coord = Server(_server_config(args, token))
     coord.start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -136,11 +137,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """The README's main job: a two-worker server, concurrent prompts, outputs and stats."""
-    from coordinator.server import Coordinator
+    from coordinator.server import Server
 
     _init_ray(None, args.workers)
     args.port = 0
-    coord = Coordinator(_server_config(args))
+    coord = Server(_server_config(args))
     coord.start()
     coord.serve_in_thread()
     print(f"fusedserve demo: {args.workers} {args.device} workers on {coord.address}")

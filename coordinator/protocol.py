@@ -1,7 +1,7 @@
 """The wire protocol: msgpack maps with a ``type`` and a client-chosen ``id``.
 
 Parsing is total: any frame either becomes a typed request or raises
-``ProtocolError`` with a code, a message and (when it could be read) the id, so
+``RequestError`` with a code, a message and (when it could be read) the id, so
 the server can answer it and go on serving everyone else.
 
 Authentication: a server started with a token refuses (``unauthorized``) every frame
@@ -18,22 +18,15 @@ from typing import Any
 
 import msgpack
 
+from coordinator.errors import RequestError
 from kernels.sampling import SamplingError, SamplingParams
 
 MAX_FRAME_BYTES = 4 << 20
 REQUEST_TYPES = ("generate", "abort", "stats", "health", "workers", "scale")
-MAX_WORKERS = 256
 _SAMPLING_FIELDS = {
     "max_tokens": int, "temperature": (int, float), "top_k": int, "top_p": (int, float),
     "seed": int, "stop_token_ids": list, "stop": list, "ignore_eos": bool, "logprobs": bool,
 }
-
-
-class ProtocolError(ValueError):
-    def __init__(self, code: str, message: str, request_id: Any = None):
-        super().__init__(message)
-        self.code = code
-        self.request_id = request_id
 
 
 @dataclass
@@ -54,7 +47,7 @@ class ControlRequest:
 
 def unpack(frame: bytes) -> Any:
     if len(frame) > MAX_FRAME_BYTES:
-        raise ProtocolError("frame_too_large", f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+        raise RequestError("frame_too_large", f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
     try:
         return msgpack.unpackb(
             frame, raw=False, strict_map_key=False,
@@ -62,7 +55,7 @@ def unpack(frame: bytes) -> Any:
             max_ext_len=0,
         )
     except Exception as exc:  # noqa: BLE001 - msgpack raises many types for bad input
-        raise ProtocolError("bad_frame", f"frame is not valid msgpack: {type(exc).__name__}") from None
+        raise RequestError("bad_frame", f"frame is not valid msgpack: {type(exc).__name__}") from None
 
 
 def _valid_id(value: Any) -> bool:
@@ -80,28 +73,28 @@ def check_token(expected: str | None, given: Any) -> bool:
 def parse(frame: bytes, token: str | None = None) -> GenerateRequest | ControlRequest:
     msg = unpack(frame)
     if not isinstance(msg, dict):
-        raise ProtocolError("bad_frame", f"frame must be a msgpack map, got {type(msg).__name__}")
+        raise RequestError("bad_frame", f"frame must be a msgpack map, got {type(msg).__name__}")
     rid = msg.get("id")
     if not check_token(token, msg.get("auth")):
-        raise ProtocolError("unauthorized", "missing or wrong auth token (field 'auth')",
+        raise RequestError("unauthorized", "missing or wrong auth token (field 'auth')",
                             rid if _valid_id(rid) else None)
     if not _valid_id(rid):
-        raise ProtocolError("bad_field", "field 'id' must be a string (<= 256 chars) or an integer",
+        raise RequestError("bad_field", "field 'id' must be a string (<= 256 chars) or an integer",
                             rid if _valid_id(rid) else None)
     kind = msg.get("type")
     if kind not in REQUEST_TYPES:
-        raise ProtocolError("unknown_type", f"unknown request type {kind!r}; one of {REQUEST_TYPES}", rid)
+        raise RequestError("unknown_type", f"unknown request type {kind!r}; one of {REQUEST_TYPES}", rid)
     if kind == "generate":
         return _parse_generate(msg, rid)
     if kind == "abort":
         target = msg.get("target", rid)
         if not _valid_id(target):
-            raise ProtocolError("bad_field", "field 'target' must be a request id", rid)
+            raise RequestError("bad_field", "field 'target' must be a request id", rid)
         return ControlRequest("abort", rid, target)
     if kind == "scale":
         n = msg.get("workers")
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_WORKERS:
-            raise ProtocolError("bad_field", f"field 'workers' must be an integer in [1, {MAX_WORKERS}]", rid)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise RequestError("bad_field", "field 'workers' must be an integer >= 1", rid)
         return ControlRequest("scale", rid, n)
     return ControlRequest(kind, rid)
 
@@ -109,33 +102,33 @@ def parse(frame: bytes, token: str | None = None) -> GenerateRequest | ControlRe
 def _parse_generate(msg: dict, rid: Any) -> GenerateRequest:
     prompt, prompt_ids = msg.get("prompt"), msg.get("prompt_ids")
     if (prompt is None) == (prompt_ids is None):
-        raise ProtocolError("bad_field", "give exactly one of 'prompt' (text) or 'prompt_ids'", rid)
+        raise RequestError("bad_field", "give exactly one of 'prompt' (text) or 'prompt_ids'", rid)
     if prompt is not None and not isinstance(prompt, str):
-        raise ProtocolError("bad_field", "field 'prompt' must be a string", rid)
+        raise RequestError("bad_field", "field 'prompt' must be a string", rid)
     if prompt_ids is not None and (
         not isinstance(prompt_ids, list)
         or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids)
     ):
-        raise ProtocolError("bad_field", "field 'prompt_ids' must be a list of integers", rid)
+        raise RequestError("bad_field", "field 'prompt_ids' must be a list of integers", rid)
     kwargs = {}
     for key, types in _SAMPLING_FIELDS.items():
         if key not in msg or msg[key] is None:
             continue
         value = msg[key]
         if not isinstance(value, types) or (isinstance(value, bool) and types is not bool):
-            raise ProtocolError("bad_field", f"field {key!r} has the wrong type: {type(value).__name__}", rid)
+            raise RequestError("bad_field", f"field {key!r} has the wrong type: {type(value).__name__}", rid)
         kwargs[key] = value
     for key in ("stop_token_ids", "stop"):
         want = int if key == "stop_token_ids" else str
         if key in kwargs and not all(isinstance(v, want) and not isinstance(v, bool) for v in kwargs[key]):
-            raise ProtocolError("bad_field", f"field {key!r} must be a list of {want.__name__}", rid)
+            raise RequestError("bad_field", f"field {key!r} must be a list of {want.__name__}", rid)
     stream = msg.get("stream", False)
     if not isinstance(stream, bool):
-        raise ProtocolError("bad_field", "field 'stream' must be a boolean", rid)
+        raise RequestError("bad_field", "field 'stream' must be a boolean", rid)
     try:
         params = SamplingParams(**kwargs)
     except SamplingError as exc:
-        raise ProtocolError("bad_param", str(exc), rid) from None
+        raise RequestError("bad_param", str(exc), rid) from None
     return GenerateRequest(rid, prompt, prompt_ids, params, stream)
 
 

@@ -10,44 +10,22 @@ The scheduler is host-only bookkeeping; an executor runs the launches.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from kernels.kv_cache import BlockManager, OutOfBlocks
+from coordinator.block_manager import BlockManager, OutOfBlocks
+from coordinator.detokenizer import Detokenizer
+from coordinator.errors import RequestError
+from coordinator.sequence import Sequence, TokenEvent
+from kernels.config import Qwen3Config
 from kernels.sampling import RowKind, SamplingParams, logprob, row_kind, sample
+from shared_memory.contract import RunnerConfig
 from shared_memory.result import DecodeResult
 
-
-class RequestError(ValueError):
-    """A request cannot be served as given; ``code`` is the protocol error code."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass
-class Sequence:
-    seq_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
-    text: str = ""
-    arrival: int = 0
-    num_preemptions: int = 0
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -70,15 +48,6 @@ class StepBatch:
         return len(self.seqs)
 
 
-@dataclass
-class TokenEvent:
-    """A token appended to a sequence by ``Scheduler.process``."""
-
-    seq: Sequence
-    token: int
-    finished: bool
-
-
 class Scheduler:
     def __init__(
         self,
@@ -89,7 +58,6 @@ class Scheduler:
         top_k_candidates: int,
         eos_token_ids: tuple[int, ...] = (),
         max_prefill_tokens: int = 4096,
-        detokenize: Callable[[list[int]], str] | None = None,
     ):
         self.blocks = blocks
         self.vocab_size = vocab_size
@@ -98,11 +66,16 @@ class Scheduler:
         self.k = top_k_candidates
         self.eos = set(eos_token_ids)
         self.max_prefill_tokens = max_prefill_tokens
-        self.detokenize = detokenize
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.steps = 0
         self._arrivals = itertools.count()
+
+    @classmethod
+    def for_worker(cls, config: Qwen3Config, rc: RunnerConfig, max_model_len: int) -> Scheduler:
+        """The scheduler of one worker running ``config`` with ``rc``: offline and served alike."""
+        return cls(BlockManager(rc.num_blocks, rc.block_size), config.vocab_size, max_model_len,
+                   rc.max_batch, rc.top_k, config.eos_token_ids, rc.max_prefill_tokens)
 
     # ------------------------------------------------------------------ requests
 
@@ -131,9 +104,10 @@ class Scheduler:
                 f"blocks than the worker has ({self.blocks.num_blocks})",
             )
 
-    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams,
+            detok: Detokenizer | None = None) -> Sequence:
         self.validate(prompt_ids, params)
-        seq = Sequence(seq_id, list(prompt_ids), params, arrival=next(self._arrivals))
+        seq = Sequence(seq_id, list(prompt_ids), params, arrival=next(self._arrivals), detok=detok)
         self.waiting.append(seq)
         return seq
 
@@ -145,17 +119,14 @@ class Scheduler:
         """Queue a sequence that already has tokens (moved here from a failed worker)."""
         self.waiting.appendleft(seq)
 
-    def abort(self, seq_id: str) -> Sequence | None:
+    def abort(self, seq_id: str) -> None:
+        """Take a request out of this scheduler, freeing its blocks; unknown ids are a no-op."""
         for seq in list(self.waiting):
             if seq.seq_id == seq_id:
                 self.waiting.remove(seq)
-                return seq
-        for seq in self.running:
+        for seq in list(self.running):
             if seq.seq_id == seq_id:
-                self.running.remove(seq)
-                self.blocks.free(seq_id)
-                return seq
-        return None
+                self._retire(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -242,48 +213,68 @@ class Scheduler:
         )
 
     def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.blocks.free(seq.seq_id)
+        self._retire(seq)
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     # ------------------------------------------------------------------- results
 
+    def _retire(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+
+    # ------------------------------------------------------------------- results
+
     def process(self, batch: StepBatch, result: DecodeResult) -> list[TokenEvent]:
-        """Sample each row's token from the launch's result and retire finished rows."""
+        """Sample each row's token from the launch's result and retire finished rows.
+
+        A row that raises fails alone: its request leaves the batch with an error event
+        and the other rows go on (one request must never stop a worker's loop).
+        """
         events = []
         for row, (seq, kind) in enumerate(zip(batch.seqs, batch.row_kinds)):
             if seq.finish_reason is not None or seq not in self.running:
                 continue  # aborted while the launch ran
-            step = len(seq.output_ids)
-            if kind == RowKind.GREEDY:
-                token = result.greedy_id(row, seq.seq_id)
-            else:
-                values, ids = result.candidates(row, seq.seq_id)
-                token = sample(values, ids, seq.params, step)
-            if seq.params.logprobs:
-                seq.logprobs.append(logprob(result.full_logits(row, seq.seq_id), token))
-            seq.output_ids.append(token)
-            self._check_stop(seq, token)
-            if seq.finish_reason is not None:
-                self.running.remove(seq)
-                self.blocks.free(seq.seq_id)
-            events.append(TokenEvent(seq, token, seq.finish_reason is not None))
+            try:
+                events.append(self._process_row(seq, kind, row, result))
+            except Exception as exc:  # noqa: BLE001 - isolated to this request
+                log.exception("request %s failed while sampling", seq.seq_id)
+                if seq in self.running:
+                    self._retire(seq)
+                seq.finish_reason = "error"
+                events.append(TokenEvent(seq, None, True, error=RequestError(
+                    "sampling_error", f"sampling failed: {type(exc).__name__}: {exc}")))
         return events
 
-    def _check_stop(self, seq: Sequence, token: int) -> None:
+    def _process_row(self, seq: Sequence, kind: str, row: int, result: DecodeResult) -> TokenEvent:
+        step = len(seq.output_ids)
+        if kind == RowKind.GREEDY:
+            token = result.greedy_id(row, seq.seq_id)
+        else:
+            values, ids = result.candidates(row, seq.seq_id)
+            token = sample(values, ids, seq.params, step)
+        if seq.params.logprobs:
+            seq.logprobs.append(logprob(result.full_logits(row, seq.seq_id), token))
+        seq.output_ids.append(token)
+        if seq.detok is not None:
+            seq.detok.push(token)
+        seq.finish_reason = self._finish_reason(seq, token)
+        finished = seq.finish_reason is not None
+        if finished:
+            self._retire(seq)
+        text = ""
+        if seq.detok is not None:
+            if finished:
+                seq.detok.finish()
+            text = seq.detok.delta(final=finished)
+        return TokenEvent(seq, token, finished, text)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
-        if self.detokenize is not None:
-            seq.text = self.detokenize(seq.output_ids)
-            for stop in p.stop:
-                cut = seq.text.find(stop)
-                if cut >= 0:
-                    seq.text = seq.text[:cut]
-                    seq.finish_reason = "stop"
-                    return
+        if seq.detok is not None and seq.detok.stopped:
+            return "stop"
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos):
-            seq.finish_reason = "stop"
-        elif len(seq.output_ids) >= p.max_tokens:
-            seq.finish_reason = "length"
-        elif seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
+            return "stop"
+        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None

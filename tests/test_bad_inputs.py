@@ -7,13 +7,13 @@ import shutil
 
 import pytest
 
-from coordinator.engine import LLMEngine
-from coordinator.scheduler import RequestError
+from coordinator.errors import RequestError
+from coordinator.llm_engine import LLMEngine
 from kernels.config import ConfigError, Qwen3Config
 from kernels.loader import WeightError
 from kernels.model import Qwen3Model
 from kernels.sampling import SamplingParams
-from worker.model_runner import RunnerConfig
+from shared_memory.contract import RunnerConfig
 
 
 @pytest.fixture(scope="module")

@@ -9,16 +9,17 @@ import pytest
 import zmq
 
 from coordinator.client import Client
-from coordinator.server import Coordinator, ServerConfig
+from coordinator.config import ServerConfig
+from coordinator.server import Server
+from shared_memory.contract import RunnerConfig
 from tests.support import dealer, settled
-from worker.model_runner import RunnerConfig
 
 RC = RunnerConfig(max_batch=16, block_size=16, num_blocks=1200, top_k=16)
 
 
 @pytest.fixture(scope="module")
 def server(ray_session):
-    coord = Coordinator(ServerConfig(workers=1, device="cpu", port=0, runner=RC, dtype="float32",
+    coord = Server(ServerConfig(workers=1, device="cpu", port=0, runner=RC, dtype="float32",
                                      max_model_len=2048, send_hwm=64, send_buffer_bytes=65536))
     coord.start()
     coord.serve_in_thread()

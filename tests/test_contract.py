@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from coordinator.batch_io import read_result, write_batch
-from coordinator.engine import LLMEngine
+from coordinator.llm_engine import LLMEngine
 from kernels.sampling import SamplingParams
+from shared_memory.contract import RunnerConfig
 from shared_memory.runtime import DeviceScratchPool, LaunchRuntime
 from shared_memory.slots import Placement, SlotError, decode_table
-from worker.model_runner import RunnerConfig
 
 K = 16
 
@@ -66,14 +66,14 @@ def test_d2h_bytes_per_step_for_a_mixed_batch_of_16(engine):
 
 
 def test_runtime_outputs_equal_direct_kernel_call(engine):
-    sched = engine.new_scheduler()
+    sched = engine.core.scheduler
     params = [SamplingParams(max_tokens=20, ignore_eos=True),
               SamplingParams(max_tokens=20, temperature=1.0, top_k=5, seed=1, ignore_eos=True),
               SamplingParams(max_tokens=20, logprobs=True, ignore_eos=True)]
     for i, p in enumerate(params):
         sched.add(f"s{i}", engine.encode(f"prompt number {i}"), p)
     for _ in range(4):  # prefill + a few decode steps
-        engine.step(sched)
+        engine.core.step()
     batch = sched.schedule()
     assert batch.kind == "decode"
     c = engine.model.config

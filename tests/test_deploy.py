@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 
 from coordinator.client import Client
-from coordinator.engine import LLMEngine
-from coordinator.server import Coordinator, ServerConfig
+from coordinator.config import ServerConfig
+from coordinator.llm_engine import LLMEngine
+from coordinator.server import Server
 from kernels.sampling import SamplingParams
 from shared_memory.arena import list_segments
+from shared_memory.contract import RunnerConfig
 from tests.support import wait_for
-from worker.model_runner import RunnerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 RC = RunnerConfig(max_batch=8, block_size=8, num_blocks=200, top_k=16)  # no preemption here
@@ -35,7 +36,7 @@ def test_scale_1_to_2_to_1_while_20_requests_stream(ray_session):
               for i in range(20)]
     with LLMEngine("default", dtype="float32", runner=RC) as eng:
         want = [eng.generate([p], SamplingParams(**kw))[0].token_ids for p, kw in zip(PROMPTS, params)]
-    coord = Coordinator(ServerConfig(workers=1, device="cpu", port=0, runner=RC, dtype="float32"))
+    coord = Server(ServerConfig(workers=1, device="cpu", port=0, runner=RC, dtype="float32"))
     coord.start()
     coord.serve_in_thread()
     try:

@@ -13,10 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coordinator.client import Client
+from coordinator.config import Limits, ServerConfig
 from coordinator.protocol import MAX_FRAME_BYTES, REQUEST_TYPES
-from coordinator.server import Coordinator, Limits, ServerConfig
+from coordinator.server import Server
+from shared_memory.contract import RunnerConfig
 from tests.support import dealer
-from worker.model_runner import RunnerConfig
 
 RC = RunnerConfig(max_batch=8, block_size=8, num_blocks=64, top_k=16)
 FINAL = {"error", "done", "stats", "health", "workers", "scale"}
@@ -53,7 +54,7 @@ field_mixes = st.dictionaries(st.sampled_from(sorted(FIELDS)), st.none(), max_si
 
 @pytest.fixture(scope="module")
 def server(ray_session):
-    coord = Coordinator(ServerConfig(workers=1, device="cpu", port=0, runner=RC, dtype="float32",
+    coord = Server(ServerConfig(workers=1, device="cpu", port=0, runner=RC, dtype="float32",
                                      max_model_len=256, max_workers=1, limits=Limits(max_tokens=12)))
     coord.start()
     coord.serve_in_thread()

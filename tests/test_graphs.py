@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.engine import LLMEngine
+from coordinator.llm_engine import LLMEngine
 from kernels.sampling import SamplingParams
+from shared_memory.contract import RunnerConfig
 from worker.graphs import batch_buckets
-from worker.model_runner import RunnerConfig
 
 PROMPTS = ["The capital of France is", "Hello", "def hello(name):", "Once upon a time there",
            "Numbers: 1 2 3", "Questions and answers:"]

@@ -15,11 +15,11 @@ import pytest
 import zmq
 
 from coordinator.client import Client
-from coordinator.engine import LLMEngine
+from coordinator.llm_engine import LLMEngine
 from kernels.sampling import SamplingParams
+from shared_memory.contract import RunnerConfig
 from tests.serve_proc import ServeProcess
 from tests.support import settled
-from worker.model_runner import RunnerConfig
 
 log = logging.getLogger(__name__)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.engine import LLMEngine
+from coordinator.llm_engine import LLMEngine
 from kernels.model import Qwen3Model
 from kernels.sampling import SamplingParams
-from worker.model_runner import RunnerConfig
+from shared_memory.contract import RunnerConfig
 
 BLOCK = 4
 

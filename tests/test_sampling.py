@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.engine import LLMEngine
+from coordinator.llm_engine import LLMEngine
 from kernels.sampling import RowKind, SamplingError, SamplingParams, row_kind, sample
-from worker.model_runner import RunnerConfig
+from shared_memory.contract import RunnerConfig
 
 
 @pytest.fixture(scope="module")

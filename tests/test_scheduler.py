@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from coordinator.engine import LLMEngine
+from coordinator.block_manager import BlockManager
+from coordinator.llm_engine import LLMEngine
 from coordinator.scheduler import Scheduler
-from kernels.kv_cache import BlockManager
 from kernels.sampling import SamplingParams
-from worker.model_runner import RunnerConfig
+from shared_memory.contract import RunnerConfig
 
 PROMPTS = [f"request {i}: once upon a time" for i in range(6)]
 

@@ -10,9 +10,10 @@ import msgpack
 import pytest
 
 from coordinator.client import TOKEN_ENV, Client, ServerError
-from coordinator.server import Coordinator, Limits, ServerConfig
+from coordinator.config import Limits, ServerConfig
+from coordinator.server import Server
+from shared_memory.contract import RunnerConfig
 from tests.support import dealer
-from worker.model_runner import RunnerConfig
 
 TOKEN = "s3cret-token-for-tests-0123456789"
 RC = RunnerConfig(max_batch=8, block_size=16, num_blocks=128)
@@ -22,7 +23,7 @@ LIMITS = Limits(max_prompt_chars=200, max_prompt_tokens=40, max_tokens=64, max_r
 @pytest.fixture(scope="module")
 def server(ray_session):
     """Bound on every interface, so a token is required; reached here over loopback."""
-    coord = Coordinator(ServerConfig(workers=1, device="cpu", host="0.0.0.0", port=0, runner=RC,
+    coord = Server(ServerConfig(workers=1, device="cpu", host="0.0.0.0", port=0, runner=RC,
                                      dtype="float32", auth_token=TOKEN, limits=LIMITS))
     coord.start()
     coord.serve_in_thread()
@@ -118,9 +119,9 @@ def test_requests_in_flight_per_client(server):
 
 def test_non_loopback_bind_needs_a_token():
     with pytest.raises(ValueError, match="requires an auth token"):
-        Coordinator(ServerConfig(workers=1, device="cpu", host="0.0.0.0", port=0)).start()
+        Server(ServerConfig(workers=1, device="cpu", host="0.0.0.0", port=0)).start()
     with pytest.raises(ValueError, match="at least 16 characters"):
-        Coordinator(ServerConfig(workers=1, device="cpu", port=0, auth_token="short")).start()
+        Server(ServerConfig(workers=1, device="cpu", port=0, auth_token="short")).start()
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -10,11 +10,12 @@ import msgpack
 import pytest
 
 from coordinator.client import Client, ServerError
-from coordinator.engine import LLMEngine
-from coordinator.server import Coordinator, ServerConfig
+from coordinator.config import ServerConfig
+from coordinator.llm_engine import LLMEngine
+from coordinator.server import Server
 from kernels.sampling import SamplingParams
 from shared_memory.arena import list_segments
-from worker.model_runner import RunnerConfig
+from shared_memory.contract import RunnerConfig
 
 RC = RunnerConfig(max_batch=8, block_size=8, num_blocks=96, top_k=16)
 # float32: its CPU kernels give each row the same bits whatever the batch, so served output
@@ -42,7 +43,7 @@ def reference():
                 ids=["1worker", "2workers", "2workers-serial"])
 def server(request, ray_session):
     workers, transport = request.param
-    coord = Coordinator(ServerConfig(workers=workers, device="cpu", port=0, runner=RC, transport=transport,
+    coord = Server(ServerConfig(workers=workers, device="cpu", port=0, runner=RC, transport=transport,
                                      dtype=DTYPE))
     coord.start()
     coord.serve_in_thread()

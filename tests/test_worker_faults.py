@@ -11,12 +11,13 @@ import pytest
 import ray
 
 from coordinator.client import Client
-from coordinator.engine import LLMEngine
-from coordinator.server import Coordinator, ServerConfig
+from coordinator.config import ServerConfig
+from coordinator.llm_engine import LLMEngine
+from coordinator.server import Server
 from kernels.sampling import SamplingParams
 from shared_memory.arena import list_segments, pid_alive
+from shared_memory.contract import RunnerConfig
 from tests.support import wait_for
-from worker.model_runner import RunnerConfig
 
 RC = RunnerConfig(max_batch=16, block_size=8, num_blocks=200, top_k=16)
 N = 10
@@ -38,7 +39,7 @@ FAULTS = [(2, "ray.kill", 1.0), (2, "SIGKILL", 1.0), (1, "SIGKILL", 1.0), (2, "S
 
 @pytest.mark.parametrize("workers,how,notice_s", FAULTS, ids=[f"{w}workers-{h}" for w, h, _ in FAULTS])
 def test_worker_killed_mid_decode(ray_session, want, workers, how, notice_s):
-    coord = Coordinator(ServerConfig(workers=workers, device="cpu", port=0, runner=RC, dtype="float32"))
+    coord = Server(ServerConfig(workers=workers, device="cpu", port=0, runner=RC, dtype="float32"))
     coord.start()
     coord.serve_in_thread()
     try:

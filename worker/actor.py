@@ -1,6 +1,6 @@
 """The Ray actor that owns one device.
 
-Lifecycle calls (start, health, stats, stop) are Ray calls; the per-step launch
+Lifecycle calls (start, stop) are Ray calls; the per-step launch
 descriptors arrive on a ZeroMQ PAIR socket served by a thread of the actor, since a
 Ray call costs milliseconds against a step of tens of milliseconds.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 
 import msgpack
 import ray
@@ -20,8 +19,9 @@ import zmq
 from kernels.model import Qwen3Model
 from shared_memory import transport
 from shared_memory.arena import HostArena
+from shared_memory.contract import LaunchDescriptor, LaunchReply, RunnerConfig, slot_tables
 from worker.device import torch_device
-from worker.model_runner import LaunchDescriptor, ModelRunner, RunnerConfig, slot_tables
+from worker.model_runner import ModelRunner, model_dims
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +39,7 @@ class WorkerActor:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._ctx = zmq.Context.instance()
-        self.steps = 0
-        self.errors = 0
         self.serial = False
-        self.started_at = time.time()
 
     def start(self, model_dir: str, dtype: str | None, max_model_len: int | None, runner: dict,
               arena_name: str | None, host: str = "127.0.0.1") -> dict:
@@ -54,16 +51,16 @@ class WorkerActor:
         device = torch_device(self.device_kind)
         model = Qwen3Model.from_pretrained(model_dir, dtype, device, max_model_len)
         rc = RunnerConfig(**runner)
-        tables = slot_tables(model)
+        tables, dims = slot_tables(model.dtype), model_dims(model, rc)
         self.arena = None
         if arena_name is not None:
             try:
-                self.arena = HostArena.attach(arena_name, tables, rc.max_dims(model))
+                self.arena = HostArena.attach(arena_name, tables, dims)
             except FileNotFoundError:  # another node: the coordinator's memory is not here
                 log.info("arena %s not on this node: serializing transport", arena_name)
         self.serial = self.arena is None
         if self.serial:
-            self.arena = HostArena.create(tables, rc.max_dims(model), tag="remote")
+            self.arena = HostArena.create(tables, dims, tag="remote")
             if arena_name is not None:  # truly off-node (not forced): reachable on the node's address
                 host = ray.util.get_node_ip_address()
         self.runner = ModelRunner(model, rc, self.arena)
@@ -85,34 +82,22 @@ class WorkerActor:
             if not poller.poll(100):
                 continue
             msg = msgpack.unpackb(sock.recv(), raw=False, strict_map_key=False)
-            try:
-                desc = LaunchDescriptor.from_wire(msg)
-                table = self.runner.runtime.tables[desc.table]
-                if self.serial:
-                    transport.unpack(self.arena, table, desc.dims, msg["inputs"], outputs=False)
-                rec = self.runner.execute(desc)
-                self.steps += 1
-                reply = {"ok": True, "h2d": rec.h2d_bytes, "d2h": rec.d2h_bytes, "seconds": rec.seconds}
-                if self.serial:
-                    reply["outputs"] = transport.pack_outputs(self.arena, table, desc.dims)
-            except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which decides
-                self.errors += 1
-                log.exception("launch failed")
-                reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            sock.send(msgpack.packb(reply))
+            sock.send(msgpack.packb(self._execute(msg).to_wire()))
         sock.close(0)
 
-    def health(self) -> dict:
-        alive = self._thread is not None and self._thread.is_alive()
-        return {"worker_id": self.worker_id, "ok": alive, "steps": self.steps, "pid": os.getpid()}
-
-    def stats(self) -> dict:
-        counters = self.runner.runtime.counters.as_dict() if self.runner else {}
-        return {"worker_id": self.worker_id, "steps": self.steps, "errors": self.errors,
-                "traffic": counters}
-
-    def pid(self) -> int:
-        return os.getpid()
+    def _execute(self, msg: dict) -> LaunchReply:
+        try:
+            desc = LaunchDescriptor.from_wire(msg)
+            table = self.runner.runtime.tables[desc.table]
+            if self.serial:
+                transport.unpack(self.arena, table, desc.dims, msg["inputs"], outputs=False)
+            reply = LaunchReply.from_record(self.runner.execute(desc))
+            if self.serial:
+                reply.outputs = transport.pack_outputs(self.arena, table, desc.dims)
+            return reply
+        except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which decides
+            log.exception("launch failed")
+            return LaunchReply.failed(exc)
 
     def stop(self) -> None:
         self._stop.set()

@@ -8,77 +8,27 @@ each Ray worker actor.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from kernels.model import Qwen3Model, SampleOutputs
 from shared_memory.arena import HostArena
+from shared_memory.contract import LaunchDescriptor, RunnerConfig, slot_tables
 from shared_memory.runtime import DeviceScratchPool, LaunchRecord, LaunchRuntime
-from shared_memory.slots import SlotTable, decode_table, prefill_table
 from worker.graphs import DecodeGraphs
 
 
-@dataclass(frozen=True)
-class RunnerConfig:
-    max_batch: int = 16
-    block_size: int = 16
-    num_blocks: int = 256
-    top_k: int = 64  # device-side candidates per stochastic row
-    max_prefill_tokens: int = 4096
-    # "auto": capture decode graphs per batch bucket where the device has graphs (CUDA, NPU);
-    # "padded": the same bucketed, padded decode run eagerly (any device); "off": exact shapes.
-    graphs: str = "auto"
-
-    def max_dims(self, model: Qwen3Model) -> dict[str, int]:
-        return launch_max_dims(self, model.config.vocab_size, model.config.hidden_size,
-                               model.max_model_len)
-
-
-def launch_max_dims(rc: RunnerConfig, vocab: int, hidden: int, max_model_len: int) -> dict[str, int]:
-    """The largest dims any launch may use; arena and pool are sized from these."""
-    return {
-        "B": rc.max_batch,
-        "W": -(-max_model_len // rc.block_size),
-        "T": max(rc.max_prefill_tokens, max_model_len),
-        "NT": rc.max_batch,
-        "NF": rc.max_batch,
-        "K": rc.top_k,
-        "V": vocab,
-        "D": hidden,
-    }
-
-
-@dataclass
-class LaunchDescriptor:
-    """The per-step control message: small, msgpack-able; tensors stay in the arena."""
-
-    table: str  # "prefill" | "decode"
-    dims: dict[str, int]
-    step: int
-    ctx_len: int = 0
-    cu_seqlens: list[int] = field(default_factory=list)
-
-    def to_wire(self) -> dict:
-        return {"table": self.table, "dims": self.dims, "step": self.step,
-                "ctx_len": self.ctx_len, "cu_seqlens": self.cu_seqlens}
-
-    @classmethod
-    def from_wire(cls, d: dict) -> LaunchDescriptor:
-        return cls(d["table"], dict(d["dims"]), d["step"], d.get("ctx_len", 0),
-                   list(d.get("cu_seqlens", [])))
-
-
-def slot_tables(model: Qwen3Model) -> list[SlotTable]:
-    return [prefill_table(model.dtype), decode_table(model.dtype)]
+def model_dims(model: Qwen3Model, rc: RunnerConfig) -> dict[str, int]:
+    """``rc.max_dims`` for this model: what its arena and scratch pool are sized for."""
+    c = model.config
+    return rc.max_dims(c.vocab_size, c.hidden_size, model.max_model_len)
 
 
 class ModelRunner:
     def __init__(self, model: Qwen3Model, rc: RunnerConfig, arena: HostArena):
         self.model = model
         self.rc = rc
-        self.tables = slot_tables(model)
-        self.max_dims = rc.max_dims(model)
+        self.tables = slot_tables(model.dtype)
+        self.max_dims = model_dims(model, rc)
         # One spare block beyond the allocatable ones: graph padding rows write there.
         self.kv = model.new_kv_cache(rc.num_blocks + 1, rc.block_size)
         hidden = torch.empty(rc.max_batch, model.config.hidden_size, dtype=model.dtype,
@@ -97,11 +47,10 @@ class ModelRunner:
         has_graphs = model.device.type in ("cuda", "npu")
         if rc.graphs == "padded" or (rc.graphs == "auto" and has_graphs):
             self.graphs = DecodeGraphs(model, self.kv, self.ws, self.outputs, rc.max_batch,
-                                       pad_slot=rc.num_blocks * rc.block_size,
+                                       pad_slot=rc.pad_slot,
                                        capture=rc.graphs == "auto")
         elif rc.graphs not in ("auto", "off"):
             raise ValueError(f"graphs must be auto, padded or off, got {rc.graphs!r}")
-        self.pad_slot = rc.num_blocks * rc.block_size
         self.warmup()
 
     def warmup(self) -> None:
@@ -111,7 +60,7 @@ class ModelRunner:
         one = torch.ones(1, dtype=torch.int32, device=dev)
         zero = torch.zeros(1, dtype=torch.int32, device=dev)
         self.model.decode_step(zero, zero, zero.view(1, 1), one,
-                               torch.tensor([self.pad_slot], device=dev), self.kv, self.ws,
+                               torch.tensor([self.rc.pad_slot], device=dev), self.kv, self.ws,
                                self.outputs, ctx_len=self.rc.block_size)
 
     def execute(self, desc: LaunchDescriptor) -> LaunchRecord:

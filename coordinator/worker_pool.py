@@ -1,11 +1,13 @@
 """The coordinator's worker actors: start, attach, watch for death, replace, drain, stop.
 
-Each worker gets its own arena and scheduler here. Death is seen from the step
-socket, not from Ray: the coordinator's PAIR socket carries a monitor (a process
-that dies closes its TCP connection at once) and ZMTP heartbeats (a host that
-vanishes stops answering them), so a lost worker is noticed in milliseconds to
-about a second, and a launch that outlives ``step_timeout_s`` counts as a hung
-worker. What to do with a lost worker's requests is the coordinator's business.
+Each worker gets its own arena and ``EngineCore`` (over a ``SocketExecutor``) here; with
+the offline engine, this is the only coordinator module that imports ``worker/``.
+Death is seen from the step socket, not from Ray: the coordinator's PAIR socket
+carries a monitor (a process that dies closes its TCP connection at once) and ZMTP
+heartbeats (a host that vanishes stops answering them), so a lost worker is noticed
+in milliseconds to about a second, and a launch that outlives ``step_timeout_s``
+counts as a hung worker. What to do with a lost worker's requests is the server's
+business.
 """
 
 from __future__ import annotations
@@ -14,19 +16,21 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from coordinator.scheduler import Scheduler, Sequence, StepBatch
+from coordinator.engine_core import EngineCore
+from coordinator.executor import SocketExecutor
+from coordinator.scheduler import Scheduler
+from coordinator.sequence import Sequence
 from shared_memory.arena import HostArena
-from shared_memory.slots import SlotTable
+from shared_memory.contract import slot_tables
 from worker.actor import WorkerActor
-from worker.device import DeviceInfo
-from worker.model_runner import LaunchDescriptor
+from worker.device import DeviceInfo, probe
 
 log = logging.getLogger(__name__)
 
@@ -39,23 +43,27 @@ STOP_GRACE_S = 10.0
 class WorkerHandle:
     worker_id: str
     actor: Any
-    arena: HostArena
-    scheduler: Scheduler
-    sock: zmq.Socket
+    core: EngineCore
+    executor: SocketExecutor
     monitor: zmq.Socket
     info: dict
-    inflight: tuple[StepBatch, LaunchDescriptor, float] | None = None
-    steps: int = 0
-    tokens: int = 0
-    last_decode: dict | None = None
-    h2d_bytes: int = 0
-    d2h_bytes: int = 0
-    serial: bool = False
-    wire_bytes: int = 0
-    kernel_s: float = 0.0
-    # Recent decode steps as (batch, coordinator wall s, worker launch s): the overhead figure.
-    recent: deque = field(default_factory=lambda: deque(maxlen=4096))
     draining: bool = False
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def arena(self) -> HostArena:
+        return self.core.arena
+
+    @property
+    def sock(self) -> zmq.Socket:
+        return self.executor.sock
+
+    @property
+    def serial(self) -> bool:
+        return self.executor.serial
 
     def lost(self) -> bool:
         """True when the step socket's peer has disconnected (drains the monitor)."""
@@ -64,11 +72,6 @@ class WorkerHandle:
             event = recv_monitor_message(self.monitor)
             gone = gone or event["event"] in (zmq.EVENT_DISCONNECTED, zmq.EVENT_MONITOR_STOPPED)
         return gone
-
-    def sequences(self) -> list[Sequence]:
-        """Every unfinished request this worker holds, oldest first."""
-        s = self.scheduler
-        return sorted([*s.running, *s.waiting], key=lambda q: q.arrival)
 
 
 @dataclass
@@ -79,7 +82,6 @@ class Starting:
     actor: Any
     arena: HostArena
     ref: Any
-    replaces: str | None = None
 
 
 @dataclass
@@ -92,6 +94,7 @@ class Failure:
 
 @dataclass
 class PoolConfig:
+    device: str  # auto | cpu | cuda | npu: probed once, when the pool is made
     model_dir: str
     dtype: str | None
     max_model_len: int
@@ -105,14 +108,14 @@ class PoolConfig:
 
 
 class WorkerPool:
-    def __init__(self, ctx: zmq.Context, cfg: PoolConfig, device: DeviceInfo, tables: list[SlotTable],
-                 max_dims: dict[str, int], new_scheduler: Callable[[], Scheduler]):
+    def __init__(self, ctx: zmq.Context, cfg: PoolConfig, max_dims: dict[str, int],
+                 new_core: Callable[[HostArena, SocketExecutor], EngineCore]):
         self.ctx = ctx
         self.cfg = cfg
-        self.device = device
-        self.tables = tables
+        self.device: DeviceInfo = probe(cfg.device)
+        self.tables = slot_tables()
         self.max_dims = max_dims
-        self.new_scheduler = new_scheduler
+        self.new_core = new_core
         self.workers: list[WorkerHandle] = []
         self.starting: list[Starting] = []
         self.stopping: list[tuple[Any, Any, float]] = []
@@ -124,7 +127,15 @@ class WorkerPool:
     def active(self) -> list[WorkerHandle]:
         return [w for w in self.workers if not w.draining]
 
-    def spawn(self, replaces: str | None = None) -> Starting:
+    def device_slots(self) -> int:
+        """Workers for ``--workers auto``: every NPU/GPU the cluster reports, else one per node."""
+        res = ray.cluster_resources()
+        key = {"npu": "NPU", "cuda": "GPU"}.get(self.device.kind)
+        if key is not None:
+            return max(1, int(res.get(key, 0)))
+        return max(1, sum(1 for node in ray.nodes() if node.get("Alive")))
+
+    def spawn(self) -> None:
         """Create a worker actor and its arena; the start call runs in the background."""
         wid = f"w{self._next_id}"
         self._next_id += 1
@@ -137,13 +148,13 @@ class WorkerPool:
         name = None if self.cfg.serial else arena.name
         ref = actor.start.remote(self.cfg.model_dir, self.cfg.dtype, self.cfg.max_model_len,
                                  self.cfg.runner, name)
-        starting = Starting(wid, actor, arena, ref, replaces)
-        self.starting.append(starting)
-        return starting
+        self.starting.append(Starting(wid, actor, arena, ref))
 
     def start(self, n: int) -> None:
         """Start ``n`` workers and wait for all of them (the server's first start)."""
-        for starting in [self.spawn() for _ in range(n)]:
+        for _ in range(n):
+            self.spawn()
+        for starting in list(self.starting):
             self.starting.remove(starting)
             self._attach(starting, ray.get(starting.ref))
 
@@ -155,29 +166,28 @@ class WorkerPool:
         sock.setsockopt(zmq.RECONNECT_IVL, -1)  # a worker's endpoint is never reused
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(info["endpoint"])
-        w = WorkerHandle(starting.worker_id, starting.actor, starting.arena, self.new_scheduler(), sock,
-                         monitor, info, serial=info["transport"] == "serial")
+        executor = SocketExecutor(sock, starting.arena, serial=info["transport"] == "serial")
+        w = WorkerHandle(starting.worker_id, starting.actor, self.new_core(starting.arena, executor),
+                         executor, monitor, info)
         self.workers.append(w)
         log.info("worker %s up: %s", w.worker_id, info)
         return w
 
-    def poll_starting(self) -> list[WorkerHandle]:
+    def poll_starting(self) -> None:
         """Attach the workers whose start finished; a failed start is replaced if allowed."""
-        attached = []
         for starting in list(self.starting):
             ready, _ = ray.wait([starting.ref], timeout=0)
             if not ready:
                 continue
             self.starting.remove(starting)
             try:
-                attached.append(self._attach(starting, ray.get(starting.ref)))
+                self._attach(starting, ray.get(starting.ref))
             except Exception as exc:  # noqa: BLE001 - a failed start must not take the server down
                 log.error("worker %s failed to start: %s", starting.worker_id, exc)
                 self._kill(starting.actor)
                 starting.arena.close()
                 self.failures.append(Failure(starting.worker_id, f"start failed: {exc}", time.time(), 0))
                 self._replace(starting.worker_id)
-        return attached
 
     def find_lost(self, ready: dict) -> list[tuple[WorkerHandle, str]]:
         """Workers whose socket peer left, or whose launch outlived ``step_timeout_s``."""
@@ -186,13 +196,13 @@ class WorkerPool:
         for w in self.workers:
             if w.monitor in ready and w.lost():
                 lost.append((w, "step socket disconnected (process gone or heartbeats unanswered)"))
-            elif w.inflight is not None and now - w.inflight[2] > self.cfg.step_timeout_s:
+            elif w.core.inflight is not None and now - w.core.inflight.started > self.cfg.step_timeout_s:
                 lost.append((w, f"launch ran over {self.cfg.step_timeout_s:.0f} s (hung)"))
         return lost
 
     def remove_lost(self, w: WorkerHandle, reason: str) -> list[Sequence]:
         """Drop a dead or hung worker; return its unfinished requests and start a replacement."""
-        seqs = w.sequences()
+        seqs = w.core.unfinished()
         log.error("worker %s lost: %s; re-running %d requests", w.worker_id, reason, len(seqs))
         self.workers.remove(w)
         self.failures.append(Failure(w.worker_id, reason, time.time(), len(seqs)))
@@ -211,7 +221,7 @@ class WorkerPool:
                       self.cfg.restart_window_s)
             return
         self._restarts.append(now)
-        self.spawn(replaces=worker_id)
+        self.spawn()
 
     def retire(self, w: WorkerHandle) -> None:
         """Stop a drained worker without waiting on it: ask, then kill once it answered."""

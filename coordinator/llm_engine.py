@@ -1,27 +1,29 @@
-"""Offline ``generate``: the scheduler and one in-process model runner.
+"""Offline ``generate``: an ``EngineCore`` over a model runner in this process.
 
-This is the reference the server is checked against: the same scheduler, the same
-launch contract and arena, with no Ray and no sockets in between.
+This is the reference the server is checked against: the same engine core, the same
+scheduler, launch contract and arena, with no Ray and no sockets in between.
 """
 
 from __future__ import annotations
 
 import copy
-import logging
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coordinator.batch_io import read_result, write_batch
-from coordinator.scheduler import Scheduler, Sequence
+from coordinator.detokenizer import Detokenizer
+from coordinator.engine_core import EngineCore
+from coordinator.executor import InProcessExecutor
+from coordinator.scheduler import Scheduler
+from coordinator.sequence import Sequence
 from kernels.default_model import resolve_model
-from kernels.kv_cache import BlockManager
 from kernels.model import Qwen3Model
 from kernels.sampling import SamplingParams
 from kernels.tokenizer import TextTokenizer
 from shared_memory.arena import HostArena
-from worker.model_runner import ModelRunner, RunnerConfig, slot_tables
-
-log = logging.getLogger(__name__)
+from shared_memory.contract import RunnerConfig, slot_tables
+from shared_memory.runtime import LaunchRuntime
+from worker.model_runner import ModelRunner, model_dims
 
 
 @dataclass
@@ -33,6 +35,7 @@ class GenerationOutput:
     finish_reason: str
     logprobs: list[float] = field(default_factory=list)
     num_preemptions: int = 0
+    error: str = ""  # finish_reason "error": what failed
 
 
 def load_model(model: str | Path, dtype: str | None = None, device: str = "cpu",
@@ -52,27 +55,20 @@ class LLMEngine:
             self.model, tok = load_model(model, dtype, max_model_len=max_model_len)
             self.tokenizer = tokenizer or tok
         self.rc = runner or RunnerConfig()
-        self.arena = HostArena.create(slot_tables(self.model), self.rc.max_dims(self.model),
+        self.arena = HostArena.create(slot_tables(self.model.dtype), model_dims(self.model, self.rc),
                                       tag="engine")
         self.runner = ModelRunner(self.model, self.rc, self.arena)
-        self._counter = 0
+        c = self.model.config
+        self.core = EngineCore(self.new_scheduler(), self.arena, InProcessExecutor(self.runner),
+                               self.rc.top_k, c.vocab_size, c.hidden_size)
+        self._ids = itertools.count(1)
 
     @property
-    def runtime(self):
+    def runtime(self) -> LaunchRuntime:
         return self.runner.runtime
 
     def new_scheduler(self) -> Scheduler:
-        c = self.model.config
-        return Scheduler(
-            BlockManager(self.rc.num_blocks, self.rc.block_size),
-            vocab_size=c.vocab_size,
-            max_model_len=self.model.max_model_len,
-            max_batch=self.rc.max_batch,
-            top_k_candidates=self.rc.top_k,
-            eos_token_ids=c.eos_token_ids,
-            max_prefill_tokens=self.rc.max_prefill_tokens,
-            detokenize=self.tokenizer.decode if self.tokenizer else None,
-        )
+        return Scheduler.for_worker(self.model.config, self.rc, self.model.max_model_len)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -80,6 +76,9 @@ class LLMEngine:
                 raise ValueError("this model has no tokenizer.json: give prompts as token ids")
             return self.tokenizer.encode(prompt)
         return list(prompt)
+
+    def detokenizer(self, params: SamplingParams) -> Detokenizer | None:
+        return Detokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
 
     def generate(self, prompts: list[str | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None
@@ -89,31 +88,26 @@ class LLMEngine:
             params = [copy.deepcopy(params or SamplingParams()) for _ in prompts]
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        sched = self.new_scheduler()
+        sched = self.core.scheduler
         seqs: list[Sequence] = []
-        for prompt, p in zip(prompts, params):
-            self._counter += 1
-            seqs.append(sched.add(f"req-{self._counter}", self.encode(prompt), p))
-        while sched.has_work():
-            self.step(sched)
-        return [self._output(s) for s in seqs]
+        errors: dict[str, str] = {}
+        try:
+            for prompt, p in zip(prompts, params):
+                seqs.append(sched.add(f"req-{next(self._ids)}", self.encode(prompt), p,
+                                      self.detokenizer(p)))
+            while sched.has_work():
+                for ev in self.core.step():
+                    if ev.error is not None:
+                        errors[ev.seq.seq_id] = f"{ev.error.code}: {ev.error}"
+        finally:  # an exception leaves nothing of this call queued
+            for s in seqs:
+                sched.abort(s.seq_id)
+        return [self._output(s, errors.get(s.seq_id, "")) for s in seqs]
 
-    def step(self, sched: Scheduler) -> list:
-        batch = sched.schedule()
-        if batch is None:
-            raise RuntimeError("scheduler has work but could not schedule a launch")
-        c = self.model.config
-        desc = write_batch(self.arena, batch, sched.steps, self.rc.top_k, c.vocab_size,
-                           c.hidden_size)
-        self.runner.execute(desc)
-        return sched.process(batch, read_result(self.arena, desc))
-
-    def _output(self, s: Sequence) -> GenerationOutput:
-        text = s.text
-        if self.tokenizer is not None and not s.params.stop:
-            text = self.tokenizer.decode(s.output_ids)
-        return GenerationOutput(s.seq_id, s.prompt_ids, list(s.output_ids), text,
-                                s.finish_reason or "abort", list(s.logprobs), s.num_preemptions)
+    @staticmethod
+    def _output(s: Sequence, error: str) -> GenerationOutput:
+        return GenerationOutput(s.seq_id, s.prompt_ids, list(s.output_ids), s.text,
+                                s.finish_reason or "abort", list(s.logprobs), s.num_preemptions, error)
 
     def close(self) -> None:
         self.arena.close()

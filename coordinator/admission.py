@@ -1,0 +1,63 @@
+"""Turning a parsed ``generate`` into a ``Sequence``: limits, tokenizing, validation.
+
+Everything here runs before a request enters any queue, so a refusal costs the
+server nothing and names the limit that was hit.
+"""
+
+from __future__ import annotations
+
+from coordinator.config import ServerConfig
+from coordinator.detokenizer import Detokenizer
+from coordinator.errors import RequestError
+from coordinator.protocol import GenerateRequest
+from coordinator.request_table import RequestTable
+from coordinator.scheduler import Scheduler
+from coordinator.sequence import Sequence
+from kernels.config import Qwen3Config
+from kernels.tokenizer import TextTokenizer
+
+
+class Admission:
+    def __init__(self, cfg: ServerConfig, config: Qwen3Config, tokenizer: TextTokenizer | None,
+                 max_model_len: int):
+        self.limits = cfg.limits
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.max_prompt_tokens = min(self.limits.max_prompt_tokens or max_model_len - 1, max_model_len - 1)
+        self.max_tokens = min(self.limits.max_tokens or max_model_len, max_model_len)
+        # Every worker's scheduler has the same shape: one answers "can this be served?".
+        self._validator = Scheduler.for_worker(config, cfg.runner, max_model_len)
+
+    def check_limits(self, identity: bytes, req: GenerateRequest, requests: RequestTable) -> None:
+        lim = self.limits
+        if requests.find(identity, req.id) is not None:
+            raise RequestError("duplicate_id", f"request id {req.id!r} is already in flight", req.id)
+        if requests.in_flight(identity) >= lim.max_requests_per_client:
+            raise RequestError("too_many_requests",
+                               f"this connection has {lim.max_requests_per_client} requests in flight "
+                               "(max_requests_per_client); wait for one to finish")
+        if len(requests) >= lim.max_queued_requests:
+            raise RequestError("server_busy", f"{len(requests)} requests in flight; retry later")
+        if req.prompt is not None and len(req.prompt) > lim.max_prompt_chars:
+            raise RequestError("prompt_too_long", f"prompt has {len(req.prompt)} characters; "
+                               f"the limit is {lim.max_prompt_chars}")
+        if req.params.max_tokens > self.max_tokens:
+            raise RequestError("max_tokens_too_large",
+                               f"max_tokens is {req.params.max_tokens}; this server allows {self.max_tokens}")
+
+    def prompt_ids(self, req: GenerateRequest) -> list[int]:
+        if req.prompt is None:
+            return list(req.prompt_ids or [])
+        if self.tokenizer is None:
+            raise RequestError("no_tokenizer", "this model has no tokenizer: send prompt_ids", req.id)
+        return self.tokenizer.encode(req.prompt)
+
+    def sequence(self, seq_id: str, arrival: int, req: GenerateRequest) -> Sequence:
+        """The request as a sequence, or RequestError naming what it exceeds."""
+        prompt_ids = self.prompt_ids(req)
+        if len(prompt_ids) > self.max_prompt_tokens:
+            raise RequestError("prompt_too_long", f"prompt has {len(prompt_ids)} tokens; this server "
+                               f"allows {self.max_prompt_tokens} (max_model_len {self.max_model_len})")
+        self._validator.validate(prompt_ids, req.params)
+        detok = Detokenizer(self.tokenizer, req.params.stop) if self.tokenizer is not None else None
+        return Sequence(seq_id, prompt_ids, req.params, arrival=arrival, detok=detok)

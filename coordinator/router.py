@@ -1,0 +1,78 @@
+"""Which worker runs a request: the least-loaded active one, or none yet (an orphan).
+
+Requests that already have a history (moved off a draining worker, or re-run after
+a worker was lost) go ahead of new ones. Orphans wait while a worker is starting.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from coordinator.request_table import ClientRequest, RequestTable
+from coordinator.sequence import Sequence
+from coordinator.worker_pool import WorkerHandle, WorkerPool
+
+
+class Router:
+    def __init__(self, pool: WorkerPool, requests: RequestTable):
+        self.pool = pool
+        self.requests = requests
+        self.orphans: deque[Sequence] = deque()  # requests with no live worker at the moment
+
+    def _least_loaded(self) -> WorkerHandle | None:
+        active = self.pool.active
+        return min(active, key=lambda w: w.scheduler.load) if active else None
+
+    def admit(self, seq: Sequence) -> WorkerHandle | None:
+        """Queue a new request; the worker it went to, or None if it waits as an orphan."""
+        w = self._least_loaded()
+        if w is None:
+            self.orphans.append(seq)
+        else:
+            w.scheduler.enqueue(seq)
+        return w
+
+    def place(self, seqs: list[Sequence]) -> None:
+        """Queue requests that already have a history ahead of new ones."""
+        for seq in reversed(seqs):
+            w = self._least_loaded()
+            if w is None:
+                self.orphans.appendleft(seq)
+            else:
+                w.scheduler.resume(seq)
+            req = self.requests.get(seq.seq_id)
+            if req is not None:
+                req.worker = w
+
+    def drain(self, w: WorkerHandle) -> None:
+        """Stop routing to ``w``; its not-yet-started requests move now, running ones finish there."""
+        w.draining = True
+        if not self.pool.active:
+            return
+        moved = list(w.scheduler.waiting)
+        w.scheduler.waiting.clear()
+        self.place(moved)
+
+    def service_orphans(self, fail: Callable[[Sequence], None]) -> None:
+        """Place orphans once a worker is up; ``fail`` them if none is and none is starting."""
+        if self.pool.active:
+            seqs = list(self.orphans)
+            self.orphans.clear()
+            self.place(seqs)
+        elif not self.pool.starting:
+            seqs = list(self.orphans)
+            self.orphans.clear()
+            for seq in seqs:
+                fail(seq)
+
+    def unschedule(self, req: ClientRequest) -> None:
+        """Take a request out of whichever queue holds it, freeing its KV blocks."""
+        if req.worker is not None:
+            req.worker.scheduler.abort(req.seq.seq_id)
+        elif req.seq in self.orphans:
+            self.orphans.remove(req.seq)
+
+    @property
+    def queue_length(self) -> int:
+        return sum(len(w.scheduler.waiting) for w in self.pool.workers) + len(self.orphans)

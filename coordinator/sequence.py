@@ -1,0 +1,47 @@
+"""A request as the scheduler sees it, and what one step did to it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coordinator.detokenizer import Detokenizer
+from coordinator.errors import RequestError
+from kernels.sampling import SamplingParams
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    arrival: int = 0
+    num_preemptions: int = 0
+    detok: Detokenizer | None = None  # None: the model has no tokenizer, ids only
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def text(self) -> str:
+        """The output text so far (cut before a stop string); the final text once finished."""
+        return self.detok.text if self.detok is not None else ""
+
+
+@dataclass
+class TokenEvent:
+    """What one launch did to a sequence: a token appended (with the text it completed),
+    or, with ``error`` set, the request failed and was taken out of the batch."""
+
+    seq: Sequence
+    token: int | None
+    finished: bool
+    text: str = ""
+    error: RequestError | None = None

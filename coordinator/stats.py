@@ -1,0 +1,66 @@
+"""The server's ``stats`` reply: traffic and steps per worker, queues, faults, the process."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass
+
+from coordinator.worker_pool import WorkerHandle
+
+
+@dataclass
+class FaultCounters:
+    reruns: int = 0  # requests moved off a lost worker and re-run
+    client_gone: int = 0  # requests aborted because their client disconnected
+    slow_client: int = 0  # requests aborted because their client stopped reading
+    unauthorized: int = 0  # frames refused for a missing or wrong token
+    request_errors: int = 0  # requests failed alone by an exception (admission, sampling, replies)
+
+
+@dataclass
+class ServerCounters:
+    started_at: float
+    completed: int = 0
+    tokens: int = 0  # generated, over every worker that ever ran
+
+
+def rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def worker_stats(w: WorkerHandle) -> dict:
+    s, b = w.core.stats, w.scheduler.blocks
+    return {
+        "id": w.worker_id, "draining": w.draining, "steps": s.steps, "tokens": s.tokens,
+        "waiting": len(w.scheduler.waiting), "running": len(w.scheduler.running),
+        "kv_blocks_used": b.num_used, "kv_blocks_free": b.num_free,
+        "h2d_bytes": s.h2d_bytes, "d2h_bytes": s.d2h_bytes,
+        "h2d_bytes_per_step": s.h2d_bytes / s.steps if s.steps else 0.0,
+        "d2h_bytes_per_step": s.d2h_bytes / s.steps if s.steps else 0.0,
+        "last_decode": s.last_decode, "launch_s": s.launch_s,
+        "transport": "serial" if w.serial else "shm", "wire_bytes": w.executor.wire_bytes,
+    }
+
+
+def server_stats(counters: ServerCounters, workers: list[WorkerHandle], queue_length: int,
+                 starting: int, coordinator: dict, faults: dict) -> dict:
+    elapsed = max(time.time() - counters.started_at, 1e-9)
+    return {
+        "queue_length": queue_length,
+        "running": sum(len(w.scheduler.running) for w in workers),
+        "completed": counters.completed, "tokens": counters.tokens,
+        "tokens_per_s": counters.tokens / elapsed, "uptime_s": elapsed,
+        "workers": [worker_stats(w) for w in workers], "starting": starting,
+        "coordinator": {**coordinator, "rss_bytes": rss_bytes(), "pid": os.getpid()},
+        "faults": faults,
+    }
+
+
+def fault_stats(faults: FaultCounters, client_disconnects: int, worker_failures: list) -> dict:
+    return {**asdict(faults), "client_disconnects": client_disconnects,
+            "worker_failures": [asdict(f) for f in worker_failures]}

@@ -1,0 +1,108 @@
+"""What the coordinator and a worker agree on for every launch.
+
+The coordinator writes a step's HOST_SHARED inputs into the arena and sends a
+``LaunchDescriptor``; the worker runs it and answers a ``LaunchReply``. Both sides
+size their buffers from the same ``RunnerConfig.max_dims``. This module is the only
+contract between the two packages: the coordinator never imports ``worker/`` for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shared_memory.runtime import LaunchRecord
+from shared_memory.slots import SlotTable, decode_table, prefill_table
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    max_batch: int = 16
+    block_size: int = 16
+    num_blocks: int = 256
+    top_k: int = 64  # device-side candidates per stochastic row
+    max_prefill_tokens: int = 4096
+    # "auto": capture decode graphs per batch bucket where the device has graphs (CUDA, NPU);
+    # "padded": the same bucketed, padded decode run eagerly (any device); "off": exact shapes.
+    graphs: str = "auto"
+
+    @property
+    def pad_slot(self) -> int:
+        """The KV slot past every allocatable block: padding and warm-up rows write there."""
+        return self.num_blocks * self.block_size
+
+    def max_dims(self, vocab: int, hidden: int, max_model_len: int) -> dict[str, int]:
+        """The largest dims any launch may use; arena and pool are sized from these."""
+        return {
+            "B": self.max_batch,
+            "W": -(-max_model_len // self.block_size),
+            "T": max(self.max_prefill_tokens, max_model_len),
+            "NT": self.max_batch,
+            "NF": self.max_batch,
+            "K": self.top_k,
+            "V": vocab,
+            "D": hidden,
+        }
+
+
+def slot_tables(hidden_dtype: torch.dtype = torch.float32) -> list[SlotTable]:
+    """Both launch tables. HOST_SHARED layout does not depend on the dtype; only the
+    DEVICE_RESIDENT ``next_hidden`` does, so the coordinator may use the default."""
+    return [prefill_table(hidden_dtype), decode_table(hidden_dtype)]
+
+
+@dataclass
+class LaunchDescriptor:
+    """The per-step control message: small, msgpack-able; tensors stay in the arena."""
+
+    table: str  # "prefill" | "decode"
+    dims: dict[str, int]
+    step: int
+    ctx_len: int = 0
+    cu_seqlens: list[int] = field(default_factory=list)
+
+    def to_wire(self) -> dict:
+        return {"table": self.table, "dims": self.dims, "step": self.step,
+                "ctx_len": self.ctx_len, "cu_seqlens": self.cu_seqlens}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> LaunchDescriptor:
+        return cls(d["table"], dict(d["dims"]), d["step"], d.get("ctx_len", 0),
+                   list(d.get("cu_seqlens", [])))
+
+
+@dataclass
+class LaunchReply:
+    """A worker's answer to one launch: the bytes it moved and its time, or its error.
+
+    ``outputs`` carries the HOST_SHARED output bytes on the serializing transport.
+    """
+
+    ok: bool
+    h2d: int = 0
+    d2h: int = 0
+    seconds: float = 0.0
+    error: str = ""
+    outputs: dict[str, bytes] | None = None
+
+    @classmethod
+    def from_record(cls, rec: LaunchRecord) -> LaunchReply:
+        return cls(True, rec.h2d_bytes, rec.d2h_bytes, rec.seconds)
+
+    @classmethod
+    def failed(cls, exc: BaseException) -> LaunchReply:
+        return cls(False, error=f"{type(exc).__name__}: {exc}")
+
+    def to_wire(self) -> dict:
+        msg = {"ok": self.ok, "h2d": self.h2d, "d2h": self.d2h, "seconds": self.seconds}
+        if self.error:
+            msg["error"] = self.error
+        if self.outputs is not None:
+            msg["outputs"] = self.outputs
+        return msg
+
+    @classmethod
+    def from_wire(cls, d: dict) -> LaunchReply:
+        return cls(bool(d.get("ok")), d.get("h2d", 0), d.get("d2h", 0), d.get("seconds", 0.0),
+                   d.get("error", "" if d.get("ok") else "launch failed"), d.get("outputs"))
