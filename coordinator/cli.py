@@ -121,9 +121,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.stream:
             for frame in c.stream(args.prompt, **params):
                 if frame["type"] == "token":
-                    print(frame["token"], end=" ", flush=True)
+                    print(frame.get("text", ""), end="", flush=True)
                 else:
-                    print(f"\n{frame['text']!r} ({frame['finish_reason']})")
+                    usage = frame["usage"]
+                    print(f"\n[{frame['finish_reason']}, {usage['completion_tokens']} tokens]")
         else:
             print(json.dumps(c.generate(args.prompt, **params), indent=2))
     return 0

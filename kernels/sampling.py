@@ -10,7 +10,9 @@ worker failure draws the same tokens.
 
 from __future__ import annotations
 
+import math
 import random
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,6 +20,23 @@ import numpy as np
 
 class SamplingError(ValueError):
     """Sampling parameters are out of range."""
+
+
+MAX_TEMPERATURE = 100.0
+
+
+def _check_float(name: str, value: object, lo: float, hi: float, lo_open: bool) -> None:
+    """A finite, normal (not subnormal) number in [lo, hi] (or (lo, hi] when ``lo_open``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SamplingError(f"{name} must be a number, got {value!r}")
+    v = float(value)
+    if not math.isfinite(v):
+        raise SamplingError(f"{name} must be finite, got {value!r}")
+    if v != 0.0 and abs(v) < sys.float_info.min:
+        raise SamplingError(f"{name} is subnormal ({value!r}); use 0 or a normal number")
+    if v < lo or v > hi or (lo_open and v == lo):
+        bounds = f"({lo:g}, {hi:g}]" if lo_open else f"[{lo:g}, {hi:g}]"
+        raise SamplingError(f"{name} must be in {bounds}, got {value!r}")
 
 
 @dataclass
@@ -37,12 +56,10 @@ class SamplingParams:
             raise SamplingError(f"max_tokens must be an integer, got {self.max_tokens!r}")
         if self.max_tokens < 1:
             raise SamplingError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
-            raise SamplingError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE, lo_open=False)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise SamplingError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or self.seed < 0):
             raise SamplingError(f"seed must be a non-negative integer, got {self.seed!r}")
@@ -86,8 +103,14 @@ def sample(values: np.ndarray, ids: np.ndarray, params: SamplingParams, step: in
     order = np.lexsort((ids, -values.astype(np.float64)))
     if params.top_k:
         order = order[: params.top_k]
-    logits = values[order].astype(np.float64) / params.temperature
-    probs = np.exp(logits - logits.max())
+    # Subtract the max before dividing: (v - max) / t is <= 0 for any t > 0, so a tiny t
+    # gives -inf (probability 0), never inf - inf; the max itself keeps probability 1 > 0.
+    top = values[order].astype(np.float64)
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        scaled = (top - top[0]) / float(params.temperature)
+    scaled[~np.isfinite(scaled)] = -np.inf  # -inf logits (masked tokens) stay impossible
+    scaled[0] = 0.0
+    probs = np.exp(scaled)
     probs /= probs.sum()
     if params.top_p < 1.0:
         cum = np.cumsum(probs)

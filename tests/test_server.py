@@ -85,6 +85,20 @@ def test_streaming_matches_non_streamed(server):
     assert [f["index"] for f in frames[:-1]] == list(range(10))
 
 
+def test_stream_carries_text_deltas_that_add_up_to_the_done_text(server):
+    with Client(server.address) as c:
+        frames = list(c.stream("Once upon a time", max_tokens=40, temperature=1.0, top_k=16, seed=5,
+                               ignore_eos=True))
+        stopped = list(c.stream("Once upon a time", max_tokens=40, stop=["e"], ignore_eos=True))
+    tokens, done = frames[:-1], frames[-1]
+    assert all(isinstance(f["text"], str) for f in tokens)
+    assert "".join(f["text"] for f in tokens) == done["text"]
+    if "\ufffd" not in done["text"]:
+        assert not any("\ufffd" in f["text"] for f in tokens)
+    streamed = "".join(f["text"] for f in stopped[:-1])
+    assert streamed == stopped[-1]["text"] and "e" not in streamed
+
+
 def test_abort_mid_stream_frees_blocks(server):
     with Client(server.address) as c:
         got = []
