@@ -101,7 +101,8 @@ def server(ray_session):
 @pytest.fixture(scope="module")
 def bystander_want():
     with LLMEngine("default", dtype="float32", runner=RC, max_model_len=256) as eng:
-        return eng.generate(["a bystander stream"], SamplingParams(max_tokens=120, ignore_eos=True))[0].token_ids
+        out = eng.generate(["a bystander stream"], SamplingParams(max_tokens=120, ignore_eos=True))
+    return out[0].token_ids
 
 
 def _bystander(address: str, box: dict) -> threading.Thread:
