@@ -110,14 +110,15 @@ def paged_decode_attention(
 
 
 def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int], scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int], scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention within each packed prompt.
 
     q: [T, heads, head_dim], k/v: [T, kv_heads, head_dim] for all prompts packed;
-    ``cu_seqlens`` are the prompt boundaries. Returns [T, heads, head_dim].
+    ``cu_seqlens`` are the prompt boundaries. Writes and returns ``out`` [T, heads, head_dim].
     """
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
         qs = q[start:end].transpose(0, 1).unsqueeze(0)
         ks = k[start:end].transpose(0, 1).unsqueeze(0)

@@ -9,6 +9,7 @@ the caller copies it: that is the point (DESIGN.md, the argument contract).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,63 @@ class SampleOutputs:
             topk_ids=torch.zeros(max_batch, top_k, dtype=torch.int32, device=device),
             logits=torch.zeros(max_batch, vocab, dtype=torch.float32, device=device),
         )
+
+
+@dataclass
+class LayerBuffers:
+    """One layer's intermediates for n rows: views of the decode workspace (decode: no
+    allocation), or fresh tensors sized for the prompt tokens (prefill)."""
+
+    h: torch.Tensor  # [n, D] normed input of attention / MLP
+    f32_h: torch.Tensor  # [n, D] float32 scratch of the hidden norms
+    var_h: torch.Tensor  # [n, 1]
+    qkv: torch.Tensor  # [n, q + 2 kv]
+    q: torch.Tensor  # [n, heads, hd] (contiguous, normed q)
+    f32_q: torch.Tensor
+    var_q: torch.Tensor
+    f32_k: torch.Tensor
+    var_k: torch.Tensor
+    rot_q: torch.Tensor  # rotary scratch, like q
+    rot_k: torch.Tensor  # like k
+    attn: torch.Tensor  # [n, heads, hd]
+    o: torch.Tensor  # [n, D] projection outputs added to the residual
+    gate_up: torch.Tensor  # [n, 2 I]
+    act: torch.Tensor  # [n, I]
+
+    @classmethod
+    def allocate(cls, c: Qwen3Config, n: int, dtype: torch.dtype, device: torch.device) -> LayerBuffers:
+        kw, f32 = {"dtype": dtype, "device": device}, {"dtype": torch.float32, "device": device}
+        nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        return cls(
+            h=torch.empty(n, c.hidden_size, **kw), f32_h=torch.empty(n, c.hidden_size, **f32),
+            var_h=torch.empty(n, 1, **f32), qkv=torch.empty(n, c.q_size + 2 * c.kv_size, **kw),
+            q=torch.empty(n, nh, hd, **kw), f32_q=torch.empty(n, nh, hd, **f32),
+            var_q=torch.empty(n, nh, 1, **f32), f32_k=torch.empty(n, nkv, hd, **f32),
+            var_k=torch.empty(n, nkv, 1, **f32), rot_q=torch.empty(n, nh, hd, **kw),
+            rot_k=torch.empty(n, nkv, hd, **kw), attn=torch.empty(n, nh, hd, **kw),
+            o=torch.empty(n, c.hidden_size, **kw), gate_up=torch.empty(n, 2 * c.intermediate_size, **kw),
+            act=torch.empty(n, c.intermediate_size, **kw),
+        )
+
+    @classmethod
+    def of_workspace(cls, ws: DecodeWorkspace, c: Qwen3Config, b: int) -> LayerBuffers:
+        nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        return cls(
+            h=ws.normed[:b], f32_h=ws.norm_f32[: b * c.hidden_size].view(b, c.hidden_size),
+            var_h=ws.norm_var[:b].view(b, 1), qkv=ws.qkv[:b], q=ws.q[:b].view(b, nh, hd),
+            f32_q=ws.norm_f32[: b * c.q_size].view(b, nh, hd),
+            var_q=ws.norm_var[: b * nh].view(b, nh, 1),
+            f32_k=ws.norm_f32[: b * c.kv_size].view(b, nkv, hd),
+            var_k=ws.norm_var[: b * nkv].view(b, nkv, 1),
+            rot_q=ws.rot_tmp[: b * c.q_size].view(b, nh, hd),
+            rot_k=ws.rot_tmp[: b * c.kv_size].view(b, nkv, hd),
+            attn=ws.attn[:b].view(b, nh, hd), o=ws.o[:b], gate_up=ws.gate_up[:b], act=ws.act[:b],
+        )
+
+
+# attend(q, k, v, k_cache, v_cache, out): this launch's attention for one layer.
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class DecodeWorkspace:
@@ -145,60 +203,60 @@ class Qwen3Model:
         (defaults to block_tables' width x block_size); pass max(seq_lens) rounded up
         to a block to avoid a device->host read. Writes rows [:B] of ``out``.
         """
-        self._decode(token_ids, positions, block_tables, seq_lens, slot_mapping, kv, ws, out, ctx_len,
-                     want_topk)
-
-    def _decode(self, token_ids, positions, block_tables, seq_lens, slot_mapping, kv, ws, out,
-                ctx_len, want_topk) -> None:
-        c, w = self.config, self.w
         b = token_ids.shape[0]
-        eps = ws.eps
-        linear = self._linear_for(b)
         if ctx_len is None:
             ctx_len = block_tables.shape[1] * kv.block_size
         x = ws.hidden[:b]
-        h = ws.normed[:b]
-        torch.index_select(w.embed, 0, token_ids, out=x)
-        cos = ws.cos[:b]
-        sin = ws.sin[:b]
+        torch.index_select(self.w.embed, 0, token_ids, out=x)
+        cos, sin = ws.cos[:b], ws.sin[:b]
         torch.index_select(self.cos, 0, positions, out=cos)
         torch.index_select(self.sin, 0, positions, out=sin)
-        cos3, sin3 = cos.unsqueeze(1), sin.unsqueeze(1)
         slots, mask = ws.attention.prepare(block_tables, seq_lens, ctx_len)
+
+        def attend(q, k, v, k_cache, v_cache, o) -> None:
+            paged_decode_attention(q, k_cache, v_cache, slots, mask, None, ws.attention, o)
+
+        buf = LayerBuffers.of_workspace(ws, self.config, b)
+        linear = self._linear_for(b)
+        cos3, sin3 = cos.unsqueeze(1), sin.unsqueeze(1)
+        for i, lw in enumerate(self.w.layers):
+            self._layer(i, lw, x, buf, cos3, sin3, slot_mapping, kv, ws, attend, linear)
+        rms_norm(x, self.w.final_norm, ws.eps, buf.h, buf.f32_h, buf.var_h, ws.inv_hidden)
+        self._sample(buf.h, ws, out, b, want_topk)
+
+    def _layer(self, i: int, lw, x: torch.Tensor, buf: LayerBuffers, cos: torch.Tensor, sin: torch.Tensor,
+               slot_mapping: torch.Tensor, kv: PagedKVCache, ws: DecodeWorkspace, attend: Attend,
+               linear: Linear) -> None:
+        """One transformer layer over n rows, residual ``x`` [n, D] updated in place; the same
+        for prefill (n prompt tokens) and decode (n sequences). Writes this layer's K/V pages."""
+        c = self.config
+        n = x.shape[0]
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        f32_h = ws.norm_f32[: b * c.hidden_size].view(b, c.hidden_size)
-        var_h = ws.norm_var[:b].view(b, 1)
-        f32_q = ws.norm_f32[: b * c.q_size].view(b, nh, hd)
-        var_q = ws.norm_var[: b * nh].view(b, nh, 1)
-        f32_k = ws.norm_f32[: b * c.kv_size].view(b, nkv, hd)
-        var_k = ws.norm_var[: b * nkv].view(b, nkv, 1)
-        rot_q = ws.rot_tmp[: b * c.q_size].view(b, nh, hd)
-        rot_k = ws.rot_tmp[: b * c.kv_size].view(b, nkv, hd)
-        qkv = ws.qkv[:b]
-        attn = ws.attn[:b].view(b, nh, hd)
-        for i, lw in enumerate(w.layers):
-            rms_norm(x, lw.input_norm, eps, h, f32_h, var_h, ws.inv_hidden)
-            linear(h, lw.qkv, qkv)
-            if lw.qkv_bias is not None:
-                qkv.add_(lw.qkv_bias)
-            q = ws.q[:b].view(b, nh, hd)
-            k = qkv[:, c.q_size : c.q_size + c.kv_size].view(b, nkv, hd)
-            v = qkv[:, c.q_size + c.kv_size :].view(b, nkv, hd)
-            rms_norm(qkv[:, : c.q_size].view(b, nh, hd), lw.q_norm, eps, q, f32_q, var_q, ws.inv_head)
-            rms_norm(k, lw.k_norm, eps, k, f32_k, var_k, ws.inv_head)
-            rotary(q, cos3, sin3, rot_q)
-            rotary(k, cos3, sin3, rot_k)
-            k_cache, v_cache = kv.layer(i)
-            k_cache.index_copy_(0, slot_mapping, k)
-            v_cache.index_copy_(0, slot_mapping, v)
-            paged_decode_attention(q, k_cache, v_cache, slots, mask, None, ws.attention, attn)
-            linear(attn.view(b, c.q_size), lw.o_proj, ws.o[:b])
-            x.add_(ws.o[:b])
-            rms_norm(x, lw.post_norm, eps, h, f32_h, var_h, ws.inv_hidden)
-            self._mlp(h, lw, ws, b)
-            x.add_(ws.o[:b])
-        rms_norm(x, w.final_norm, eps, h, f32_h, var_h, ws.inv_hidden)
-        self._sample(h, ws, out, b, want_topk)
+        rms_norm(x, lw.input_norm, ws.eps, buf.h, buf.f32_h, buf.var_h, ws.inv_hidden)
+        linear(buf.h, lw.qkv, buf.qkv)
+        if lw.qkv_bias is not None:
+            buf.qkv.add_(lw.qkv_bias)
+        q = buf.q
+        k = buf.qkv[:, c.q_size : c.q_size + c.kv_size].view(n, nkv, hd)
+        v = buf.qkv[:, c.q_size + c.kv_size :].view(n, nkv, hd)
+        rms_norm(buf.qkv[:, : c.q_size].view(n, nh, hd), lw.q_norm, ws.eps, q, buf.f32_q, buf.var_q,
+                 ws.inv_head)
+        rms_norm(k, lw.k_norm, ws.eps, k, buf.f32_k, buf.var_k, ws.inv_head)
+        rotary(q, cos, sin, buf.rot_q)
+        rotary(k, cos, sin, buf.rot_k)
+        k_cache, v_cache = kv.layer(i)
+        k_cache.index_copy_(0, slot_mapping, k)
+        v_cache.index_copy_(0, slot_mapping, v)
+        attend(q, k, v, k_cache, v_cache, buf.attn)
+        linear(buf.attn.view(n, c.q_size), lw.o_proj, buf.o)
+        x.add_(buf.o)
+        rms_norm(x, lw.post_norm, ws.eps, buf.h, buf.f32_h, buf.var_h, ws.inv_hidden)
+        linear(buf.h, lw.gate_up, buf.gate_up)
+        gate = buf.gate_up[:, : c.intermediate_size]
+        torch.nn.functional.silu(gate, inplace=True)
+        torch.mul(gate, buf.gate_up[:, c.intermediate_size :], out=buf.act)
+        linear(buf.act, lw.down, buf.o)
+        x.add_(buf.o)
 
     def _linear_for(self, rows: int):
         """The matmul for a step of ``rows`` rows: with ``single_row_gemv``, ATen's native GEMV
@@ -207,16 +265,6 @@ class Qwen3Model:
         if self.single_row_gemv and rows == 1 and self.device.type == "cpu" and self.dtype == torch.bfloat16:
             return linear_gemv
         return linear
-
-    def _mlp(self, h: torch.Tensor, lw, ws: DecodeWorkspace, b: int) -> None:
-        inter = self.config.intermediate_size
-        linear = self._linear_for(b)
-        gu = ws.gate_up[:b]
-        linear(h, lw.gate_up, gu)
-        gate = gu[:, :inter]
-        torch.nn.functional.silu(gate, inplace=True)
-        torch.mul(gate, gu[:, inter:], out=ws.act[:b])
-        linear(ws.act[:b], lw.down, ws.o[:b])
 
     def _sample(self, h: torch.Tensor, ws: DecodeWorkspace, out: SampleOutputs, b: int,
                 want_topk: bool) -> None:
@@ -255,45 +303,23 @@ class Qwen3Model:
         ``cu_seqlens`` [B + 1] are their boundaries. Rows [:B] of ``out`` are written.
         Prefill may allocate (its shapes vary with the prompts); decode does not.
         """
-        c, w = self.config, self.w
-        nh, nkv, hd, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
         b = len(cu_seqlens) - 1
         if b > ws.max_batch:
             raise ValueError(f"prefill batch {b} exceeds the workspace's max batch {ws.max_batch}")
-        x = w.embed.index_select(0, token_ids)
-        t = x.shape[0]
+        x = self.w.embed.index_select(0, token_ids)
         cos = self.cos.index_select(0, positions).unsqueeze(1)
         sin = self.sin.index_select(0, positions).unsqueeze(1)
-        f32 = {"dtype": torch.float32, "device": x.device}
-        f32_h, var_h = torch.empty(t, c.hidden_size, **f32), torch.empty(t, 1, **f32)
-        f32_q, var_q = torch.empty(t, nh, hd, **f32), torch.empty(t, nh, 1, **f32)
-        f32_k, var_k = torch.empty(t, nkv, hd, **f32), torch.empty(t, nkv, 1, **f32)
-        h = torch.empty_like(x)
-        for i, lw in enumerate(w.layers):
-            rms_norm(x, lw.input_norm, eps, h, f32_h, var_h)
-            qkv = torch.mm(h, lw.qkv.t())
-            if lw.qkv_bias is not None:
-                qkv.add_(lw.qkv_bias)
-            q = qkv[:, : c.q_size].reshape(t, nh, hd)
-            k = qkv[:, c.q_size : c.q_size + c.kv_size].reshape(t, nkv, hd)
-            v = qkv[:, c.q_size + c.kv_size :].reshape(t, nkv, hd)
-            rms_norm(q, lw.q_norm, eps, q, f32_q, var_q)
-            rms_norm(k, lw.k_norm, eps, k, f32_k, var_k)
-            rotary(q, cos, sin, torch.empty_like(q))
-            rotary(k, cos, sin, torch.empty_like(k))
-            k_cache, v_cache = kv.layer(i)
-            k_cache.index_copy_(0, slot_mapping, k)
-            v_cache.index_copy_(0, slot_mapping, v)
-            o = prefill_attention(q, k, v, cu_seqlens, self.scale)
-            x.add_(torch.mm(o.reshape(t, c.q_size), lw.o_proj.t()))
-            rms_norm(x, lw.post_norm, eps, h, f32_h, var_h)
-            gu = torch.mm(h, lw.gate_up.t())
-            act = torch.nn.functional.silu(gu[:, : c.intermediate_size]) * gu[:, c.intermediate_size :]
-            x.add_(torch.mm(act, lw.down.t()))
+
+        def attend(q, k, v, k_cache, v_cache, o) -> None:
+            prefill_attention(q, k, v, cu_seqlens, self.scale, out=o)
+
+        buf = LayerBuffers.allocate(self.config, x.shape[0], self.dtype, x.device)
+        for i, lw in enumerate(self.w.layers):
+            self._layer(i, lw, x, buf, cos, sin, slot_mapping, kv, ws, attend, linear)
         last = torch.tensor([e - 1 for e in cu_seqlens[1:]], device=x.device)
-        x_last = x.index_select(0, last)
         hb = ws.normed[:b]
-        rms_norm(x_last, w.final_norm, eps, hb, f32_h[:b], var_h[:b])
+        rms_norm(x.index_select(0, last), self.w.final_norm, ws.eps, hb, buf.f32_h[:b], buf.var_h[:b],
+                 ws.inv_hidden)
         self._sample(hb, ws, out, b, want_topk)
 
 
