@@ -10,8 +10,13 @@ import signal
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from coordinator.client import DEFAULT_ADDRESS, TOKEN_ENV, Client, ServerError
+from coordinator.ray_cluster import EmbeddedHead, RayPorts, connect
+
+if TYPE_CHECKING:
+    from coordinator.server import Server
 from shared_memory.contract import RunnerConfig
 
 DEMO_PROMPTS = [
@@ -57,14 +62,21 @@ def _server_config(args: argparse.Namespace, token: str | None = None):
                         auth_token=token, limits=limits)
 
 
-def _init_ray(address: str | None, workers: int) -> None:
+def _ray(args: argparse.Namespace) -> EmbeddedHead | None:
+    """Join ``--ray-address``, or start a head of this process's own (stop it at exit)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ports = RayPorts(gcs=args.ray_gcs_port, dashboard_agent=args.ray_dashboard_agent_port,
+                     metrics_export=args.ray_metrics_export_port,
+                     runtime_env_agent=args.ray_runtime_env_agent_port)
+    return connect(args.ray_address, max(2, args.workers or 1), ports)
+
+
+def _leave_ray(head: EmbeddedHead | None) -> None:
     import ray
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if address:
-        ray.init(address=address, log_to_driver=False)
-    else:
-        ray.init(num_cpus=max(2, workers or 1), include_dashboard=False, log_to_driver=False)
+    ray.shutdown()
+    if head is not None:
+        head.stop()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -82,8 +94,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"fusedserve: the auth token must have at least {MIN_TOKEN_CHARS} characters",
               file=sys.stderr)
         return 2
-    _init_ray(args.ray_address, args.workers)
-    coord = Server(_server_config(args, token))
+    head = _ray(args)
+    try:
+        return _serve(Server(_server_config(args, token)), token)
+    finally:
+        _leave_ray(head)
+
+
+def _serve(coord: Server, token: str | None) -> int:
     coord.start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -138,9 +156,17 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """The README's main job: a two-worker server, concurrent prompts, outputs and stats."""
+
+    head = _ray(args)
+    try:
+        return _demo(args)
+    finally:
+        _leave_ray(head)
+
+
+def _demo(args: argparse.Namespace) -> int:
     from coordinator.server import Server
 
-    _init_ray(None, args.workers)
     args.port = 0
     coord = Server(_server_config(args))
     coord.start()
@@ -196,7 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--num-blocks", type=int, default=256)
         p.add_argument("--threads-per-worker", type=int, default=1)
         p.add_argument("--max-tokens", type=int, default=16)
-        p.add_argument("--ray-address", default=None)
+        p.add_argument("--ray-address", default=None,
+                       help="join this Ray cluster ('auto': the one this process runs in); default: "
+                       "start a head of this server's own, stopped with it")
+        for port in ("gcs", "dashboard-agent", "metrics-export", "runtime-env-agent"):
+            p.add_argument(f"--ray-{port}-port", type=int, default=0,
+                           help=f"embedded head's {port} port (default: a free port)")
     g = sub.add_parser("generate")
     g.add_argument("prompt")
     g.add_argument("--max-tokens", type=int, default=16)

@@ -25,10 +25,13 @@ class ServeProcess:
     lines: list[str]
 
     @classmethod
-    def start(cls, log_path: Path, *args: str, timeout_s: float = 120.0) -> ServeProcess:
-        """Start ``fusedserve serve ARGS`` and wait for its "serving on" line."""
-        cmd = [sys.executable, "-m", "coordinator.cli", "serve", "--port", "0",
-               "--ray-address", ray.get_runtime_context().gcs_address, *args]
+    def start(cls, log_path: Path, *args: str, timeout_s: float = 120.0,
+              join_session: bool = True) -> ServeProcess:
+        """Start ``fusedserve serve ARGS`` and wait for its "serving on" line; it joins the
+        test session's Ray cluster unless ``join_session`` is False (its own embedded head)."""
+        cmd = [sys.executable, "-m", "coordinator.cli", "serve", "--port", "0", *args]
+        if join_session:
+            cmd += ["--ray-address", ray.get_runtime_context().gcs_address]
         err = open(log_path, "w")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
         err.close()
