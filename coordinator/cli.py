@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -74,9 +75,11 @@ def _ray(args: argparse.Namespace) -> EmbeddedHead | None:
 def _leave_ray(head: EmbeddedHead | None) -> None:
     import ray
 
+    t0 = time.perf_counter()
     ray.shutdown()
     if head is not None:
         head.stop()
+    logging.getLogger(__name__).info("left Ray in %.2f s", time.perf_counter() - t0)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

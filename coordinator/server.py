@@ -111,17 +111,22 @@ class Server:
 
     def shutdown(self) -> None:
         """Stop the loop; every request still in flight gets a ``shutdown`` error."""
+        t0 = time.perf_counter()
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
         for req in self.requests:
             self.requests.pop(req.seq.seq_id)
             self._send(req.identity, protocol.error(req.client_id, "shutdown", "server is shutting down"))
+        t1 = time.perf_counter()
         if self.pool is not None:
             self.pool.shutdown()
+        t2 = time.perf_counter()
         if self.frontend is not None:
             self.frontend.close(linger_ms=1000)
         self.ctx.term()
+        log.info("shut down in %.2f s (loop %.2f, workers %.2f, sockets %.2f)", time.perf_counter() - t0,
+                 t1 - t0, t2 - t1, time.perf_counter() - t2)
 
     # ----------------------------------------------------------------------- loop
 
