@@ -19,6 +19,7 @@ from typing import Any
 import msgpack
 
 from coordinator.errors import RequestError
+from coordinator.sequence import Sequence, TokenEvent
 from kernels.sampling import SamplingError, SamplingParams
 
 MAX_FRAME_BYTES = 4 << 20
@@ -134,6 +135,24 @@ def _parse_generate(msg: dict, rid: Any) -> GenerateRequest:
 
 def pack(msg: dict) -> bytes:
     return msgpack.packb(msg, use_bin_type=True)
+
+
+def token(rid: Any, ev: TokenEvent) -> dict:
+    """A streamed token: its id, the text it completed (may be empty) and its index."""
+    return {"type": "token", "id": rid, "token": ev.token, "text": ev.text,
+            "index": len(ev.seq.output_ids) - 1}
+
+
+def done(rid: Any, seq: Sequence, timings: dict) -> dict:
+    msg = {
+        "type": "done", "id": rid, "text": seq.text, "token_ids": list(seq.output_ids),
+        "finish_reason": seq.finish_reason or "abort",
+        "usage": {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output_ids)},
+        "timings": timings,
+    }
+    if seq.params.logprobs:
+        msg["logprobs"] = list(seq.logprobs)
+    return msg
 
 
 def error(rid: Any, code: str, message: str) -> dict:

@@ -1,4 +1,5 @@
-"""Which worker runs a request: the least-loaded active one, or none yet (an orphan).
+"""Which worker runs a request: the least-loaded active one, or none yet (an orphan);
+and how many workers there are (scaling up spawns, scaling down drains).
 
 Requests that already have a history (moved off a draining worker, or re-run after
 a worker was lost) go ahead of new ones. Orphans wait while a worker is starting.
@@ -9,6 +10,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from coordinator.errors import RequestError
 from coordinator.request_table import ClientRequest, RequestTable
 from coordinator.sequence import Sequence
 from coordinator.worker_pool import WorkerHandle, WorkerPool
@@ -54,7 +56,19 @@ class Router:
         w.scheduler.waiting.clear()
         self.place(moved)
 
-    def service_orphans(self, fail: Callable[[Sequence], None]) -> None:
+    def scale(self, n: int, max_workers: int) -> dict:
+        """Grow to ``n`` workers (started in the background) or shrink by draining the newest."""
+        if not 1 <= n <= max_workers:
+            raise RequestError("bad_field", f"workers must be in [1, {max_workers}]")
+        active = self.pool.active
+        for _ in range(n - len(active) - len(self.pool.starting)):
+            self.pool.spawn()
+        for w in reversed(active[n:]):
+            self.drain(w)
+        return {"active": min(n, len(active)), "starting": len(self.pool.starting),
+                "draining": sum(w.draining for w in self.pool.workers)}
+
+    def service_orphans(self, fail: Callable[[str, str, str], None]) -> None:
         """Place orphans once a worker is up; ``fail`` them if none is and none is starting."""
         if self.pool.active:
             seqs = list(self.orphans)
@@ -64,7 +78,7 @@ class Router:
             seqs = list(self.orphans)
             self.orphans.clear()
             for seq in seqs:
-                fail(seq)
+                fail(seq.seq_id, "no_workers", "every worker failed and none could be restarted")
 
     def unschedule(self, req: ClientRequest) -> None:
         """Take a request out of whichever queue holds it, freeing its KV blocks."""

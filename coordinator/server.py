@@ -33,8 +33,8 @@ from coordinator.protocol import ControlRequest, GenerateRequest
 from coordinator.request_table import ClientRequest, RequestTable
 from coordinator.router import Router
 from coordinator.scheduler import Scheduler
-from coordinator.sequence import Sequence, TokenEvent
-from coordinator.stats import FaultCounters, ServerCounters, fault_stats, server_stats
+from coordinator.sequence import TokenEvent
+from coordinator.stats import FaultCounters, ServerCounters, server_stats
 from coordinator.worker_pool import PoolConfig, WorkerHandle, WorkerPool
 from kernels.config import Qwen3Config
 from kernels.default_model import resolve_model
@@ -76,8 +76,7 @@ class Server:
         pcfg = PoolConfig(cfg.device, self.model_dir, cfg.dtype, self.max_model_len, vars(cfg.runner),
                           cfg.cpus_per_worker, cfg.threads_per_worker, cfg.transport == "serial",
                           cfg.step_timeout_s, cfg.max_restarts)
-        dims = cfg.runner.max_dims(self.config.vocab_size, self.config.hidden_size, self.max_model_len)
-        self.pool = WorkerPool(self.ctx, pcfg, dims, self._new_core)
+        self.pool = WorkerPool(self.ctx, pcfg, self.config, self._new_core)
         self.router = Router(self.pool, self.requests)
         n = cfg.workers if cfg.workers > 0 else self.pool.device_slots()
         self.pool.start(n)
@@ -118,34 +117,27 @@ class Server:
         for req in self.requests:
             self.requests.pop(req.seq.seq_id)
             self._send(req.identity, protocol.error(req.client_id, "shutdown", "server is shutting down"))
-        t1 = time.perf_counter()
         if self.pool is not None:
             self.pool.shutdown()
-        t2 = time.perf_counter()
         if self.frontend is not None:
             self.frontend.close(linger_ms=1000)
         self.ctx.term()
-        log.info("shut down in %.2f s (loop %.2f, workers %.2f, sockets %.2f)", time.perf_counter() - t0,
-                 t1 - t0, t2 - t1, time.perf_counter() - t2)
+        log.info("shut down in %.2f s", time.perf_counter() - t0)
 
     # ----------------------------------------------------------------------- loop
 
     def loop_once(self) -> None:
         pool, fe = self.pool, self.frontend
         if pool.busy():
-            self._service_workers()
+            pool.service()
         if self.router.orphans:
-            self.router.service_orphans(self._fail_orphan)
+            self.router.service_orphans(self._fail)
         for w in list(pool.workers):
             if w.core.idle and w.core.has_work():
                 self._launch(w)
         poller = zmq.Poller()
-        poller.register(fe.sock, zmq.POLLIN)
-        poller.register(fe.monitor, zmq.POLLIN)
-        for w in pool.workers:
-            poller.register(w.monitor, zmq.POLLIN)
-            if not w.core.idle:
-                poller.register(w.sock, zmq.POLLIN)
+        for sock in (fe.sock, fe.monitor, *pool.sockets()):
+            poller.register(sock, zmq.POLLIN)
         ready = dict(poller.poll(50))
         for w in list(pool.workers):
             if w.executor.ready(ready):
@@ -177,21 +169,10 @@ class Server:
             for seq in list(w.scheduler.running):
                 self._fail(seq.seq_id, "internal", f"launch failed: {type(exc).__name__}: {exc}")
 
-    def _service_workers(self) -> None:
-        self.pool.poll_starting()
-        self.pool.poll_stopping()
-        for w in list(self.pool.workers):
-            if w.draining and w.core.idle and not w.core.has_work():
-                self.pool.retire(w)
-                log.info("worker %s drained and stopped", w.worker_id)
-
     def _worker_lost(self, w: WorkerHandle, reason: str) -> None:
         seqs = [s for s in self.pool.remove_lost(w, reason) if self.requests.get(s.seq_id)]
         self.faults.reruns += len(seqs)
         self.router.place(seqs)
-
-    def _fail_orphan(self, seq: Sequence) -> None:
-        self._fail(seq.seq_id, "no_workers", "every worker failed and none could be restarted")
 
     # ------------------------------------------------------------------- requests
 
@@ -237,7 +218,7 @@ class Server:
                 return
             reply = {"type": "done", "aborted": req.target}
         elif req.type == "scale":
-            reply = {"type": "scale", **self.scale(req.target)}
+            reply = {"type": "scale", **self.router.scale(req.target, self.cfg.max_workers)}
         elif req.type == "stats":
             reply = {"type": "stats", **self.stats()}
         elif req.type == "health":
@@ -246,18 +227,6 @@ class Server:
         else:  # workers
             reply = {"type": "workers", "workers": [{"id": w.worker_id, **w.info} for w in self.workers]}
         self._send(identity, {**reply, "id": req.id})
-
-    def scale(self, n: int) -> dict:
-        """Grow to ``n`` workers (started in the background) or shrink by draining the newest."""
-        if not 1 <= n <= self.cfg.max_workers:
-            raise RequestError("bad_field", f"workers must be in [1, {self.cfg.max_workers}]")
-        active = self.pool.active
-        for _ in range(n - len(active) - len(self.pool.starting)):
-            self.pool.spawn()
-        for w in reversed(active[n:]):
-            self.router.drain(w)
-        return {"active": min(n, len(active)), "starting": len(self.pool.starting),
-                "draining": sum(w.draining for w in self.workers)}
 
     # -------------------------------------------------------------------- replies
 
@@ -273,11 +242,8 @@ class Server:
                 return
             if req.t_first is None:
                 req.t_first = time.perf_counter()
-            if req.stream:
-                frame = {"type": "token", "id": req.client_id, "token": ev.token, "text": ev.text,
-                         "index": len(ev.seq.output_ids) - 1}
-                if not self._send(req.identity, frame):
-                    return
+            if req.stream and not self._send(req.identity, protocol.token(req.client_id, ev)):
+                return
             if ev.finished:
                 self._done(req)
         except Exception as exc:  # noqa: BLE001 - isolated to this request
@@ -290,15 +256,8 @@ class Server:
         self.requests.pop(seq.seq_id)
         self.counters.completed += 1
         now = time.perf_counter()
-        msg = {
-            "type": "done", "id": req.client_id, "text": seq.text, "token_ids": list(seq.output_ids),
-            "finish_reason": seq.finish_reason or "abort",
-            "usage": {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output_ids)},
-            "timings": {"ttft_s": (req.t_first or now) - req.t_arrival, "total_s": now - req.t_arrival},
-        }
-        if seq.params.logprobs:
-            msg["logprobs"] = list(seq.logprobs)
-        self._send(req.identity, msg)
+        timings = {"ttft_s": (req.t_first or now) - req.t_arrival, "total_s": now - req.t_arrival}
+        self._send(req.identity, protocol.done(req.client_id, seq, timings))
 
     def _fail(self, seq_id: str, code: str, message: str) -> None:
         req = self.requests.pop(seq_id)
@@ -330,8 +289,4 @@ class Server:
         return False
 
     def stats(self) -> dict:
-        fe = self.frontend
-        coordinator = {"pending": len(self.requests), "clients": len(self.requests.identities()),
-                       "orphans": len(self.router.orphans), "owed_frames": fe.owed}
-        return server_stats(self.counters, self.workers, self.router.queue_length, len(self.pool.starting),
-                            coordinator, fault_stats(self.faults, fe.disconnects, self.pool.failures))
+        return server_stats(self)

@@ -5,8 +5,12 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from coordinator.worker_pool import WorkerHandle
+
+if TYPE_CHECKING:
+    from coordinator.server import Server
 
 
 @dataclass
@@ -47,20 +51,18 @@ def worker_stats(w: WorkerHandle) -> dict:
     }
 
 
-def server_stats(counters: ServerCounters, workers: list[WorkerHandle], queue_length: int,
-                 starting: int, coordinator: dict, faults: dict) -> dict:
-    elapsed = max(time.time() - counters.started_at, 1e-9)
+def server_stats(srv: Server) -> dict:
+    elapsed = max(time.time() - srv.counters.started_at, 1e-9)
+    workers, fe, pool = srv.workers, srv.frontend, srv.pool
     return {
-        "queue_length": queue_length,
+        "queue_length": srv.router.queue_length,
         "running": sum(len(w.scheduler.running) for w in workers),
-        "completed": counters.completed, "tokens": counters.tokens,
-        "tokens_per_s": counters.tokens / elapsed, "uptime_s": elapsed,
-        "workers": [worker_stats(w) for w in workers], "starting": starting,
-        "coordinator": {**coordinator, "rss_bytes": rss_bytes(), "pid": os.getpid()},
-        "faults": faults,
+        "completed": srv.counters.completed, "tokens": srv.counters.tokens,
+        "tokens_per_s": srv.counters.tokens / elapsed, "uptime_s": elapsed,
+        "workers": [worker_stats(w) for w in workers], "starting": len(pool.starting),
+        "coordinator": {"pending": len(srv.requests), "clients": len(srv.requests.identities()),
+                        "orphans": len(srv.router.orphans), "owed_frames": fe.owed,
+                        "rss_bytes": rss_bytes(), "pid": os.getpid()},
+        "faults": {**asdict(srv.faults), "client_disconnects": fe.disconnects,
+                   "worker_failures": [asdict(f) for f in pool.failures]},
     }
-
-
-def fault_stats(faults: FaultCounters, client_disconnects: int, worker_failures: list) -> dict:
-    return {**asdict(faults), "client_disconnects": client_disconnects,
-            "worker_failures": [asdict(f) for f in worker_failures]}

@@ -27,8 +27,9 @@ from coordinator.engine_core import EngineCore
 from coordinator.executor import SocketExecutor
 from coordinator.scheduler import Scheduler
 from coordinator.sequence import Sequence
+from kernels.config import Qwen3Config
 from shared_memory.arena import HostArena
-from shared_memory.contract import slot_tables
+from shared_memory.contract import RunnerConfig, slot_tables
 from worker.actor import WorkerActor
 from worker.device import DeviceInfo, probe
 
@@ -108,13 +109,14 @@ class PoolConfig:
 
 
 class WorkerPool:
-    def __init__(self, ctx: zmq.Context, cfg: PoolConfig, max_dims: dict[str, int],
+    def __init__(self, ctx: zmq.Context, cfg: PoolConfig, model: Qwen3Config,
                  new_core: Callable[[HostArena, SocketExecutor], EngineCore]):
         self.ctx = ctx
         self.cfg = cfg
         self.device: DeviceInfo = probe(cfg.device)
         self.tables = slot_tables()
-        self.max_dims = max_dims
+        rc = RunnerConfig(**cfg.runner)
+        self.max_dims = rc.max_dims(model.vocab_size, model.hidden_size, cfg.max_model_len)
         self.new_core = new_core
         self.workers: list[WorkerHandle] = []
         self.starting: list[Starting] = []
@@ -261,9 +263,22 @@ class WorkerPool:
             self._kill(actor)
         self.stopping.clear()
 
+    def sockets(self) -> list[zmq.Socket]:
+        """What the server's loop polls: every monitor, and the step socket of a busy worker."""
+        return [*(w.monitor for w in self.workers), *(w.sock for w in self.workers if not w.core.idle)]
+
     def busy(self) -> bool:
         """Something for ``service`` to do: starts, stops or drains in progress."""
         return bool(self.starting or self.stopping or any(w.draining for w in self.workers))
+
+    def service(self) -> None:
+        """Attach started workers, reap stopped ones, retire drained ones that went idle."""
+        self.poll_starting()
+        self.poll_stopping()
+        for w in list(self.workers):
+            if w.draining and w.core.idle and not w.core.has_work():
+                self.retire(w)
+                log.info("worker %s drained and stopped", w.worker_id)
 
     @staticmethod
     def _kill(actor: Any) -> None:
