@@ -74,7 +74,7 @@ def overhead(batches: list[int], output_len: int, dtype: str, threads: int) -> l
         try:
             for b in batches:
                 w = coord.workers[0]
-                w.recent.clear()
+                w.core.stats.recent.clear()
                 batch = prompts(b, 16, coord.config.vocab_size, seed=b)
 
                 def one(p: list[int], address: str = coord.address) -> None:
@@ -83,7 +83,7 @@ def overhead(batches: list[int], output_len: int, dtype: str, threads: int) -> l
 
                 with ThreadPoolExecutor(b) as pool:
                     list(pool.map(one, batch))
-                full = [(wall, k) for bb, wall, k in list(w.recent) if bb == b]
+                full = [(wall, k) for bb, wall, k in list(w.core.stats.recent) if bb == b]
                 wall = sum(x[0] for x in full) / max(len(full), 1)
                 kern = sum(x[1] for x in full) / max(len(full), 1)
                 rows.append({"transport": "shm" if transport == "auto" else "serial", "batch": b,

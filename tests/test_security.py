@@ -149,3 +149,16 @@ def test_cli_client_sends_the_token_file(server, tmp_path):
     assert out.stdout.count('"token_ids"') == 1
     out = _cli("generate", "hello", "--address", server.local)
     assert out.returncode == 1 and "unauthorized" in out.stderr
+
+
+def test_cli_stream_prints_text_as_it_arrives(server, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    out = _cli("generate", "The capital of France is", "--max-tokens", "12", "--stream", "--address",
+               server.local, "--auth-token-file", str(token_file))
+    assert out.returncode == 0, out.stderr
+    with Client(server.local, token=TOKEN) as c:
+        want = c.generate("The capital of France is", max_tokens=12)
+    text, _, tail = out.stdout.rstrip("\n").rpartition("\n")
+    assert text == want["text"], "the streamed deltas print the request's text, not its ids"
+    assert tail == f"[{want['finish_reason']}, 12 tokens]"
