@@ -4,7 +4,7 @@
 paged cache, applies the final norm and lm_head, and samples on the device (greedy
 ids, and top-K candidates for host-side stochastic sampling), writing into
 ``SampleOutputs`` the caller created once. Nothing comes back to the host unless
-the caller copies it: that is the point (DESIGN.md, the argument contract).
+the caller copies it: that is the point (docs/ARCHITECTURE.md, the argument contract).
 """
 
 from __future__ import annotations
