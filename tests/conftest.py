@@ -54,7 +54,7 @@ def _model_cache(tmp_path_factory):
     yield
 
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # tests choose explicitly: token auth is on by default in Ray 2.5x
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local head turns token auth on by default; tests choose
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
