@@ -54,7 +54,7 @@ def _model_cache(tmp_path_factory):
     yield
 
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local head turns token auth on by default; tests choose
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local heads default to token auth: choose
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
