@@ -99,12 +99,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     head = _ray(args)
     try:
-        return _serve(Server(_server_config(args, token)), token)
+        return _serve(Server(_server_config(args, token)), args, token)
     finally:
         _leave_ray(head)
 
 
-def _serve(coord: Server, token: str | None) -> int:
+def _serve(coord: Server, args: argparse.Namespace, token: str | None) -> int:
     coord.start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -112,6 +112,16 @@ def _serve(coord: Server, token: str | None) -> int:
     coord.serve_in_thread()
     auth = "token auth on every frame" if token else "no auth (loopback only)"
     print(f"fusedserve: serving on {coord.address} with {len(coord.workers)} workers; {auth}", flush=True)
+    http = None
+    if args.http_port is not None:
+        from coordinator.openai_api import Gateway, HttpServer
+
+        local = coord.address.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")
+        gw = Gateway(local, coord.model_dir, args.served_model_name or args.model, coord.max_model_len,
+                     coord.admission.max_tokens, token)
+        http = HttpServer(gw, args.host, args.http_port)
+        http.start()
+        print(f"fusedserve: OpenAI API on {http.url} (model {gw.model_name!r})", flush=True)
     rc = 0
     while not stop.wait(0.5):
         if not coord.alive():
@@ -119,6 +129,8 @@ def _serve(coord: Server, token: str | None) -> int:
             rc = 1
             break
     print("fusedserve: shutting down", flush=True)
+    if http is not None:
+        http.stop()
     coord.shutdown()
     return rc
 
@@ -218,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--max-requests-per-client", type=int, default=256,
                        help="requests one connection may have in flight")
         p.add_argument("--port", type=int, default=5557)
+        p.add_argument("--http-port", type=int, default=None,
+                       help="also serve the OpenAI-compatible HTTP API on this port (0: a free one)")
+        p.add_argument("--served-model-name", default=None,
+                       help="the model id of the HTTP API (default: --model as given)")
         p.add_argument("--dtype", default=None)
         p.add_argument("--max-model-len", type=int, default=1024)
         p.add_argument("--max-batch", type=int, default=16)

@@ -144,6 +144,8 @@ class AsyncClient:
     async def _read(self) -> None:
         while True:
             reply = msgpack.unpackb(await self.sock.recv(), raw=False)
+            if reply.get("type") == "ping":
+                continue
             q = self._queues.get(reply.get("id"))
             if q is not None:
                 q.put_nowait(reply)
@@ -153,13 +155,21 @@ class AsyncClient:
             self._reader = asyncio.get_running_loop().create_task(self._read())
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
+        await self._send(msg)
+        return q
+
+    async def _send(self, msg: dict) -> None:
         if self.token is not None:
             msg = {**msg, "auth": self.token}
         await self.sock.send(msgpack.packb(msg, use_bin_type=True))
-        return q
 
-    async def stream(self, prompt: str | list[int], **params: Any) -> AsyncIterator[dict]:
-        rid = f"{self._prefix}-{next(self._ids)}"
+    def new_id(self) -> str:
+        return f"{self._prefix}-{next(self._ids)}"
+
+    async def stream(self, prompt: str | list[int], request_id: str | None = None,
+                     **params: Any) -> AsyncIterator[dict]:
+        """``token`` frames, then the ``done`` frame; ``request_id`` lets the caller abort it."""
+        rid = request_id or self.new_id()
         q = await self._open(rid, _generate_msg(rid, prompt, True, params))
         try:
             while True:
@@ -172,9 +182,24 @@ class AsyncClient:
         finally:
             self._queues.pop(rid, None)
 
-    async def generate(self, prompt: str | list[int], **params: Any) -> dict:
-        rid = f"{self._prefix}-{next(self._ids)}"
-        q = await self._open(rid, _generate_msg(rid, prompt, False, params))
+    async def generate(self, prompt: str | list[int], request_id: str | None = None, **params: Any) -> dict:
+        rid = request_id or self.new_id()
+        return await self._call(rid, _generate_msg(rid, prompt, False, params))
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request in flight (its KV blocks are freed); a finished one is not found."""
+        await self._send({"type": "abort", "id": f"{request_id}:abort", "target": request_id})
+
+    async def stats(self) -> dict:
+        rid = self.new_id()
+        return await self._call(rid, {"type": "stats", "id": rid})
+
+    async def health(self) -> dict:
+        rid = self.new_id()
+        return await self._call(rid, {"type": "health", "id": rid})
+
+    async def _call(self, rid: str, msg: dict) -> dict:
+        q = await self._open(rid, msg)
         try:
             reply = await q.get()
         finally:
@@ -182,14 +207,6 @@ class AsyncClient:
         if reply["type"] == "error":
             raise ServerError(reply)
         return reply
-
-    async def stats(self) -> dict:
-        rid = f"{self._prefix}-{next(self._ids)}"
-        q = await self._open(rid, {"type": "stats", "id": rid})
-        try:
-            return await q.get()
-        finally:
-            self._queues.pop(rid, None)
 
     def close(self) -> None:
         if self._reader is not None:

@@ -27,6 +27,7 @@ REQUEST_TYPES = ("generate", "abort", "stats", "health", "workers", "scale")
 _SAMPLING_FIELDS = {
     "max_tokens": int, "temperature": (int, float), "top_k": int, "top_p": (int, float),
     "seed": int, "stop_token_ids": list, "stop": list, "ignore_eos": bool, "logprobs": bool,
+    "top_logprobs": int, "min_p": (int, float),
 }
 
 
@@ -139,8 +140,13 @@ def pack(msg: dict) -> bytes:
 
 def token(rid: Any, ev: TokenEvent) -> dict:
     """A streamed token: its id, the text it completed (may be empty) and its index."""
-    return {"type": "token", "id": rid, "token": ev.token, "text": ev.text,
-            "index": len(ev.seq.output_ids) - 1}
+    seq = ev.seq
+    msg = {"type": "token", "id": rid, "token": ev.token, "text": ev.text, "index": len(seq.output_ids) - 1}
+    if seq.params.logprobs:
+        msg["logprob"] = seq.logprobs[-1]
+        if seq.params.top_logprobs:
+            msg["top_logprobs"] = [list(p) for p in seq.top_logprobs[-1]]
+    return msg
 
 
 def done(rid: Any, seq: Sequence, timings: dict) -> dict:
@@ -152,6 +158,8 @@ def done(rid: Any, seq: Sequence, timings: dict) -> dict:
     }
     if seq.params.logprobs:
         msg["logprobs"] = list(seq.logprobs)
+        if seq.params.top_logprobs:
+            msg["top_logprobs"] = [[list(p) for p in step] for step in seq.top_logprobs]
     return msg
 
 

@@ -81,7 +81,7 @@ class EmbeddedHead:
             head.stop()
             out = getattr(exc, "stderr", "") or ""
             raise RuntimeError(f"could not start an embedded Ray head: {out[-2000:]}") from None
-        log.info("embedded Ray head at %s (ports %s)", head.address, ports)
+        log.info("embedded Ray head at %s in %s (ports %s)", head.address, temp_dir, ports)
         return head
 
     def _pids(self) -> list[int]:

@@ -21,7 +21,7 @@ from coordinator.detokenizer import Detokenizer
 from coordinator.errors import RequestError
 from coordinator.sequence import Sequence, TokenEvent
 from kernels.config import Qwen3Config
-from kernels.sampling import RowKind, SamplingParams, logprob, row_kind, sample
+from kernels.sampling import RowKind, SamplingParams, logprob, row_kind, sample, top_logprobs
 from shared_memory.contract import RunnerConfig
 from shared_memory.result import DecodeResult
 
@@ -254,7 +254,10 @@ class Scheduler:
             values, ids = result.candidates(row, seq.seq_id)
             token = sample(values, ids, seq.params, step)
         if seq.params.logprobs:
-            seq.logprobs.append(logprob(result.full_logits(row, seq.seq_id), token))
+            row_logits = result.full_logits(row, seq.seq_id)
+            seq.logprobs.append(logprob(row_logits, token))
+            if seq.params.top_logprobs:
+                seq.top_logprobs.append(top_logprobs(row_logits, seq.params.top_logprobs))
         seq.output_ids.append(token)
         if seq.detok is not None:
             seq.detok.push(token)

@@ -16,6 +16,7 @@ class Sequence:
     params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     arrival: int = 0
     num_preemptions: int = 0

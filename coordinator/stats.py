@@ -41,6 +41,7 @@ def worker_stats(w: WorkerHandle) -> dict:
     s, b = w.core.stats, w.scheduler.blocks
     return {
         "id": w.worker_id, "draining": w.draining, "steps": s.steps, "tokens": s.tokens,
+        "launch_in_flight": not w.core.idle,
         "waiting": len(w.scheduler.waiting), "running": len(w.scheduler.running),
         "kv_blocks_used": b.num_used, "kv_blocks_free": b.num_free,
         "h2d_bytes": s.h2d_bytes, "d2h_bytes": s.d2h_bytes,

@@ -20,8 +20,19 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 log = logging.getLogger(__name__)
 
-DEFAULT_NAME = "fusedserve-qwen3-tiny-v1"
+DEFAULT_NAME = "fusedserve-qwen3"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML, as Qwen's models use it: each message between <|im_start|>ROLE and <|im_end|>.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}"
+)
+FORMAT = 2  # bump when the written files change: a cache of an older format is rewritten
 
 #: Shape of the embedded model; ``benchmark`` is large enough to spill the CPU caches.
 PRESETS: dict[str, dict] = {
@@ -107,6 +118,10 @@ def write_checkpoint(out_dir: Path, preset: str = "tiny", seed: int = 0,
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None,
+        "pad_token": "<|endoftext|>", "model_max_length": config["max_position_embeddings"],
+    }, indent=2))
 
 
 def default_model_dir(preset: str = "tiny") -> Path:
@@ -115,7 +130,7 @@ def default_model_dir(preset: str = "tiny") -> Path:
     Several workers may ask at once: each writes a private temp dir and renames it
     into place; a loser of the race just uses the winner's files.
     """
-    final = cache_root() / f"{DEFAULT_NAME}-{preset}"
+    final = cache_root() / f"{DEFAULT_NAME}-{preset}-v{FORMAT}"
     if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ class SamplingError(ValueError):
 
 
 MAX_TEMPERATURE = 100.0
+MAX_TOP_LOGPROBS = 20
 
 
 def _check_float(name: str, value: object, lo: float, hi: float, lo_open: bool) -> None:
@@ -50,6 +51,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False  # full-vocabulary logprob of each sampled token
+    top_logprobs: int = 0  # and the n most likely tokens' logprobs at each step (implies logprobs)
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -60,6 +63,13 @@ class SamplingParams:
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise SamplingError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _check_float("min_p", self.min_p, 0.0, 1.0, lo_open=False)
+        if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int) \
+                or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise SamplingError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
+                                f"got {self.top_logprobs!r}")
+        if self.top_logprobs:
+            self.logprobs = True
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or self.seed < 0):
             raise SamplingError(f"seed must be a non-negative integer, got {self.seed!r}")
@@ -117,6 +127,10 @@ def sample(values: np.ndarray, ids: np.ndarray, params: SamplingParams, step: in
         keep = int(np.searchsorted(cum, params.top_p, side="left")) + 1
         probs = probs[:keep] / probs[:keep].sum()
         order = order[:keep]
+    if params.min_p > 0.0:  # probs are in descending order: keep a prefix
+        keep = int(np.count_nonzero(probs >= params.min_p * probs[0]))
+        probs = probs[:keep] / probs[:keep].sum()
+        order = order[:keep]
     rng = np.random.default_rng([params.seed, step])
     return int(ids[order[int(rng.choice(len(probs), p=probs))]])
 
@@ -126,3 +140,13 @@ def logprob(logits_row: np.ndarray, token: int) -> float:
     row = logits_row.astype(np.float64)
     m = row.max()
     return float(row[token] - m - np.log(np.exp(row - m).sum()))
+
+
+def top_logprobs(logits_row: np.ndarray, n: int) -> list[tuple[int, float]]:
+    """The ``n`` most likely tokens and their full-vocabulary log-probabilities, best first
+    (ties by token id, as sampling breaks them)."""
+    row = logits_row.astype(np.float64)
+    m = row.max()
+    norm = m + np.log(np.exp(row - m).sum())
+    ids = np.lexsort((np.arange(row.shape[0]), -row))[:n]
+    return [(int(i), float(row[i] - norm)) for i in ids]

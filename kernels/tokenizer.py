@@ -114,6 +114,27 @@ class TextTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def token_id(self, text: str) -> int | None:
+        return self._tok.token_to_id(text)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (what OpenAI's logprobs call ``bytes``)."""
+        if self._token_bytes is not None and 0 <= token < len(self._token_bytes):
+            return self._token_bytes[token]
+        return self.decode([token]).encode()
+
+    def token_text(self, token: int) -> str:
+        """One token as text, for logprobs: its characters, or ``bytes:\\xNN...`` (OpenAI's
+        convention) for a piece of a character; a special token by its name, and an id the
+        tokenizer does not have (a model's vocabulary may be larger) as ``<id:N>``."""
+        raw = self.token_bytes(token)
+        if not raw:
+            return self._tok.id_to_token(token) or f"<id:{token}>"
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
     def stream(self) -> ByteStream | WindowStream:
         """A new incremental decoder for one sequence's output."""
         if self._token_bytes is not None:

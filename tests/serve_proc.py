@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import ray
 
 SERVING = re.compile(r"serving on (tcp://\S+)")
+HTTP = re.compile(r"OpenAI API on (http://\S+)")
 
 
 @dataclass
@@ -23,20 +25,24 @@ class ServeProcess:
     address: str
     log_path: Path
     lines: list[str]
+    http: str | None = None  # the OpenAI API's base URL, when started with --http-port
 
     @classmethod
     def start(cls, log_path: Path, *args: str, timeout_s: float = 120.0,
-              join_session: bool = True) -> ServeProcess:
+              join_session: bool = True, env: dict[str, str] | None = None) -> ServeProcess:
         """Start ``fusedserve serve ARGS`` and wait for its "serving on" line; it joins the
         test session's Ray cluster unless ``join_session`` is False (its own embedded head)."""
         cmd = [sys.executable, "-m", "coordinator.cli", "serve", "--port", "0", *args]
         if join_session:
             cmd += ["--ray-address", ray.get_runtime_context().gcs_address]
         err = open(log_path, "w")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
+                                env=None if env is None else {**os.environ, **env})
         err.close()
         lines: list[str] = []
         found: list[str] = []
+        http: list[str] = []
+        want_http = "--http-port" in args
         done = threading.Event()
 
         def read() -> None:  # keeps draining stdout so the child never blocks on it
@@ -44,6 +50,9 @@ class ServeProcess:
                 lines.append(line)
                 if not found and (m := SERVING.search(line)):
                     found.append(m.group(1))
+                if not http and (m := HTTP.search(line)):
+                    http.append(m.group(1))
+                if found and (http or not want_http):
                     done.set()
             done.set()
 
@@ -51,7 +60,10 @@ class ServeProcess:
         if not done.wait(timeout_s) or not found:
             proc.kill()
             raise AssertionError(f"serve did not start: {lines} {log_path.read_text()[-3000:]}")
-        return cls(proc, found[0], log_path, lines)
+        if want_http and not http:
+            proc.kill()
+            raise AssertionError(f"no HTTP server: {lines} {log_path.read_text()[-3000:]}")
+        return cls(proc, found[0], log_path, lines, http[0] if http else None)
 
     def signal(self, sig: signal.Signals) -> None:
         self.proc.send_signal(sig)

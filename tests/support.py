@@ -21,13 +21,14 @@ def wait_for(pred: Callable[[], object], timeout_s: float, what: str, every_s: f
 
 
 def settled(c: Client, timeout_s: float = 30) -> dict:
-    """The server's stats once nothing runs, waits or is pending and every KV block is free."""
+    """The server's stats once nothing runs, waits, is pending or is in a launch, and every KV
+    block is free."""
     box: dict = {}
 
     def idle() -> bool:
         box["stats"] = s = c.stats()
         return (s["running"] == 0 and s["queue_length"] == 0 and s["coordinator"]["pending"] == 0
-                and all(w["kv_blocks_used"] == 0 for w in s["workers"]))
+                and all(w["kv_blocks_used"] == 0 and not w["launch_in_flight"] for w in s["workers"]))
 
     wait_for(idle, timeout_s, "the server to go idle", every_s=0.05)
     return box["stats"]

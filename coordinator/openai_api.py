@@ -1,0 +1,293 @@
+"""The OpenAI-compatible HTTP API: a gateway that is a ZeroMQ client of the coordinator.
+
+It runs in the ``serve`` process, on a thread of its own with its own event loop, and
+talks to the coordinator like any other client (one DEALER connection, requests
+multiplexed by id), so ZeroMQ stays the coordinator's only protocol. A client that
+disconnects has its request aborted over ZeroMQ: its KV blocks are freed at once.
+``/v1/*`` requires ``Authorization: Bearer TOKEN`` when the server has a token (the
+same token as the ZeroMQ ``auth`` field); ``/health`` and ``/metrics`` do not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from coordinator import openai_protocol as oa
+from coordinator.chat_template import ChatTemplate
+from coordinator.client import AsyncClient, ServerError
+from coordinator.metrics import Metrics
+from kernels.tokenizer import TextTokenizer
+
+log = logging.getLogger(__name__)
+
+
+class Gateway:
+    """What the HTTP handlers share: the coordinator client, tokenizer, template, metrics."""
+
+    def __init__(self, coordinator: str, model_dir: str | Path, model_name: str, max_model_len: int,
+                 max_tokens: int, token: str | None = None):
+        self.coordinator = coordinator
+        self.tokenizer = TextTokenizer.from_dir(model_dir)
+        self.template = ChatTemplate.from_dir(model_dir)
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.max_tokens = max_tokens
+        self.token = token
+        self.metrics = Metrics()
+        self.client: AsyncClient | None = None
+
+    def check_auth(self, request: Request) -> None:
+        if self.token is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, value = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), self.token.encode()):
+            raise oa.ApiError(401, "missing or wrong bearer token (Authorization: Bearer ...)",
+                              code="unauthorized")
+
+    def check_model(self, prepared: oa.Prepared) -> None:
+        if prepared.model and prepared.model != self.model_name:
+            raise oa.ApiError(404, f"model {prepared.model!r} does not exist; this server has "
+                              f"{self.model_name!r}", param="model", code="model_not_found")
+        prepared.model = self.model_name
+
+
+async def _read_body(request: Request) -> dict:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > oa.MAX_BODY_BYTES:
+        raise oa.ApiError(413, f"request body of {declared} bytes exceeds {oa.MAX_BODY_BYTES}",
+                          code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > oa.MAX_BODY_BYTES:
+            raise oa.ApiError(413, f"request body exceeds {oa.MAX_BODY_BYTES} bytes", code="body_too_large")
+        chunks.append(chunk)
+    return oa.parse_body(b"".join(chunks))
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+def build_app(gw: Gateway) -> FastAPI:
+    app = FastAPI(title="fusedserve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(oa.ApiError)
+    async def _api_error(request: Request, exc: oa.ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("HTTP %s %s failed", request.method, request.url.path)
+        err = oa.ApiError(500, f"internal error: {type(exc).__name__}", code="internal")
+        return JSONResponse(err.body(), status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            h = await asyncio.wait_for(gw.client.health(), 5)
+        except (TimeoutError, ServerError):
+            return JSONResponse({"ok": False}, status_code=503)
+        body = {"ok": h["ok"], "workers": h["workers"], "starting": h["starting"]}
+        return JSONResponse(body, status_code=200 if h["ok"] else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        try:
+            stats = await asyncio.wait_for(gw.client.stats(), 5)
+        except (TimeoutError, ServerError):
+            stats = None
+        return Response(gw.metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        gw.check_auth(request)
+        return {"object": "list", "data": [{"id": gw.model_name, "object": "model", "created": 0,
+                                            "owned_by": "fusedserve", "max_model_len": gw.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        gw.check_auth(request)
+        prep = oa.completion_request(await _read_body(request), gw.tokenizer)
+        gw.check_model(prep)
+        return await _run(gw, request, prep, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        gw.check_auth(request)
+        prep = oa.chat_request(await _read_body(request), gw.tokenizer, gw.template, gw.max_tokens)
+        gw.check_model(prep)
+        return await _run(gw, request, prep, chat=True)
+
+    return app
+
+
+async def _run(gw: Gateway, request: Request, prep: oa.Prepared, chat: bool) -> Response:
+    if prep.stream:
+        gen = _stream(gw, prep, chat)
+        first = await gen.__anext__()  # errors before the first token become a plain HTTP error
+        return StreamingResponse(_chain(first, gen), media_type="text/event-stream")
+    rid = gw.client.new_id()
+    task = asyncio.ensure_future(gw.client.generate(prep.prompt_ids, request_id=rid, **prep.params))
+    gone = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():  # the client left: stop the request and free its blocks
+        task.cancel()
+        await gw.client.abort(rid)
+        gw.metrics.failed("abort")
+        return Response(status_code=499)
+    try:
+        done = task.result()
+    except ServerError as exc:
+        gw.metrics.failed()
+        raise oa.ApiError.from_reply(exc.reply) from None
+    gw.metrics.finished(done)
+    return JSONResponse(_final(gw, prep, done, chat))
+
+
+def _final(gw: Gateway, prep: oa.Prepared, done: dict, chat: bool) -> dict:
+    ids, lps, tops = done["token_ids"], done.get("logprobs"), done.get("top_logprobs")
+    choice: dict = {"index": 0, "finish_reason": done["finish_reason"], "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": done["text"]}
+        if prep.logprobs is not None and lps is not None:
+            choice["logprobs"] = oa.chat_logprobs(gw.tokenizer, ids, lps, tops)
+    else:
+        choice["text"] = done["text"]
+        if prep.logprobs is not None and lps is not None:
+            choice["logprobs"] = oa.completion_logprobs(gw.tokenizer, ids, lps, tops)
+    return {"id": oa.new_id("chatcmpl" if chat else "cmpl"), "created": prep.created, "model": prep.model,
+            "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+            "usage": oa.usage(done)}
+
+
+async def _chain(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    yield first
+    async for item in rest:
+        yield item
+
+
+async def _stream(gw: Gateway, prep: oa.Prepared, chat: bool) -> AsyncIterator[str]:
+    """Server-sent events; a client that disconnects cancels this and the request is aborted."""
+    rid, finished = gw.client.new_id(), False
+    cid = oa.new_id("chatcmpl" if chat else "cmpl")
+    head = {"id": cid, "created": prep.created, "model": prep.model,
+            "object": "chat.completion.chunk" if chat else "text_completion"}
+    frames = gw.client.stream(prep.prompt_ids, request_id=rid, **prep.params)
+    last, offset = None, 0
+    try:
+        try:
+            frame = await frames.__anext__()
+        except ServerError as exc:
+            finished = True
+            gw.metrics.failed()
+            raise oa.ApiError.from_reply(exc.reply) from None
+        if chat:
+            yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}]})
+        while True:
+            if frame["type"] == "done":
+                finished = True
+                gw.metrics.finished(frame)
+                fin = {"index": 0, "finish_reason": frame["finish_reason"], "logprobs": None}
+                fin.update({"delta": {}} if chat else {"text": ""})
+                yield _sse({**head, "choices": [fin]})
+                if prep.include_usage:
+                    yield _sse({**head, "choices": [], "usage": oa.usage(frame)})
+                yield _sse("[DONE]")
+                return
+            now = time.perf_counter()
+            if last is not None:
+                gw.metrics.itl.observe(now - last)
+            last = now
+            choice: dict = {"index": 0, "finish_reason": None, "logprobs": None}
+            lp = [frame["logprob"]] if "logprob" in frame else None
+            tops = [frame["top_logprobs"]] if "top_logprobs" in frame else None
+            if chat:
+                choice["delta"] = {"content": frame["text"]}
+                if prep.logprobs is not None and lp:
+                    choice["logprobs"] = oa.chat_logprobs(gw.tokenizer, [frame["token"]], lp, tops)
+            else:
+                choice["text"] = frame["text"]
+                if prep.logprobs is not None and lp:
+                    choice["logprobs"] = oa.completion_logprobs(gw.tokenizer, [frame["token"]], lp, tops,
+                                                                offset)
+            offset += len(frame["text"])
+            if frame["text"] or choice["logprobs"] is not None:  # a token mid-character adds nothing
+                yield _sse({**head, "choices": [choice]})
+            try:
+                frame = await frames.__anext__()
+            except ServerError as exc:  # failed mid-stream: an error event, then the end
+                finished = True
+                gw.metrics.failed()
+                yield _sse(oa.ApiError.from_reply(exc.reply).body())
+                yield _sse("[DONE]")
+                return
+    finally:  # shielded: a cancelled scope would cancel these awaits too
+        with anyio.CancelScope(shield=True):
+            await frames.aclose()
+            if not finished:  # cancelled: the client disconnected
+                await gw.client.abort(rid)
+                gw.metrics.failed("abort")
+
+
+class HttpServer:
+    """uvicorn on a thread of its own; ``start`` returns once it accepts connections."""
+
+    def __init__(self, gw: Gateway, host: str, port: int):
+        self.gw = gw
+        self.app = build_app(gw)
+        config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", access_log=False,
+                                lifespan="off", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self._run, daemon=True, name="http")
+        self.host, self.port = host, port
+
+    def _run(self) -> None:
+        asyncio.run(self._serve())
+
+    async def _serve(self) -> None:
+        self.gw.client = AsyncClient(self.gw.coordinator, token=self.gw.token)
+        try:
+            await self.server.serve()
+        finally:
+            self.gw.client.close()
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        self.thread.start()
+        deadline = time.time() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.time() > deadline:
+                raise RuntimeError(f"the HTTP server could not start on {self.host}:{self.port}")
+            time.sleep(0.02)
+        sock = self.server.servers[0].sockets[0]
+        self.port = sock.getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)

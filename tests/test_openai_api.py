@@ -1,0 +1,241 @@
+"""The OpenAI-compatible HTTP API, driven against a real ``fusedserve serve --http-port``:
+the official ``openai`` client for the happy paths, plain HTTP for everything else."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from coordinator.chat_template import ChatTemplate
+from coordinator.client import Client
+from coordinator.llm_engine import LLMEngine
+from kernels.default_model import resolve_model
+from kernels.sampling import SamplingParams
+from shared_memory.contract import RunnerConfig
+from tests.serve_proc import ServeProcess
+from tests.support import settled, wait_for
+
+TOKEN = "http-test-token-0123456789"
+RC = RunnerConfig(max_batch=16, block_size=16, num_blocks=256)
+ARGS = ("--workers", "1", "--dtype", "float32", "--max-batch", "16", "--num-blocks", "256",
+        "--max-prompt-tokens", "200", "--http-port", "0")
+
+
+@pytest.fixture(scope="module")
+def server(ray_session, tmp_path_factory):
+    d = tmp_path_factory.mktemp("http")
+    token_file = d / "token"
+    token_file.write_text(TOKEN)
+    srv = ServeProcess.start(d / "serve.log", *ARGS, "--auth-token-file", str(token_file))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def offline():
+    eng = LLMEngine("default", dtype="float32", runner=RC)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def oai(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.http}/v1", api_key=TOKEN, max_retries=0)
+
+
+def _auth() -> dict:
+    return {"Authorization": f"Bearer {TOKEN}"}
+
+
+def _chat_ids(offline: LLMEngine, messages: list[dict]) -> list[int]:
+    return offline.encode(ChatTemplate.from_dir(resolve_model("default")).render(messages))
+
+
+def test_models_and_health(server, oai):
+    assert [m.id for m in oai.models.list().data] == ["default"]
+    r = httpx.get(f"{server.http}/health")
+    assert r.status_code == 200 and r.json()["ok"] is True
+
+
+def test_completion_equals_offline(oai, offline):
+    prompt = "The capital of France is"
+    want = offline.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    got = oai.completions.create(model="default", prompt=prompt, max_tokens=12, temperature=0,
+                                 extra_body={"ignore_eos": True})
+    assert got.choices[0].text == want.text and got.choices[0].finish_reason == "length"
+    assert got.usage.prompt_tokens == len(want.prompt_ids) and got.usage.completion_tokens == 12
+    by_ids = oai.completions.create(model="default", prompt=want.prompt_ids, max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert by_ids.choices[0].text == want.text
+
+
+def test_completion_stream_equals_offline_and_ends_with_usage(oai, offline):
+    prompt = "Once upon a time"
+    want = offline.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    chunks = list(oai.completions.create(model="default", prompt=prompt, max_tokens=20, temperature=0,
+                                         stream=True, stream_options={"include_usage": True},
+                                         extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == want.text
+    if "\ufffd" not in want.text:
+        assert not any("\ufffd" in c.choices[0].text for c in chunks if c.choices)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+
+
+def test_stop_strings_never_reach_the_stream(oai, offline):
+    want = offline.generate(["Memory bandwidth"], SamplingParams(max_tokens=30, ignore_eos=True))[0].text
+    stop = want[len(want) // 2: len(want) // 2 + 2]
+    chunks = list(oai.completions.create(model="default", prompt="Memory bandwidth", max_tokens=30,
+                                         temperature=0, stop=[stop], stream=True,
+                                         extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].text for c in chunks)
+    assert text == want[: want.find(stop)] and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_chat_sync_and_stream_equal_offline(oai, offline):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello!"}]
+    ids = _chat_ids(offline, messages)
+    im_end = offline.tokenizer.token_id("<|im_end|>")
+    want = offline.generate([ids], SamplingParams(max_tokens=16, stop_token_ids=[im_end]))[0]
+    got = oai.chat.completions.create(model="default", messages=messages, max_tokens=16, temperature=0)
+    msg = got.choices[0].message
+    assert msg.role == "assistant" and msg.content == want.text
+    assert got.choices[0].finish_reason == want.finish_reason
+    assert got.usage.prompt_tokens == len(ids)
+    chunks = list(oai.chat.completions.create(model="default", messages=messages, max_tokens=16,
+                                              temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    off = oai.chat.completions.create(model="default", messages=messages, max_tokens=4, temperature=0,
+                                      extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    template = ChatTemplate.from_dir(resolve_model("default"))
+    rendered = template.render(messages, enable_thinking=False)
+    assert rendered.endswith("<think>\n\n</think>\n\n")
+    assert off.usage.prompt_tokens == len(offline.encode(rendered)) > len(ids)
+
+
+def test_logprobs(oai):
+    c = oai.completions.create(model="default", prompt="hello", max_tokens=5, temperature=0, logprobs=3,
+                               extra_body={"ignore_eos": True})
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 5 and all(v <= 0 for v in lp.token_logprobs)
+    assert all(len(t) == 3 for t in lp.top_logprobs)
+    # greedy: the sampled token is the most likely one
+    assert all(max(t.values()) == pytest.approx(v) for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+    ch = oai.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}],
+                                     max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    content = ch.choices[0].logprobs.content
+    assert len(content) == ch.usage.completion_tokens and all(len(e.top_logprobs) == 2 for e in content)
+
+
+def _post(server, path: str, body, headers: dict | None = None, raw: bytes | None = None) -> httpx.Response:
+    data = raw if raw is not None else json.dumps(body).encode()
+    auth = _auth() if headers is None else headers
+    return httpx.post(f"{server.http}{path}", content=data, timeout=60,
+                      headers={"content-type": "application/json", **auth})
+
+
+@pytest.mark.parametrize("body,raw,status,param", [
+    (None, b"{not json", 400, None),
+    (None, b'{"prompt": "x", "temperature": NaN}', 400, None),
+    (None, b'{"prompt": "x", "top_p": Infinity}', 400, None),
+    (None, b"[1, 2]", 400, None),
+    ({"prompt": "x", "max_tokens": "ten"}, None, 400, "max_tokens"),
+    ({"prompt": 5}, None, 400, "prompt"),
+    ({"prompt": "x", "temperature": True}, None, 400, "temperature"),
+    ({"prompt": "x", "temperature": 1e-320}, None, 400, None),
+    ({"prompt": "x", "temperature": 500}, None, 400, None),
+    ({"prompt": "x", "n": 2}, None, 400, "n"),
+    ({"prompt": "x", "model": "gpt-4"}, None, 404, "model"),
+    ({"prompt": "word " * 400}, None, 413, None),
+    ({"prompt": "x", "max_tokens": 10**6}, None, 400, None),
+    ({"prompt": [1, 10**7]}, None, 400, None),
+])
+def test_bad_requests_get_openai_errors(server, body, raw, status, param):
+    r = _post(server, "/v1/completions", body, raw=raw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"] and err["type"]
+    assert err["param"] == param
+    assert "Traceback" not in r.text
+
+
+def test_auth_body_limits_and_unknown_fields(server):
+    ok = {"prompt": "x", "max_tokens": 2, "some_future_field": {"a": 1}}
+    assert _post(server, "/v1/completions", ok).status_code == 200  # unknown fields are ignored
+    assert _post(server, "/v1/completions", ok, headers={}).status_code == 401
+    r = _post(server, "/v1/completions", ok, headers={"Authorization": "Bearer wrong-token-wrong-token"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = _post(server, "/v1/completions", None, raw=b'{"prompt": "' + b"a" * (5 << 20) + b'"}')
+    assert r.status_code == 413
+    r = _post(server, "/v1/chat/completions", {"messages": "hi"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_100_concurrent_streams_equal_offline(server, offline):
+    prompts = [f"request {i}: the story goes" for i in range(100)]
+    want = [o.text for o in offline.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))]
+
+    async def main() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{server.http}/v1", api_key=TOKEN, max_retries=0, timeout=300)
+
+        async def one(p: str) -> str:
+            stream = await client.completions.create(model="default", prompt=p, max_tokens=8, temperature=0,
+                                                     stream=True, extra_body={"ignore_eos": True})
+            return "".join([c.choices[0].text async for c in stream])
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await client.close()
+
+    assert asyncio.run(main()) == want
+
+
+def _metrics(server) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(f"{server.http}/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_client_dropping_mid_stream_aborts_and_frees_blocks(server):
+    before = _metrics(server).get(("fusedserve_requests_total", (("finish_reason", "abort"),)), 0)
+    body = {"prompt": "a long story", "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.http}/v1/completions", json=body, headers=_auth(), timeout=60) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+    assert any(line.startswith("data: ") for line in got)
+    with Client(server.address, token=TOKEN) as c:
+        stats = settled(c)
+    assert all(w["kv_blocks_used"] == 0 for w in stats["workers"])
+    key = ("fusedserve_requests_total", (("finish_reason", "abort"),))
+    wait_for(lambda: _metrics(server).get(key, 0) >= before + 1, 10, "the abort to be counted")
+
+
+def test_metrics_count_what_was_served(server, oai):
+    with Client(server.address, token=TOKEN) as c:
+        settled(c)  # nothing of an earlier test still in a launch
+    m0 = _metrics(server)
+    n, tokens = 5, 7
+    for i in range(n):
+        oai.completions.create(model="default", prompt=f"count {i}", max_tokens=tokens, temperature=0,
+                               extra_body={"ignore_eos": True})
+    m1 = _metrics(server)
+
+    def delta(name: str, labels: tuple = ()) -> float:
+        return m1.get((name, labels), 0) - m0.get((name, labels), 0)
+
+    assert delta("fusedserve_requests_total", (("finish_reason", "length"),)) == n
+    assert delta("fusedserve_generation_tokens_total") == n * tokens
+    assert delta("fusedserve_time_to_first_token_seconds_count") == n
+    assert m1[("fusedserve_workers", ())] == 1 and m1[("fusedserve_kv_blocks_used", ())] == 0
+    assert m1[("fusedserve_kv_blocks_free", ())] == RC.num_blocks
+    d2h = m1[("fusedserve_d2h_bytes_total", (("worker", "w0"),))] - m0[("fusedserve_d2h_bytes_total",
+                                                                         (("worker", "w0"),))]
+    assert d2h == n * tokens * 4, "greedy: 4 bytes (the id) come back per generated token"
+    assert ("fusedserve_faults_total", (("kind", "request_errors"),)) in m1
