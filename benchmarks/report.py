@@ -11,7 +11,7 @@ import logging
 import time
 from pathlib import Path
 
-from benchmarks import decode_step, latency, throughput
+from benchmarks import decode_step, latency, serving, throughput
 from benchmarks.common import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     tp16 = throughput.run(16, 32, 64, args.dtype, args.threads)
     tp1 = throughput.run(1, 32, 64, args.dtype, args.threads)
     lat = latency.latency([1, 4, 16], 32, 32, args.dtype, args.threads)
+    served = serving.bench([1, 8, 32], 32, 32, args.dtype, args.threads)
     ovh = latency.overhead([1, 16, 64], 32, args.dtype, args.threads)
     hf = transformers_curve([1, 4, 16, 64], 32, args.dtype, args.threads)
     png = Path(args.out).with_name("benchmarks_tokens_per_s.png")
@@ -100,6 +101,14 @@ def main(argv: list[str] | None = None) -> None:
     for r in lat:
         lines.append(f"| {r['concurrency']} | {r['ttft_p50_ms']:.0f} / {r['ttft_p90_ms']:.0f} / {r['ttft_p99_ms']:.0f} "
                      f"| {r['tpot_p50_ms']:.1f} / {r['tpot_p90_ms']:.1f} / {r['tpot_p99_ms']:.1f} |")
+    lines += ["", "## Served over the OpenAI API (`fusedserve bench serve`, 32 words in / 32 tokens out)", "",
+              "`fusedserve serve --http-port` on the same checkpoint, streaming completions, at most C in flight.",
+              "", "| concurrency C | req/s | output tok/s | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms |",
+              "|---|---|---|---|---|"]
+    for r in served:
+        lines.append(f"| {r['concurrency']} | {r['request_throughput']:.2f} | {r['output_throughput']:.1f} | "
+                     f"{r['ttft_ms_p50']:.0f} / {r['ttft_ms_p90']:.0f} / {r['ttft_ms_p99']:.0f} | "
+                     f"{r['tpot_ms_p50']:.1f} / {r['tpot_ms_p90']:.1f} / {r['tpot_ms_p99']:.1f} |")
     lines += ["", "## Coordinator + IPC overhead per decode step", "",
               "Step wall time at the coordinator (schedule, write arena, send descriptor, wait, read, sample, "
               "reply to clients) minus the worker's launch time.", "",

@@ -255,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stream", action="store_true")
+    bench = sub.add_parser("bench", help="benchmarks against a running server")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    from coordinator import bench_serve
+
+    bench_serve.add_arguments(bench_sub.add_parser("serve", help="load the OpenAI API; print TTFT/TPOT"))
     s = sub.add_parser("stats")
     sc = sub.add_parser("scale", help="add or drain workers at run time")
     sc.add_argument("workers", type=int)
@@ -263,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--auth-token-file", default=None, help=f"the server's token file (or ${TOKEN_ENV})")
     args = ap.parse_args(argv)
     commands = {"serve": cmd_serve, "generate": cmd_generate, "stats": cmd_stats, "demo": cmd_demo,
-                "scale": cmd_scale}
+                "scale": cmd_scale, "bench": bench_serve.main}
     try:
         return commands[args.cmd](args)
     except (ServerError, TimeoutError) as exc:  # a refused or unanswered client command

@@ -234,8 +234,7 @@ async def _stream(gw: Gateway, prep: oa.Prepared, chat: bool) -> AsyncIterator[s
                     choice["logprobs"] = oa.completion_logprobs(gw.tokenizer, [frame["token"]], lp, tops,
                                                                 offset)
             offset += len(frame["text"])
-            if frame["text"] or choice["logprobs"] is not None:  # a token mid-character adds nothing
-                yield _sse({**head, "choices": [choice]})
+            yield _sse({**head, "choices": [choice]})  # one chunk a token, even one that ends mid-character
             try:
                 frame = await frames.__anext__()
             except ServerError as exc:  # failed mid-stream: an error event, then the end

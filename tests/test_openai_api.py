@@ -239,3 +239,20 @@ def test_metrics_count_what_was_served(server, oai):
                                                                          (("worker", "w0"),))]
     assert d2h == n * tokens * 4, "greedy: 4 bytes (the id) come back per generated token"
     assert ("fusedserve_faults_total", (("kind", "request_errors"),)) in m1
+
+
+def test_bench_serve_loads_the_api_and_reports(server, tmp_path, capsys):
+    from coordinator import cli
+
+    out = tmp_path / "bench.json"
+    rc = cli.main(["bench", "serve", "--base-url", server.http, "--api-key", TOKEN, "--num-prompts", "12",
+                   "--max-concurrency", "4", "--request-rate", "50", "--input-len", "8", "--output-len", "6",
+                   "--range-ratio", "0.5", "--seed", "3", "--no-progress", "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "Request throughput (req/s)" in printed and "TTFT p50/p90/p99 (ms)" in printed
+    s = json.loads(out.read_text())
+    assert s["completed"] == 12 and s["failed"] == 0 and s["output_throughput"] > 0
+    assert 12 * 3 <= s["output_tokens"] <= 12 * 9  # lengths drawn from [3, 9]
+    assert 0 < s["ttft_ms_p50"] <= s["ttft_ms_p90"] <= s["ttft_ms_p99"]
+    assert 0 < s["itl_ms_p50"] <= s["itl_ms_p99"]

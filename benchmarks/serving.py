@@ -1,0 +1,67 @@
+"""Served figures over the OpenAI API: ``fusedserve bench serve`` against ``fusedserve serve
+--http-port`` on the benchmark checkpoint, at several concurrency levels.
+
+    python -m benchmarks.serving --concurrency 1,8,32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import signal
+import subprocess
+import sys
+
+from benchmarks.common import checkpoint, machine
+from coordinator.bench_serve import BenchConfig, run
+
+HTTP = re.compile(r"OpenAI API on (http://\S+)")
+
+
+def serve(dtype: str, threads: int, max_batch: int) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "coordinator.cli", "serve", "--model", str(checkpoint()), "--workers", "1",
+           "--dtype", dtype, "--threads-per-worker", str(threads), "--max-batch", str(max_batch),
+           "--num-blocks", str(max_batch * 8 + 8), "--port", "0", "--http-port", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    for line in proc.stdout:
+        if m := HTTP.search(line):
+            return proc, m.group(1)
+    raise RuntimeError("the server did not start")
+
+
+def bench(concurrency: list[int], input_len: int, output_len: int, dtype: str, threads: int) -> list[dict]:
+    proc, url = serve(dtype, threads, max(concurrency))
+    try:
+        rows = []
+        for c in concurrency:
+            cfg = BenchConfig(url, num_prompts=max(8, 2 * c), max_concurrency=c, input_len=input_len,
+                              output_len=output_len, seed=c, progress=False)
+            rows.append({"concurrency": c, **asyncio.run(run(cfg))})
+        return rows
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    rows = bench([int(c) for c in args.concurrency.split(",")], args.input_len, args.output_len, args.dtype,
+                 args.threads)
+    print(machine())
+    for r in rows:
+        print(f"concurrency {r['concurrency']:3d}: {r['request_throughput']:.2f} req/s, "
+              f"{r['output_throughput']:.1f} tok/s, "
+              f"TTFT p50/p99 {r['ttft_ms_p50']:.0f}/{r['ttft_ms_p99']:.0f} ms, "
+              f"TPOT p50/p99 {r['tpot_ms_p50']:.1f}/{r['tpot_ms_p99']:.1f} ms")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
