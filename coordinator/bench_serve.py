@@ -15,9 +15,10 @@ import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
-import httpx
-from tqdm import tqdm
+if TYPE_CHECKING:
+    import httpx
 
 WORDS = ("the of and to in is was he for it with as his on be at by had are but from or have an they which "
          "one you were all her she there would their we him been has when who will no more if out so up said "
@@ -62,6 +63,8 @@ def _lengths(rng: random.Random, mean: int, ratio: float) -> int:
 async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> RequestResult:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    import httpx
+
     t0 = time.perf_counter()
     res = RequestResult(ok=False)
     last = None
@@ -119,6 +122,9 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
 
 
 async def run(cfg: BenchConfig) -> dict:
+    import httpx
+    from tqdm import tqdm
+
     rng = random.Random(cfg.seed)
     work = [(" ".join(rng.choice(WORDS) for _ in range(_lengths(rng, cfg.input_len, cfg.range_ratio))),
              _lengths(rng, cfg.output_len, cfg.range_ratio)) for _ in range(cfg.num_prompts)]

@@ -1,12 +1,14 @@
 """Ray job entry point.
 
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
-        python -m deploy.serve --model default --workers auto
+        exec python -m deploy.serve --model default --workers auto
 
 Connects to the running cluster, places one worker per device it reports (every
 NPU/GPU, or one CPU worker per node), serves the ZeroMQ front end and logs the
 address clients should use. ``ray job stop`` sends SIGTERM: in-flight requests get
-an error, workers stop and every shared-memory segment is unlinked.
+an error, workers stop and every shared-memory segment is unlinked. ``exec`` matters: Ray
+runs the entrypoint under ``/bin/sh -c``, which dies at once on SIGTERM and leaves this
+process an orphan whose exit the job supervisor sees only once it is reaped.
 """
 
 from __future__ import annotations
@@ -34,10 +36,22 @@ def exit_now(rc: int) -> None:
     3 s SIGTERM grace, and the job was SIGKILLed with a warning.
     """
     close_all()  # nothing left after a clean shutdown; the atexit handler would do the same
+    _stop_resource_tracker()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)
+
+
+def _stop_resource_tracker() -> None:
+    """End (and reap) the ``multiprocessing`` resource tracker that the arenas' shared memory
+    started: it ignores SIGTERM and would outlive this process as an orphan the job
+    supervisor waits on."""
+    from multiprocessing import resource_tracker
+
+    stop = getattr(resource_tracker._resource_tracker, "_stop", None)
+    if stop is not None:
+        stop()
 
 
 if __name__ == "__main__":

@@ -5,4 +5,4 @@ set -euo pipefail
 export PATH="$(pwd)/.venv/bin:$PATH"
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"   # or keep token auth and export it to clients too
 ray start --head --dashboard-host=127.0.0.1 --dashboard-port=8265 "$@"
-echo "submit with: ray job submit --address http://127.0.0.1:8265 --working-dir . -- python -m deploy.serve --model default --workers auto"
+echo "submit with: ray job submit --address http://127.0.0.1:8265 --working-dir . -- exec python -m deploy.serve --model default --workers auto"

@@ -256,3 +256,27 @@ def test_bench_serve_loads_the_api_and_reports(server, tmp_path, capsys):
     assert 12 * 3 <= s["output_tokens"] <= 12 * 9  # lengths drawn from [3, 9]
     assert 0 < s["ttft_ms_p50"] <= s["ttft_ms_p90"] <= s["ttft_ms_p99"]
     assert 0 < s["itl_ms_p50"] <= s["itl_ms_p99"]
+
+
+def test_a_non_streaming_client_that_leaves_has_its_request_aborted(server):
+    key = ("fusedserve_requests_total", (("finish_reason", "abort"),))
+    before = _metrics(server).get(key, 0)
+    body = {"prompt": "a long story", "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{server.http}/v1/completions", json=body, headers=_auth(), timeout=1.0)
+    wait_for(lambda: _metrics(server).get(key, 0) >= before + 1, 20, "the abort to be counted")
+    with Client(server.address, token=TOKEN) as c:
+        stats = settled(c, timeout_s=20)
+    assert all(w["kv_blocks_used"] == 0 for w in stats["workers"])
+
+
+@pytest.mark.parametrize("code,status", [
+    ("too_many_requests", 429), ("server_busy", 429), ("no_workers", 503), ("shutdown", 503),
+    ("unauthorized", 401), ("prompt_too_long", 413), ("bad_param", 400), ("token_out_of_range", 400),
+    ("sampling_error", 500),
+])
+def test_coordinator_codes_map_to_http_statuses(code, status):
+    from coordinator.openai_protocol import ApiError
+
+    err = ApiError.from_reply({"type": "error", "code": code, "message": "m"})
+    assert err.status == status and err.body()["error"]["code"] == code
