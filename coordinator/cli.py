@@ -21,12 +21,12 @@ if TYPE_CHECKING:
 from shared_memory.contract import RunnerConfig
 
 DEMO_PROMPTS = [
-    "The capital of France is",
-    "Once upon a time",
+    "The with statement",
+    "A list comprehension is",
     "def hello(name):",
-    "Memory bandwidth limits decoding",
-    "Questions and answers: What is two plus two?",
-    "The quick brown fox",
+    "To read a file,",
+    "Python is an easy to learn, powerful programming language.",
+    "The capital of France is",
 ]
 
 
@@ -109,30 +109,30 @@ def _serve(coord: Server, args: argparse.Namespace, token: str | None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    coord.serve_in_thread()
-    auth = "token auth on every frame" if token else "no auth (loopback only)"
-    print(f"fusedserve: serving on {coord.address} with {len(coord.workers)} workers; {auth}", flush=True)
     http = None
-    if args.http_port is not None:
-        from coordinator.openai_api import Gateway, HttpServer
+    try:
+        coord.serve_in_thread()
+        auth = "token auth on every frame" if token else "no auth (loopback only)"
+        print(f"fusedserve: serving on {coord.address} with {len(coord.workers)} workers; {auth}", flush=True)
+        if args.http_port is not None:
+            from coordinator.openai_api import Gateway, HttpServer
 
-        local = coord.address.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")
-        gw = Gateway(local, coord.model_dir, args.served_model_name or args.model, coord.max_model_len,
-                     coord.admission.max_tokens, token)
-        http = HttpServer(gw, args.host, args.http_port)
-        http.start()
-        print(f"fusedserve: OpenAI API on {http.url} (model {gw.model_name!r})", flush=True)
-    rc = 0
-    while not stop.wait(0.5):
-        if not coord.alive():
-            print("fusedserve: the coordinator loop died; see the log", file=sys.stderr)
-            rc = 1
-            break
-    print("fusedserve: shutting down", flush=True)
-    if http is not None:
-        http.stop()
-    coord.shutdown()
-    return rc
+            local = coord.address.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")
+            gw = Gateway(local, coord.model_dir, args.served_model_name or args.model, coord.max_model_len,
+                         coord.admission.max_tokens, token)
+            http = HttpServer(gw, args.host, args.http_port)
+            http.start()
+            print(f"fusedserve: OpenAI API on {http.url} (model {gw.model_name!r})", flush=True)
+        while not stop.wait(0.5):
+            if not coord.alive():
+                print("fusedserve: the coordinator loop died; see the log", file=sys.stderr)
+                return 1
+        return 0
+    finally:
+        print("fusedserve: shutting down", flush=True)
+        if http is not None:
+            http.stop()
+        coord.shutdown()
 
 
 def _client(args: argparse.Namespace) -> Client:

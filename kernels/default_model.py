@@ -1,8 +1,11 @@
-"""The embedded default model: a small Qwen3 checkpoint written on first use.
+"""The embedded models: ``default``, a small trained Qwen3 shipped in the package, and the
+random-weight presets ``default:tiny`` and ``default:benchmark``, written on first use.
 
-Weights come from a fixed seed and the tokenizer is a byte-level BPE trained on a
-built-in text, so every machine writes the same files and the main job needs no
-download. A real model directory with its own ``tokenizer.json`` is used as is.
+``default`` lives in ``kernels/default_model/`` (trained by ``kernels/train_default.py``
+on the Python documentation; see its ``training.json``). The presets' weights come from
+a fixed seed and their tokenizer is a byte-level BPE trained on a built-in text, so every
+machine writes the same files: tests that want a random model, and the benchmarks, use
+them. A real model directory with its own ``tokenizer.json`` is used as is.
 """
 
 from __future__ import annotations
@@ -148,10 +151,18 @@ def default_model_dir(preset: str = "tiny") -> Path:
     return final
 
 
+TRAINED_DIR = Path(__file__).resolve().parent / "default_model"
+
+
 def resolve_model(model: str) -> Path:
-    """``default`` (or ``default:PRESET``) names the embedded model; else a directory."""
-    if model == "default" or model.startswith("default:"):
-        return default_model_dir(model.partition(":")[2] or "tiny")
+    """``default``: the trained embedded model; ``default:PRESET``: a random-weight preset;
+    anything else: a model directory."""
+    if model == "default":
+        if not (TRAINED_DIR / "config.json").is_file():
+            raise FileNotFoundError(f"the embedded default model is missing from {TRAINED_DIR}")
+        return TRAINED_DIR
+    if model.startswith("default:"):
+        return default_model_dir(model.partition(":")[2])
     path = Path(model)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {model!r} does not exist")

@@ -1,0 +1,72 @@
+"""The embedded default model: a trained Qwen3 shipped in the package, whose text is words."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from coordinator.cli import DEMO_PROMPTS
+from coordinator.llm_engine import LLMEngine
+from kernels.config import Qwen3Config
+from kernels.default_model import TRAINED_DIR, resolve_model
+from kernels.quantize import dequantize_int8, quantize_int8
+from kernels.sampling import SamplingParams
+
+
+def test_default_is_the_shipped_checkpoint_and_presets_stay_random():
+    d = resolve_model("default")
+    assert d == TRAINED_DIR
+    names = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "heldout.txt")
+    for name in names:
+        assert (d / name).is_file(), name
+    assert (d / "model.safetensors").stat().st_size < 30 << 20
+    c = Qwen3Config.from_dir(d)
+    assert c.num_key_value_heads < c.num_attention_heads and c.tie_word_embeddings  # GQA, tied
+    assert resolve_model("default:tiny") != d  # the random-weight preset the tests may ask for
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with LLMEngine("default", dtype="float32") as eng:
+        yield eng
+
+
+def test_demo_prompts_continue_in_words(engine):
+    outs = engine.generate(DEMO_PROMPTS, SamplingParams(max_tokens=24))
+    for prompt, out in zip(DEMO_PROMPTS, outs):
+        assert "\ufffd" not in out.text, (prompt, out.text)
+        words = re.findall(r"[A-Za-z]{2,}", out.text)
+        assert len(words) >= 3, (prompt, out.text)
+
+
+def test_greedy_tokens_equal_transformers(engine):
+    from transformers import Qwen3ForCausalLM
+
+    hf = Qwen3ForCausalLM.from_pretrained(TRAINED_DIR, torch_dtype=torch.float32).eval()
+    for prompt in DEMO_PROMPTS[:3]:
+        ids = engine.encode(prompt)
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        got = engine.generate([ids], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
+        assert got == want, prompt
+
+
+def test_int8_weights_round_trip_within_half_a_step():
+    w = torch.randn(64, 96) * torch.logspace(-3, 1, 64)[:, None]  # rows of very different ranges
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and int(q.abs().max()) == 127 and scale.shape == (64,)
+    err = (dequantize_int8(q, scale, torch.float32) - w).abs()
+    assert bool((err <= scale[:, None] / 2 + 1e-12).all())
+
+
+def test_held_out_perplexity_fp32_bf16_int8():
+    from benchmarks.perplexity import run
+
+    r = run(max_tokens=4096)
+    print(f"held-out perplexity: {r}")
+    assert r["tokens"] == 4096
+    assert r["fp32"] < 100, "trained: random weights sit near the vocabulary size (4096)"
+    assert abs(r["bf16"] / r["fp32"] - 1) < 0.02
+    assert abs(r["int8"] / r["bf16"] - 1) < 0.02, "int8 weight-only within 2% of bf16"
