@@ -12,7 +12,6 @@ its accumulation order.
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ import torch
 from kernels.default_model import resolve_model
 from kernels.quantize import dequantize_int8, quantize_int8
 from kernels.tokenizer import TextTokenizer
+from kernels.train_default import perplexity
 
 
 def load(model_dir: Path, weights: str):
@@ -36,24 +36,11 @@ def load(model_dir: Path, weights: str):
     return model
 
 
-def perplexity(model, ids: list[int], window: int = 256) -> float:
-    total, n = 0.0, 0
-    t = torch.tensor(ids)
-    with torch.no_grad():
-        for start in range(0, len(ids) - 1, window):
-            chunk = t[start: start + window + 1]
-            if chunk.numel() < 2:
-                break
-            logits = model(chunk[:-1].unsqueeze(0)).logits[0].float()
-            total += torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum").item()
-            n += chunk.numel() - 1
-    return math.exp(total / n)
-
-
 def run(max_tokens: int = 8192, model: str = "default") -> dict[str, float]:
     model_dir = resolve_model(model)
     ids = TextTokenizer.from_dir(model_dir).encode((model_dir / "heldout.txt").read_text())[:max_tokens]
-    return {w: perplexity(load(model_dir, w), ids) for w in ("fp32", "bf16", "int8")} | {"tokens": len(ids)}
+    t = torch.tensor(ids)
+    return {w: perplexity(load(model_dir, w), t) for w in ("fp32", "bf16", "int8")} | {"tokens": len(ids)}
 
 
 def main(argv: list[str] | None = None) -> dict:

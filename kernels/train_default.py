@@ -87,19 +87,17 @@ def token_stream(tok, docs: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def perplexity(model, ids: torch.Tensor, seq: int = 256) -> float:
-    """exp(mean next-token loss) over the held-out stream in windows of ``seq``."""
-    model.eval()
+def perplexity(model, ids: torch.Tensor, window: int = 256) -> float:
+    """exp(mean next-token loss) of a causal LM over ``ids`` in windows of ``window`` tokens."""
     total, n = 0.0, 0
     with torch.no_grad():
-        for start in range(0, ids.numel() - 1, seq):
-            chunk = ids[start: start + seq + 1]
+        for start in range(0, ids.numel() - 1, window):
+            chunk = ids[start: start + window + 1]
             if chunk.numel() < 2:
                 break
             logits = model(chunk[:-1].unsqueeze(0)).logits[0].float()
             total += torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum").item()
             n += chunk.numel() - 1
-    model.train()
     return math.exp(total / n)
 
 
@@ -152,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         step += 1
         if step % 50 == 0:
             log.info("step %d/%s loss %.3f lr %.2e (%.0f s)", step, budget_steps, loss.item(), lr, elapsed)
+    model.eval()
     ppl = perplexity(model, held_ids[:65536])
     log.info("held-out perplexity (fp32 training weights): %.2f after %d steps", ppl, step)
     out = Path(args.out)
