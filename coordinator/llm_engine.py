@@ -99,9 +99,10 @@ class LLMEngine:
                 for ev in self.core.step():
                     if ev.error is not None:
                         errors[ev.seq.seq_id] = f"{ev.error.code}: {ev.error}"
-        finally:  # an exception leaves nothing of this call queued
+        except BaseException:  # an exception leaves nothing of this call queued
             for s in seqs:
                 sched.abort(s.seq_id)
+            raise
         return [self._output(s, errors.get(s.seq_id, "")) for s in seqs]
 
     @staticmethod

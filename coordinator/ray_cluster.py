@@ -37,7 +37,7 @@ class RayPorts:
     object_manager: int = 0
 
     def resolved(self) -> RayPorts:
-        return RayPorts(**{f.name: getattr(self, f.name) or _free_port() for f in fields(self)})
+        return RayPorts(**{f.name: getattr(self, f.name) or free_port() for f in fields(self)})
 
     def flags(self) -> list[str]:
         names = {"gcs": "port", "dashboard_agent": "dashboard-agent-listen-port",
@@ -46,10 +46,40 @@ class RayPorts:
                 for f in fields(self)]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _pids_of(temp_dir: str) -> list[int]:
+    """Processes of the Ray head started with ``temp_dir`` (it is in their command lines)."""
+    found, me, key = [], os.getpid(), temp_dir.encode()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != me:
+            try:
+                if key in (d / "cmdline").read_bytes():
+                    found.append(int(d.name))
+            except OSError:
+                pass
+    return found
+
+
+def stop_head(temp_dir: str, grace_s: float = 5.0) -> None:
+    """End the processes of the head started with ``temp_dir``, and only those (SIGTERM, then
+    SIGKILL after ``grace_s``; not ``ray stop``, which ends every cluster on the machine),
+    and remove its temp dir."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        pids = _pids_of(temp_dir)
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + wait_s
+        while pids and _pids_of(temp_dir) and time.time() < deadline:
+            time.sleep(0.1)
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 class EmbeddedHead:
@@ -84,30 +114,8 @@ class EmbeddedHead:
         log.info("embedded Ray head at %s in %s (ports %s)", head.address, temp_dir, ports)
         return head
 
-    def _pids(self) -> list[int]:
-        found, me, key = [], os.getpid(), self.temp_dir.encode()
-        for d in Path("/proc").iterdir():
-            if d.name.isdigit() and int(d.name) != me:
-                try:
-                    if key in (d / "cmdline").read_bytes():
-                        found.append(int(d.name))
-                except OSError:
-                    pass
-        return found
-
     def stop(self, grace_s: float = 5.0) -> None:
-        """End this head's processes (SIGTERM, then SIGKILL after ``grace_s``) and its temp dir."""
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            pids = self._pids()
-            for pid in pids:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            deadline = time.time() + wait_s
-            while pids and self._pids() and time.time() < deadline:
-                time.sleep(0.1)
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        stop_head(self.temp_dir, grace_s)
 
 
 def connect(address: str | None, num_cpus: int, ports: RayPorts | None = None) -> EmbeddedHead | None:

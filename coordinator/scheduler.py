@@ -201,7 +201,7 @@ class Scheduler:
         return StepBatch(
             kind="decode",
             seqs=seqs,
-            token_ids=np.asarray([s.all_ids[-1] for s in seqs], dtype=np.int32),
+            token_ids=np.asarray([s.last_token for s in seqs], dtype=np.int32),
             positions=positions,
             slot_mapping=np.asarray(
                 [self.blocks.slot(s.seq_id, s.num_tokens - 1) for s in seqs], dtype=np.int64

@@ -149,7 +149,7 @@ class Server:
             self._worker_lost(w, reason)
         if fe.monitor in ready:
             fe.peer_left()
-        for identity in fe.probe({r.identity for r in self.requests}):
+        for identity in fe.probe(self.requests.identities()):
             self._drop_client(identity, "client_gone")
         fe.flush_owed()
         if fe.sock in ready:

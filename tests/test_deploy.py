@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +17,7 @@ import pytest
 from coordinator.client import Client
 from coordinator.config import ServerConfig
 from coordinator.llm_engine import LLMEngine
+from coordinator.ray_cluster import free_port, stop_head
 from coordinator.server import Server
 from kernels.sampling import SamplingParams
 from shared_memory.arena import list_segments
@@ -77,37 +76,6 @@ def test_scale_1_to_2_to_1_while_20_requests_stream(ray_session):
         coord.shutdown()
 
 
-def _stop_head(temp_dir: str) -> None:
-    """End the processes of the head started with ``temp_dir`` (and only those)."""
-    def pids() -> list[int]:
-        found = []
-        for d in Path("/proc").iterdir():
-            if d.name.isdigit() and int(d.name) != os.getpid():
-                try:
-                    if temp_dir.encode() in (d / "cmdline").read_bytes():
-                        found.append(int(d.name))
-                except OSError:
-                    pass
-        return found
-
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids():
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.time() + 10
-        while pids() and time.time() < deadline:
-            time.sleep(0.2)
-    shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(shutil.which("ray", path=str(Path(sys.executable).parent)) is None,
                     reason="the ray CLI is not installed beside this python")
 def test_ray_job_submit_serves_and_job_stop_cleans_up(tmp_path):
@@ -117,13 +85,13 @@ def test_ray_job_submit_serves_and_job_stop_cleans_up(tmp_path):
                RAY_USAGE_STATS_ENABLED="0", FUSEDSERVE_CACHE=os.environ["FUSEDSERVE_CACHE"],
                RAY_JOB_STOP_WAIT_TIME_S="3")
     env.pop("RAY_ADDRESS", None)
-    gcs, dash, port = _free_port(), _free_port(), _free_port()
+    gcs, dash, port = free_port(), free_port(), free_port()
     ray_bin = str(bindir / "ray")
     before = set(list_segments())
     # Every port explicit: the session's in-process cluster already holds the default agent ports.
-    agent = [f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
-             f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
-             f"--node-manager-port={_free_port()}", f"--object-manager-port={_free_port()}"]
+    agent = [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+             f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+             f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}"]
     temp_dir = tempfile.mkdtemp(prefix="rayhead", dir="/tmp")  # short: Ray puts sockets in it
     subprocess.run([ray_bin, "start", "--head", f"--port={gcs}", f"--dashboard-port={dash}",
                     "--dashboard-host=127.0.0.1", "--num-cpus=3", "--disable-usage-stats",
@@ -171,4 +139,4 @@ def test_ray_job_submit_serves_and_job_stop_cleans_up(tmp_path):
                  or "force-killed" in log.read_text(errors="replace"), 30, "the job's stop to be logged")
         assert "force-killed" not in log.read_text(errors="replace")
     finally:
-        _stop_head(temp_dir)  # not `ray stop`: that would also end this session's own cluster
+        stop_head(temp_dir, grace_s=10)  # not `ray stop`: that would also end this session's own cluster
