@@ -13,10 +13,12 @@ import json
 import time
 
 import numpy as np
+import torch
 
 from benchmarks.common import checkpoint, copy_bandwidth, machine, read_bandwidth
 from coordinator.batch_io import write_batch
 from coordinator.scheduler import StepBatch
+from kernels.linear import Int8Weight
 from kernels.model import Qwen3Model
 from kernels.sampling import RowKind
 from shared_memory.arena import HostArena
@@ -27,14 +29,20 @@ from worker.model_runner import ModelRunner, model_dims
 def weight_bytes(model: Qwen3Model) -> int:
     """Bytes a decode step reads from weights: every layer, final norm and lm_head."""
     w = model.w
-    n = w.final_norm.nbytes + w.lm_head.nbytes
+    n = w.final_norm.nbytes + _nbytes(w.lm_head)
     for lw in w.layers:
-        n += sum(t.nbytes for t in vars(lw).values() if t is not None)
+        n += sum(_nbytes(t) for t in vars(lw).values() if t is not None)
     return n
 
 
-def run(batches: list[int], context: int, steps: int, dtype: str, single_row_gemv: bool = False) -> dict:
-    model = Qwen3Model.from_pretrained(checkpoint(), dtype, max_model_len=context + steps + 16)
+def _nbytes(w: torch.Tensor | Int8Weight) -> int:
+    return w.q.nbytes + w.scale.nbytes if isinstance(w, Int8Weight) else w.nbytes
+
+
+def run(batches: list[int], context: int, steps: int, dtype: str, single_row_gemv: bool = False,
+        quantization: str | None = None, model_dir: str | None = None) -> dict:
+    model = Qwen3Model.from_pretrained(model_dir or checkpoint(), dtype,
+                                       max_model_len=context + steps + 16, quantization=quantization)
     model.single_row_gemv = single_row_gemv
     c = model.config
     bs = 16
@@ -74,6 +82,7 @@ def run(batches: list[int], context: int, steps: int, dtype: str, single_row_gem
         r["achieved_gbps"] = r["bytes_read"] / (r["step_ms"] / 1e3) / 1e9
         r["fraction_of_read_bw"] = r["achieved_gbps"] * 1e9 / bw_read
     return {"machine": machine(), "dtype": dtype, "context": context, "weights_bytes": wbytes,
+            "quantization": quantization or "none", "kernels": model.kernel_info(),
             "single_row_gemv": single_row_gemv,
             "read_bw_gbps": bw_read / 1e9, "copy_bw_gbps": bw_copy / 1e9, "rows": rows}
 
@@ -86,12 +95,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--single-row-gemv", action="store_true",
                     help="opt-in faster batch-1 path (outputs then depend on the batch)")
+    ap.add_argument("--quantization", default=None, choices=["int8"])
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: the benchmark model)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     res = run([int(b) for b in args.batches.split(",")], args.context, args.steps, args.dtype,
-              args.single_row_gemv)
+              args.single_row_gemv, args.quantization, args.model)
     print(f"{res['machine']}; read bw {res['read_bw_gbps']:.1f} GB/s, copy bw {res['copy_bw_gbps']:.1f} GB/s")
-    print(f"weights read per step: {res['weights_bytes'] / 2**20:.0f} MiB ({res['dtype']})")
+    print(f"kernels: {res['kernels']}")
+    print(f"weights read per step: {res['weights_bytes'] / 2**20:.0f} MiB ({res['dtype']}, "
+          f"quantization {res['quantization']})")
     head = ("B", "ms/step", "tok/s", "GB/s", "%bw", "h2d", "d2h", "anchor d2h")
     print("{:>4} {:>8} {:>8} {:>6} {:>5} {:>6} {:>6} {:>11}".format(*head))
     for r in res["rows"]:

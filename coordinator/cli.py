@@ -58,7 +58,8 @@ def _server_config(args: argparse.Namespace, token: str | None = None):
     limits = Limits(max_tokens=args.max_tokens_limit, max_requests_per_client=args.max_requests_per_client,
                     max_prompt_tokens=args.max_prompt_tokens)
     return ServerConfig(model=args.model, workers=args.workers, device=args.device, host=args.host,
-                        port=args.port, dtype=args.dtype, max_model_len=args.max_model_len, runner=rc,
+                        port=args.port, dtype=args.dtype, quantization=args.quantization,
+                        max_model_len=args.max_model_len, runner=rc,
                         threads_per_worker=args.threads_per_worker, transport=args.transport,
                         auth_token=token, limits=limits)
 
@@ -234,7 +235,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="also serve the OpenAI-compatible HTTP API on this port (0: a free one)")
         p.add_argument("--served-model-name", default=None,
                        help="the model id of the HTTP API (default: --model as given)")
-        p.add_argument("--dtype", default=None)
+        p.add_argument("--dtype", default=None,
+                       help="float32, bfloat16, float16, or auto (the fastest here for the checkpoint; "
+                       "default: the checkpoint's)")
+        p.add_argument("--quantization", default=None, choices=["none", "int8"],
+                       help="int8: weight-only, per-channel symmetric, quantized at load")
         p.add_argument("--max-model-len", type=int, default=1024)
         p.add_argument("--max-batch", type=int, default=16)
         p.add_argument("--block-size", type=int, default=16)

@@ -29,6 +29,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 5557
     dtype: str | None = None
+    quantization: str | None = None  # "int8": weight-only, quantized by each worker at load
     max_model_len: int | None = 1024
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     cpus_per_worker: int = 1
@@ -46,6 +47,8 @@ class ServerConfig:
 
     def check(self) -> None:
         """Refuse, before anything starts, a configuration that cannot be served safely."""
+        if self.quantization not in (None, "none", "int8"):
+            raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
         if self.transport not in ("auto", "serial"):
             raise ValueError(f"transport must be auto or serial, got {self.transport!r}")
         if self.auth_token is not None and len(self.auth_token) < MIN_TOKEN_CHARS:

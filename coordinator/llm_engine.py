@@ -39,20 +39,22 @@ class GenerationOutput:
 
 
 def load_model(model: str | Path, dtype: str | None = None, device: str = "cpu",
-               max_model_len: int | None = None) -> tuple[Qwen3Model, TextTokenizer | None]:
+               max_model_len: int | None = None,
+               quantization: str | None = None) -> tuple[Qwen3Model, TextTokenizer | None]:
     model_dir = resolve_model(str(model))
-    return (Qwen3Model.from_pretrained(model_dir, dtype, device, max_model_len),
+    return (Qwen3Model.from_pretrained(model_dir, dtype, device, max_model_len, quantization),
             TextTokenizer.from_dir(model_dir))
 
 
 class LLMEngine:
     def __init__(self, model: str | Path | Qwen3Model = "default", *, dtype: str | None = None,
                  max_model_len: int | None = None, runner: RunnerConfig | None = None,
-                 tokenizer: TextTokenizer | None = None):
+                 tokenizer: TextTokenizer | None = None, quantization: str | None = None):
         if isinstance(model, Qwen3Model):
             self.model, self.tokenizer = model, tokenizer
         else:
-            self.model, tok = load_model(model, dtype, max_model_len=max_model_len)
+            self.model, tok = load_model(model, dtype, max_model_len=max_model_len,
+                                         quantization=quantization)
             self.tokenizer = tokenizer or tok
         self.rc = runner or RunnerConfig()
         self.arena = HostArena.create(slot_tables(self.model.dtype), model_dims(self.model, self.rc),

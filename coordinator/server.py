@@ -73,7 +73,8 @@ class Server:
         cfg = self.cfg
         cfg.check()
         remove_stale()
-        pcfg = PoolConfig(cfg.device, self.model_dir, cfg.dtype, self.max_model_len, vars(cfg.runner),
+        pcfg = PoolConfig(cfg.device, self.model_dir, cfg.dtype, cfg.quantization, self.max_model_len,
+                          vars(cfg.runner),
                           cfg.cpus_per_worker, cfg.threads_per_worker, cfg.transport == "serial",
                           cfg.step_timeout_s, cfg.max_restarts)
         self.pool = WorkerPool(self.ctx, pcfg, self.config, self._new_core)

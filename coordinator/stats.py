@@ -49,6 +49,7 @@ def worker_stats(w: WorkerHandle) -> dict:
         "d2h_bytes_per_step": s.d2h_bytes / s.steps if s.steps else 0.0,
         "last_decode": s.last_decode, "launch_s": s.launch_s,
         "transport": "serial" if w.serial else "shm", "wire_bytes": w.executor.wire_bytes,
+        "kernels": w.info.get("kernels", {}),
     }
 
 

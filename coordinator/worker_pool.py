@@ -98,6 +98,7 @@ class PoolConfig:
     device: str  # auto | cpu | cuda | npu: probed once, when the pool is made
     model_dir: str
     dtype: str | None
+    quantization: str | None
     max_model_len: int
     runner: dict
     cpus_per_worker: int
@@ -149,7 +150,7 @@ class WorkerPool:
         # transport by itself; the serial option forces that path here too.
         name = None if self.cfg.serial else arena.name
         ref = actor.start.remote(self.cfg.model_dir, self.cfg.dtype, self.cfg.max_model_len,
-                                 self.cfg.runner, name)
+                                 self.cfg.runner, name, quantization=self.cfg.quantization)
         self.starting.append(Starting(wid, actor, arena, ref))
 
     def start(self, n: int) -> None:

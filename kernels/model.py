@@ -15,11 +15,15 @@ from pathlib import Path
 
 import torch
 
+from kernels import native
 from kernels.attention import AttentionScratch, paged_decode_attention, prefill_attention
-from kernels.config import Qwen3Config, parse_dtype
+from kernels.config import ConfigError, Qwen3Config, parse_dtype
 from kernels.kv_cache import PagedKVCache
+from kernels.linear import Int8Weight, LinearOp
 from kernels.loader import Qwen3Weights, load_weights
-from kernels.ops import linear, linear_gemv, rms_norm, rope_tables, rotary
+from kernels.ops import linear_gemv, rms_norm, rope_tables, rotary
+
+QUANTIZATIONS = (None, "none", "int8")
 
 
 @dataclass
@@ -105,7 +109,7 @@ class DecodeWorkspace:
 
     def __init__(self, c: Qwen3Config, max_batch: int, max_ctx: int, block_size: int,
                  top_k: int, dtype: torch.dtype, device: torch.device | str,
-                 hidden: torch.Tensor | None = None):
+                 hidden: torch.Tensor | None = None, gather_attention: bool = True):
         kw = {"dtype": dtype, "device": device}
         f32 = {"dtype": torch.float32, "device": device}
         b, d = max_batch, c.hidden_size
@@ -132,10 +136,11 @@ class DecodeWorkspace:
         self.inv_head = torch.tensor(1.0 / c.head_dim, **f32)
         self.topk_values = torch.empty(b, top_k, **f32)
         self.topk_ids = torch.empty(b, top_k, dtype=torch.int64, device=device)
+        # The gathering attention's scratch; the native kernel reads the pages in place.
         self.attention = AttentionScratch(
             max_batch, max_ctx, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
             block_size, dtype, device,
-        )
+        ) if gather_attention else None
 
 
 class Qwen3Model:
@@ -143,8 +148,11 @@ class Qwen3Model:
 
     def __init__(self, config: Qwen3Config, weights: Qwen3Weights, dtype: torch.dtype,
                  device: torch.device | str = "cpu", max_model_len: int | None = None,
-                 single_row_gemv: bool = False):
+                 single_row_gemv: bool = False, quantization: str | None = None):
+        if quantization not in QUANTIZATIONS:
+            raise ConfigError(f"unknown quantization {quantization!r}; use int8 or none")
         self.config = config
+        self.quantization = None if quantization == "none" else quantization
         # Opt-in: faster one-row bf16 decode on the CPU, but its rounding differs from the
         # batched kernel's, so outputs stop being independent of the batch a request lands in.
         self.single_row_gemv = single_row_gemv
@@ -153,6 +161,11 @@ class Qwen3Model:
         self.max_model_len = min(max_model_len or config.max_position_embeddings,
                                  config.max_position_embeddings)
         self.w = _to_device(weights, self.device)
+        if self.quantization == "int8":
+            _quantize_int8(self.w, dtype, self.device)
+        # The native CPU kernels (None on other devices, or where they cannot be built).
+        self.native = native.kernels() if self.device.type == "cpu" else None
+        self.linear = LinearOp(self.device, self.native)
         self.cos, self.sin = rope_tables(config.head_dim, config.rope_theta,
                                          self.max_model_len, dtype)
         self.cos, self.sin = self.cos.to(self.device), self.sin.to(self.device)
@@ -160,12 +173,23 @@ class Qwen3Model:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: str | torch.dtype | None = None,
-                        device: torch.device | str = "cpu",
-                        max_model_len: int | None = None) -> Qwen3Model:
+                        device: torch.device | str = "cpu", max_model_len: int | None = None,
+                        quantization: str | None = None) -> Qwen3Model:
+        """``dtype``: a name, None (the checkpoint's) or ``"auto"`` (``resolve_dtype``)."""
         config = Qwen3Config.from_dir(model_dir)
-        torch_dtype = parse_dtype(dtype or config.dtype)
+        torch_dtype = resolve_dtype(dtype, parse_dtype(config.dtype), torch.device(device))
         weights = load_weights(model_dir, config, torch_dtype)
-        return cls(config, weights, torch_dtype, device, max_model_len)
+        return cls(config, weights, torch_dtype, device, max_model_len, quantization=quantization)
+
+    def kernel_info(self) -> dict[str, str]:
+        """Which kernels this model runs (``stats`` and the startup log report it)."""
+        wdtype = "int8" if self.quantization == "int8" else self.dtype
+        return {
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "quantization": self.quantization or "none",
+            "linear": self.linear.describe(wdtype),
+            "attention": f"native-{self.native.isa()}" if self.native is not None else "aten-gather",
+        }
 
     # ----------------------------------------------------------------- allocation
 
@@ -176,7 +200,7 @@ class Qwen3Model:
                       hidden: torch.Tensor | None = None) -> DecodeWorkspace:
         max_ctx = -(-self.max_model_len // block_size) * block_size
         return DecodeWorkspace(self.config, max_batch, max_ctx, block_size, top_k,
-                               self.dtype, self.device, hidden)
+                               self.dtype, self.device, hidden, gather_attention=self.native is None)
 
     def new_outputs(self, max_batch: int, top_k: int) -> SampleOutputs:
         return SampleOutputs.allocate(max_batch, self.config.vocab_size, top_k, self.device)
@@ -211,10 +235,15 @@ class Qwen3Model:
         cos, sin = ws.cos[:b], ws.sin[:b]
         torch.index_select(self.cos, 0, positions, out=cos)
         torch.index_select(self.sin, 0, positions, out=sin)
-        slots, mask = ws.attention.prepare(block_tables, seq_lens, ctx_len)
+        if self.native is not None:  # K/V read in place; cost follows each row's own length
+            def attend(q, k, v, k_cache, v_cache, o) -> None:
+                self.native.decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                             kv.block_size, self.scale, o)
+        else:
+            slots, mask = ws.attention.prepare(block_tables, seq_lens, ctx_len)
 
-        def attend(q, k, v, k_cache, v_cache, o) -> None:
-            paged_decode_attention(q, k_cache, v_cache, slots, mask, None, ws.attention, o)
+            def attend(q, k, v, k_cache, v_cache, o) -> None:
+                paged_decode_attention(q, k_cache, v_cache, slots, mask, None, ws.attention, o)
 
         buf = LayerBuffers.of_workspace(ws, self.config, b)
         linear = self._linear_for(b)
@@ -259,12 +288,12 @@ class Qwen3Model:
         x.add_(buf.o)
 
     def _linear_for(self, rows: int):
-        """The matmul for a step of ``rows`` rows: with ``single_row_gemv``, ATen's native GEMV
-        for one bf16 row on the CPU (measured here ~1.7x the weight-streaming rate of oneDNN's,
-        which wins from two rows up); else ``torch.mm``, whose rows do not depend on the batch."""
-        if self.single_row_gemv and rows == 1 and self.device.type == "cpu" and self.dtype == torch.bfloat16:
+        """The matmul for a step of ``rows`` rows: ``self.linear``, whose rows do not depend on
+        the batch; or, opt-in without the native kernels, ATen's GEMV for one bf16 row."""
+        if (self.single_row_gemv and rows == 1 and self.native is None and self.quantization is None
+                and self.device.type == "cpu" and self.dtype == torch.bfloat16):
             return linear_gemv
-        return linear
+        return self.linear
 
     def _sample(self, h: torch.Tensor, ws: DecodeWorkspace, out: SampleOutputs, b: int,
                 want_topk: bool) -> None:
@@ -315,12 +344,40 @@ class Qwen3Model:
 
         buf = LayerBuffers.allocate(self.config, x.shape[0], self.dtype, x.device)
         for i, lw in enumerate(self.w.layers):
-            self._layer(i, lw, x, buf, cos, sin, slot_mapping, kv, ws, attend, linear)
+            self._layer(i, lw, x, buf, cos, sin, slot_mapping, kv, ws, attend, self.linear)
         last = torch.tensor([e - 1 for e in cu_seqlens[1:]], device=x.device)
         hb = ws.normed[:b]
         rms_norm(x.index_select(0, last), self.w.final_norm, ws.eps, hb, buf.f32_h[:b], buf.var_h[:b],
                  ws.inv_hidden)
         self._sample(hb, ws, out, b, want_topk)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, checkpoint: torch.dtype,
+                  device: torch.device) -> torch.dtype:
+    """None: the checkpoint's dtype. ``"auto"``: the fastest here for this checkpoint.
+
+    On an accelerator, the checkpoint's 16-bit dtype (bf16 for an fp32 checkpoint). On the
+    CPU with the native kernels, the same (they stream 16-bit weights, half fp32's bytes);
+    without them, bf16 where the CPU has AVX-512 BF16 (oneDNN's bf16 matmul), else fp32
+    (ATen's bf16 matmul is several times slower than its fp32 one there).
+    """
+    if dtype is None:
+        return checkpoint
+    if dtype != "auto":
+        return parse_dtype(dtype)
+    sixteen = checkpoint if checkpoint in (torch.bfloat16, torch.float16) else torch.bfloat16
+    if device.type != "cpu" or native.kernels() is not None:
+        return sixteen
+    return torch.bfloat16 if "avx512_bf16" in native.cpu_flags() else torch.float32
+
+
+def _quantize_int8(w: Qwen3Weights, dtype: torch.dtype, device: torch.device) -> None:
+    """Every projection and the lm_head to weight-only int8, in place, one tensor at a time
+    (peak memory stays near the 16-bit model's). The embedding gather stays 16-bit."""
+    for lw in w.layers:
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            setattr(lw, name, Int8Weight.quantize(getattr(lw, name), dtype, device))
+    w.lm_head = Int8Weight.quantize(w.lm_head, dtype, device)
 
 
 def _to_device(w: Qwen3Weights, device: torch.device) -> Qwen3Weights:

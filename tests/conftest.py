@@ -47,6 +47,15 @@ def hf_checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _native_kernels():
+    """Build the native CPU kernels once, before any worker process would (they load the cache)."""
+    from kernels import native
+
+    native.kernels()
+    yield
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _model_cache(tmp_path_factory):
     """Embedded default model written into a per-run cache, as on a fresh machine."""
     if "FUSEDSERVE_CACHE" not in os.environ:

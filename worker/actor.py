@@ -42,14 +42,14 @@ class WorkerActor:
         self.serial = False
 
     def start(self, model_dir: str, dtype: str | None, max_model_len: int | None, runner: dict,
-              arena_name: str | None, host: str = "127.0.0.1") -> dict:
+              arena_name: str | None, host: str = "127.0.0.1", quantization: str | None = None) -> dict:
         """Load the model, attach the arena, allocate everything, warm up, open the step socket.
 
         ``arena_name=None`` selects the serializing transport (a worker on another node):
         the worker keeps a private arena and launch messages carry the HOST_SHARED bytes.
         """
         device = torch_device(self.device_kind)
-        model = Qwen3Model.from_pretrained(model_dir, dtype, device, max_model_len)
+        model = Qwen3Model.from_pretrained(model_dir, dtype, device, max_model_len, quantization)
         rc = RunnerConfig(**runner)
         tables, dims = slot_tables(model.dtype), model_dims(model, rc)
         self.arena = None
@@ -73,7 +73,8 @@ class WorkerActor:
         return {"endpoint": f"tcp://{host}:{port}", "pid": os.getpid(), "device": str(device),
                 "transport": "serial" if self.serial else "shm",
                 "node_id": ray.get_runtime_context().get_node_id(),
-                "kv_bytes": self.runner.kv.nbytes, "pool_bytes": self.runner.pool.nbytes}
+                "kv_bytes": self.runner.kv.nbytes, "pool_bytes": self.runner.pool.nbytes,
+                "kernels": model.kernel_info()}
 
     def _serve(self, sock: zmq.Socket) -> None:
         poller = zmq.Poller()

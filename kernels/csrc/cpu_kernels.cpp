@@ -1,0 +1,474 @@
+// fusedserve CPU kernels: weight-streaming linear (bf16/fp16/int8 weights) and paged
+// decode attention read in place from the KV pages.
+//
+// One source, compiled once per instruction set (kernels/native.py picks the flags
+// from the running CPU): AVX-512 (+BF16), AVX2+FMA, or plain C++. Every output
+// element's reduction runs in a fixed order that depends only on K (vector lanes
+// over k, a fixed horizontal sum, then the scalar tail), never on how many rows the
+// call has, so a request's outputs do not depend on the batch it lands in.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using bf16 = c10::BFloat16;
+using f16 = c10::Half;
+
+// ----------------------------------------------------------------- vector layer
+
+#if defined(__AVX512F__)
+constexpr int VL = 16;
+using vf = __m512;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vset(float a) { return _mm512_set1_ps(a); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf a) { _mm512_storeu_ps(p, a); }
+inline vf vload(const bf16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline vf vload(const f16* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline vf vload(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr int VL = 8;
+using vf = __m256;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vset(float a) { return _mm256_set1_ps(a); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf a) { _mm256_storeu_ps(p, a); }
+inline vf vload(const bf16* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline vf vload(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline vf vload(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline float vsum(vf a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#else
+constexpr int VL = 1;
+using vf = float;
+inline vf vzero() { return 0.f; }
+inline vf vset(float a) { return a; }
+inline vf vload(const float* p) { return *p; }
+inline void vstore(float* p, vf a) { *p = a; }
+inline vf vload(const bf16* p) { return static_cast<float>(*p); }
+inline vf vload(const f16* p) { return static_cast<float>(*p); }
+inline vf vload(const int8_t* p) { return static_cast<float>(*p); }
+inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
+inline vf vmul(vf a, vf b) { return a * b; }
+inline float vsum(vf a) { return a; }
+#endif
+
+inline float to_f(float v) { return v; }
+inline float to_f(bf16 v) { return static_cast<float>(v); }
+inline float to_f(f16 v) { return static_cast<float>(v); }
+inline float to_f(int8_t v) { return static_cast<float>(v); }
+
+const char* isa_name() {
+#if defined(__AVX512BF16__)
+  return "avx512bf16";
+#elif defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+// ----------------------------------------------------------------------- linear
+
+constexpr int MR = 4;  // activation rows per register tile
+constexpr int NR = 4;  // weight rows per register tile
+
+// acc[i][j] = x[i] . w[j] over K, in the fixed order described at the top.
+template <typename W, int M, int N>
+inline void dot_tile(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, float* res) {
+  vf acc[M][N];
+  for (int i = 0; i < M; ++i)
+    for (int j = 0; j < N; ++j) acc[i][j] = vzero();
+  int64_t k = 0;
+  for (; k + VL <= K; k += VL) {
+    vf wv[N];
+    for (int j = 0; j < N; ++j) wv[j] = vload(w + j * ldw + k);
+    for (int i = 0; i < M; ++i) {
+      vf xv = vload(x + i * ldx + k);
+      for (int j = 0; j < N; ++j) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < M; ++i)
+    for (int j = 0; j < N; ++j) {
+      float s = vsum(acc[i][j]);
+      for (int64_t t = k; t < K; ++t) s += x[i * ldx + t] * to_f(w[j * ldw + t]);
+      res[i * NR + j] = s;
+    }
+}
+
+template <typename W, int N>
+inline void dot_rows(int m, const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, float* res) {
+  switch (m) {
+    case 4: dot_tile<W, 4, N>(x, ldx, w, ldw, K, res); break;
+    case 3: dot_tile<W, 3, N>(x, ldx, w, ldw, K, res); break;
+    case 2: dot_tile<W, 2, N>(x, ldx, w, ldw, K, res); break;
+    default: dot_tile<W, 1, N>(x, ldx, w, ldw, K, res); break;
+  }
+}
+
+#if defined(__AVX512BF16__)
+// bf16 x bf16 pairs into fp32 lanes (vdpbf16ps), 32 k per instruction.
+template <int M, int N>
+inline void dot_tile_bf16(const bf16* x, int64_t ldx, const bf16* w, int64_t ldw, int64_t K, float* res) {
+  __m512 acc[M][N];
+  for (int i = 0; i < M; ++i)
+    for (int j = 0; j < N; ++j) acc[i][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512i wv[N];
+    for (int j = 0; j < N; ++j) wv[j] = _mm512_loadu_si512(w + j * ldw + k);
+    for (int i = 0; i < M; ++i) {
+      __m512i xv = _mm512_loadu_si512(x + i * ldx + k);
+      for (int j = 0; j < N; ++j)
+        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xv, (__m512bh)wv[j]);
+    }
+  }
+  for (int i = 0; i < M; ++i)
+    for (int j = 0; j < N; ++j) {
+      float s = _mm512_reduce_add_ps(acc[i][j]);
+      for (int64_t t = k; t < K; ++t) s += to_f(x[i * ldx + t]) * to_f(w[j * ldw + t]);
+      res[i * NR + j] = s;
+    }
+}
+
+template <int N>
+inline void dot_rows_bf16(int m, const bf16* x, int64_t ldx, const bf16* w, int64_t ldw, int64_t K, float* res) {
+  switch (m) {
+    case 4: dot_tile_bf16<4, N>(x, ldx, w, ldw, K, res); break;
+    case 3: dot_tile_bf16<3, N>(x, ldx, w, ldw, K, res); break;
+    case 2: dot_tile_bf16<2, N>(x, ldx, w, ldw, K, res); break;
+    default: dot_tile_bf16<1, N>(x, ldx, w, ldw, K, res); break;
+  }
+}
+#endif
+
+template <typename O>
+inline void store_out(O* out, int64_t ldo, int m, int n, const float* res, const float* scale) {
+  for (int i = 0; i < m; ++i)
+    for (int j = 0; j < n; ++j) {
+      float v = res[i * NR + j];
+      if (scale) v *= scale[j];
+      out[i * ldo + j] = static_cast<O>(v);
+    }
+}
+
+// Activations as float32 rows: a scratch that grows once and is reused (no per-call allocation).
+const float* as_f32(const at::Tensor& x, std::vector<float>& buf) {
+  const int64_t M = x.size(0), K = x.size(1), ld = x.stride(0);
+  if (x.scalar_type() == at::kFloat && ld == K) return x.data_ptr<float>();
+  if (buf.size() < static_cast<size_t>(M * K)) buf.resize(M * K);
+  for (int64_t i = 0; i < M; ++i) {
+    float* dst = buf.data() + i * K;
+    switch (x.scalar_type()) {
+      case at::kFloat: std::memcpy(dst, x.data_ptr<float>() + i * ld, K * sizeof(float)); break;
+      case at::kBFloat16: { const bf16* s = x.data_ptr<bf16>() + i * ld; for (int64_t k = 0; k < K; ++k) dst[k] = s[k]; break; }
+      case at::kHalf: { const f16* s = x.data_ptr<f16>() + i * ld; for (int64_t k = 0; k < K; ++k) dst[k] = s[k]; break; }
+      default: TORCH_CHECK(false, "linear: unsupported activation dtype ", x.scalar_type());
+    }
+  }
+  return buf.data();
+}
+
+template <typename W, typename O>
+void linear_f32(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* scale,
+                O* out, int64_t ldo) {
+  const int64_t nblocks = (N + NR - 1) / NR;
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    float res[MR * NR];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * NR;
+      const int n = static_cast<int>(std::min<int64_t>(NR, N - n0));
+      const W* wb = w + n0 * K;
+      for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int m = static_cast<int>(std::min<int64_t>(MR, M - m0));
+        switch (n) {
+          case 4: dot_rows<W, 4>(m, x + m0 * K, K, wb, K, K, res); break;
+          case 3: dot_rows<W, 3>(m, x + m0 * K, K, wb, K, K, res); break;
+          case 2: dot_rows<W, 2>(m, x + m0 * K, K, wb, K, K, res); break;
+          default: dot_rows<W, 1>(m, x + m0 * K, K, wb, K, K, res); break;
+        }
+        store_out(out + m0 * ldo + n0, ldo, m, n, res, scale ? scale + n0 : nullptr);
+      }
+    }
+  });
+}
+
+#if defined(__AVX512BF16__)
+void linear_bf16_dp(const bf16* x, int64_t ldx, int64_t M, int64_t K, const bf16* w, int64_t N,
+                    bf16* out, int64_t ldo) {
+  const int64_t nblocks = (N + NR - 1) / NR;
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    float res[MR * NR];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * NR;
+      const int n = static_cast<int>(std::min<int64_t>(NR, N - n0));
+      const bf16* wb = w + n0 * K;
+      for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int m = static_cast<int>(std::min<int64_t>(MR, M - m0));
+        switch (n) {
+          case 4: dot_rows_bf16<4>(m, x + m0 * ldx, ldx, wb, K, K, res); break;
+          case 3: dot_rows_bf16<3>(m, x + m0 * ldx, ldx, wb, K, K, res); break;
+          case 2: dot_rows_bf16<2>(m, x + m0 * ldx, ldx, wb, K, K, res); break;
+          default: dot_rows_bf16<1>(m, x + m0 * ldx, ldx, wb, K, K, res); break;
+        }
+        store_out(out + m0 * ldo + n0, ldo, m, n, res, nullptr);
+      }
+    }
+  });
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// int8 weights with bf16 activations: each block of NR weight rows is widened to bf16 once
+// (exact: |q| <= 127 fits bf16's mantissa) into an L1-resident scratch, then every row tile
+// runs vdpbf16ps over it; the per-channel scale is applied to the fp32 sum.
+void linear_int8_dp(const bf16* x, int64_t ldx, int64_t M, int64_t K, const int8_t* w, const float* scale,
+                    int64_t N, bf16* out, int64_t ldo) {
+  const int64_t nblocks = (N + NR - 1) / NR;
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    thread_local std::vector<bf16> wbuf;
+    if (wbuf.size() < static_cast<size_t>(NR * K)) wbuf.resize(NR * K);
+    float res[MR * NR];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * NR;
+      const int n = static_cast<int>(std::min<int64_t>(NR, N - n0));
+      const int8_t* src = w + n0 * K;
+      bf16* dst = wbuf.data();
+      const int64_t total = n * K;
+      int64_t k = 0;
+      for (; k + 32 <= total; k += 32) {
+        __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k));
+        __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw)));
+        __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1)));
+        _mm512_storeu_si512(dst + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+      for (; k < total; ++k) dst[k] = static_cast<bf16>(static_cast<float>(src[k]));
+      for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int m = static_cast<int>(std::min<int64_t>(MR, M - m0));
+        switch (n) {
+          case 4: dot_rows_bf16<4>(m, x + m0 * ldx, ldx, dst, K, K, res); break;
+          case 3: dot_rows_bf16<3>(m, x + m0 * ldx, ldx, dst, K, K, res); break;
+          case 2: dot_rows_bf16<2>(m, x + m0 * ldx, ldx, dst, K, K, res); break;
+          default: dot_rows_bf16<1>(m, x + m0 * ldx, ldx, dst, K, K, res); break;
+        }
+        store_out(out + m0 * ldo + n0, ldo, m, n, res, scale + n0);
+      }
+    }
+  });
+}
+#endif
+
+template <typename W>
+void dispatch_out(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* scale,
+                  at::Tensor& out) {
+  const int64_t ldo = out.stride(0);
+  switch (out.scalar_type()) {
+    case at::kFloat: linear_f32(x, M, K, w, N, scale, out.data_ptr<float>(), ldo); break;
+    case at::kBFloat16: linear_f32(x, M, K, w, N, scale, out.data_ptr<bf16>(), ldo); break;
+    case at::kHalf: linear_f32(x, M, K, w, N, scale, out.data_ptr<f16>(), ldo); break;
+    default: TORCH_CHECK(false, "linear: unsupported output dtype ", out.scalar_type());
+  }
+}
+
+// out[M, N] = x[M, K] @ w[N, K]^T (x scale[n] for int8 weights), fp32 accumulation.
+void linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale, at::Tensor out) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2, "linear: 2-d tensors expected");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && out.device().is_cpu(), "linear: CPU tensors only");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K && out.size(0) == M && out.size(1) == N, "linear: shape mismatch x ", x.sizes(),
+              " w ", w.sizes(), " out ", out.sizes());
+  TORCH_CHECK(w.is_contiguous(), "linear: weight must be contiguous");
+  TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1, "linear: rows of x and out must be contiguous");
+  if (M == 0) return;
+  const float* sc = nullptr;
+  if (w.scalar_type() == at::kChar) {
+    TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat && scale->numel() == N &&
+                scale->is_contiguous(), "linear: int8 weights need float32 scales [N]");
+    sc = scale->data_ptr<float>();
+  }
+#if defined(__AVX512BF16__)
+  if (w.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16) {
+    linear_bf16_dp(x.data_ptr<bf16>(), x.stride(0), M, K, w.data_ptr<bf16>(), N, out.data_ptr<bf16>(),
+                   out.stride(0));
+    return;
+  }
+  if (w.scalar_type() == at::kChar && x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16) {
+    linear_int8_dp(x.data_ptr<bf16>(), x.stride(0), M, K, w.data_ptr<int8_t>(), sc, N, out.data_ptr<bf16>(),
+                   out.stride(0));
+    return;
+  }
+#endif
+  thread_local std::vector<float> xbuf;
+  const float* xf = as_f32(x, xbuf);
+  switch (w.scalar_type()) {
+    case at::kBFloat16: dispatch_out(xf, M, K, w.data_ptr<bf16>(), N, sc, out); break;
+    case at::kHalf: dispatch_out(xf, M, K, w.data_ptr<f16>(), N, sc, out); break;
+    case at::kChar: dispatch_out(xf, M, K, w.data_ptr<int8_t>(), N, sc, out); break;
+    case at::kFloat: dispatch_out(xf, M, K, w.data_ptr<float>(), N, sc, out); break;
+    default: TORCH_CHECK(false, "linear: unsupported weight dtype ", w.scalar_type());
+  }
+}
+
+// -------------------------------------------------------------- decode attention
+
+constexpr int CHUNK = 32;  // context tokens scored before one online-softmax rescale
+constexpr int MAX_GROUP = 16;
+constexpr int MAX_HEAD_DIM = 512;
+
+template <typename T>
+inline float dot_f32(const float* q, const T* k, int64_t D) {
+  vf acc = vzero();
+  int64_t d = 0;
+  for (; d + VL <= D; d += VL) acc = vfma(vload(q + d), vload(k + d), acc);
+  float s = vsum(acc);
+  for (; d < D; ++d) s += q[d] * to_f(k[d]);
+  return s;
+}
+
+template <typename T>
+inline void axpy_f32(float a, const T* v, float* acc, int64_t D) {
+  vf av = vset(a);
+  int64_t d = 0;
+  for (; d + VL <= D; d += VL) vstore(acc + d, vfma(av, vload(v + d), vload(acc + d)));
+  for (; d < D; ++d) acc[d] += a * to_f(v[d]);
+}
+
+inline void scale_f32(float a, float* acc, int64_t D) {
+  vf av = vset(a);
+  int64_t d = 0;
+  for (; d + VL <= D; d += VL) vstore(acc + d, vmul(av, vload(acc + d)));
+  for (; d < D; ++d) acc[d] *= a;
+}
+
+// One query token per sequence against its paged context, K/V read in place from the
+// pages; online softmax in float32; query head h reads KV head h / (H / KVH).
+template <typename T>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
+                           double scale, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = k_cache.size(1), G = H / KVH;
+  const int64_t max_blocks = block_tables.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  const int64_t slot_stride = KVH * D;
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * KVH, 1, [&](int64_t w0, int64_t w1) {
+    alignas(64) float qf[MAX_GROUP][MAX_HEAD_DIM];
+    alignas(64) float acc[MAX_GROUP][MAX_HEAD_DIM];
+    float s[MAX_GROUP][CHUNK];
+    float mx[MAX_GROUP], l[MAX_GROUP];
+    for (int64_t work = w0; work < w1; ++work) {
+      const int64_t b = work / KVH, kh = work % KVH;
+      const int64_t len = sl[b];
+      for (int64_t g = 0; g < G; ++g) {
+        const T* src = qp + b * qs0 + (kh * G + g) * qs1;
+        for (int64_t d = 0; d < D; ++d) qf[g][d] = to_f(src[d]) * sc;
+        std::fill(acc[g], acc[g] + D, 0.f);
+        mx[g] = -INFINITY;
+        l[g] = 0.f;
+      }
+      for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {
+        const int64_t n = std::min<int64_t>(CHUNK, len - t0);
+        int64_t slots[CHUNK];
+        for (int64_t t = 0; t < n; ++t) {
+          const int64_t pos = t0 + t;
+          slots[t] = static_cast<int64_t>(bt[b * max_blocks + pos / block_size]) * block_size + pos % block_size;
+        }
+        for (int64_t t = 0; t < n; ++t) {
+          const T* krow = kp + slots[t] * slot_stride + kh * D;
+          for (int64_t g = 0; g < G; ++g) s[g][t] = dot_f32(qf[g], krow, D);
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          float m = mx[g];
+          for (int64_t t = 0; t < n; ++t) m = std::max(m, s[g][t]);
+          const float corr = std::exp(mx[g] - m);  // exp(-inf) = 0 on the first chunk
+          l[g] *= corr;
+          scale_f32(corr, acc[g], D);
+          for (int64_t t = 0; t < n; ++t) {
+            s[g][t] = std::exp(s[g][t] - m);
+            l[g] += s[g][t];
+          }
+          mx[g] = m;
+        }
+        for (int64_t t = 0; t < n; ++t) {
+          const T* vrow = vp + slots[t] * slot_stride + kh * D;
+          for (int64_t g = 0; g < G; ++g) axpy_f32(s[g][t], vrow, acc[g], D);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        T* dst = op + b * os0 + (kh * G + g) * os1;
+        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[g][d] * inv);
+      }
+    }
+  });
+}
+
+void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
+                      double scale, at::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3,
+              "decode_attention: q/out [B, H, D], caches [slots, KVH, D]");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "decode_attention: head rows and caches must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+              block_tables.is_contiguous() && seq_lens.is_contiguous(), "decode_attention: int32 tables");
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
+  TORCH_CHECK(H % KVH == 0 && H / KVH <= MAX_GROUP && D <= MAX_HEAD_DIM && k_cache.size(2) == D,
+              "decode_attention: unsupported head layout");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
+              "decode_attention: q, cache and out dtypes differ");
+  switch (q.scalar_type()) {
+    case at::kFloat: decode_attention_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
+    case at::kBFloat16: decode_attention_impl<bf16>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
+    case at::kHalf: decode_attention_impl<f16>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
+    default: TORCH_CHECK(false, "decode_attention: unsupported dtype ", q.scalar_type());
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa", &isa_name, "the instruction set this build targets");
+  m.def("linear", &linear, "out = x @ w.T (x scale for int8 w), fp32 accumulation",
+        py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("out"));
+  m.def("decode_attention", &decode_attention, "paged decode attention, K/V read in place",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("block_size"), py::arg("scale"), py::arg("out"));
+}

@@ -1,0 +1,94 @@
+"""The matmul of every projection, chosen once per model from the device and the weights.
+
+A weight is a 16/32-bit tensor ``[out, in]`` or an ``Int8Weight`` (weight-only int8,
+per-output-channel scales). On the CPU the native kernels (``kernels/native.py``)
+stream 16-bit and int8 weights with fp32 accumulation; fp32 weights and CPUs
+without the native build use ATen. CUDA and Ascend use their vendor int8 ops.
+Every path writes into the caller's ``out``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from kernels.quantize import quantize_int8
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Int8Weight:
+    """``w ~= q * scale[:, None]``; ``scale_act`` is ``scale`` in the activations' dtype
+    (what ATen's and the vendors' int8 matmuls take); ``q_t`` is ``q.T`` where an op wants
+    [in, out] (Ascend)."""
+
+    q: torch.Tensor  # [out, in] int8
+    scale: torch.Tensor  # [out] float32
+    scale_act: torch.Tensor  # [out], activation dtype
+    q_t: torch.Tensor | None = None
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, act_dtype: torch.dtype, device: torch.device) -> Int8Weight:
+        q, scale = quantize_int8(w)
+        q, scale = q.to(device), scale.to(device)
+        q_t = q.t().contiguous() if device.type == "npu" else None
+        return cls(q, scale, scale.to(act_dtype), q_t)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def to(self, device: torch.device) -> Int8Weight:
+        return Int8Weight(self.q.to(device), self.scale.to(device), self.scale_act.to(device),
+                          None if self.q_t is None else self.q_t.to(device))
+
+
+Weight = torch.Tensor | Int8Weight
+
+
+class LinearOp:
+    """``out = x @ w.T`` for whichever kind of weight, through the kernel this device has."""
+
+    def __init__(self, device: torch.device, native: ModuleType | None):
+        self.device = device
+        self.native = native if device.type == "cpu" else None
+        self._int8_fallback_warned = False
+
+    def describe(self, weight_dtype: torch.dtype | str) -> str:
+        """Which kernel runs a weight of this kind (stats and the startup log)."""
+        if self.native is not None and weight_dtype != torch.float32:
+            return f"native-{self.native.isa()}"
+        if weight_dtype == "int8":
+            return {"cpu": "aten-int8pack", "cuda": "aten-int8pack", "npu": "npu-weight-quant"}.get(
+                self.device.type, "dequantize")
+        return "aten-mm"
+
+    def __call__(self, x: torch.Tensor, w: Weight, out: torch.Tensor) -> torch.Tensor:
+        if isinstance(w, Int8Weight):
+            return self._int8(x, w, out)
+        if self.native is not None and w.dtype != torch.float32:
+            self.native.linear(x, w, None, out)
+            return out
+        return torch.mm(x, w.t(), out=out)
+
+    def _int8(self, x: torch.Tensor, w: Int8Weight, out: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            self.native.linear(x, w.q, w.scale, out)
+            return out
+        if self.device.type == "npu":  # pragma: no cover - needs Ascend hardware
+            import torch_npu
+
+            out.copy_(torch_npu.npu_weight_quant_batchmatmul(x, w.q_t, w.scale_act))
+            return out
+        try:
+            out.copy_(torch._weight_int8pack_mm(x, w.q, w.scale_act))
+        except (RuntimeError, NotImplementedError) as exc:  # an op this build lacks for the dtype
+            if not self._int8_fallback_warned:
+                log.warning("int8 matmul unavailable here (%s): dequantizing per call", exc)
+                self._int8_fallback_warned = True
+            torch.mm(x, (w.q.to(x.dtype) * w.scale_act[:, None]).t(), out=out)
+        return out

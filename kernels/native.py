@@ -1,0 +1,115 @@
+"""The native CPU kernels: picked from the running CPU's flags, JIT-built once, cached.
+
+``kernels/csrc/cpu_kernels.cpp`` is compiled by ``torch.utils.cpp_extension`` (ninja)
+for the best instruction set this CPU has: ``avx512bf16`` (AVX-512 with bf16 dot
+products), ``avx512``, ``avx2`` (with FMA and F16C), else plain C++. The build lands
+in torch's extension cache (``TORCH_EXTENSIONS_DIR``), so only the first process
+on a machine pays for it. Where no compiler or ninja is present the model keeps
+ATen's kernels, and says so in one warning.
+
+Configuration (environment, read at load): ``FUSEDSERVE_NATIVE=0`` turns the native
+kernels off; ``FUSEDSERVE_CPU_ISA=avx2|avx512|avx512bf16|scalar`` builds a lower
+instruction set than the CPU's best (tests and benchmarks compare them).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+
+# What each build needs from /proc/cpuinfo's flags, and the compiler flags it gets.
+ISA_FLAGS: dict[str, tuple[set[str], list[str]]] = {
+    "avx512bf16": ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma", "f16c"},
+                   ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
+                    "-mf16c"]),
+    "avx512": ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"},
+               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]),
+    "avx2": ({"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"]),
+    "scalar": (set(), []),
+}
+
+
+class NativeUnavailable(RuntimeError):
+    """The native kernels cannot be built or loaded here."""
+
+
+def cpu_flags() -> set[str]:
+    """The running CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def best_isa(flags: set[str]) -> str:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "scalar"
+    for isa, (needs, _) in ISA_FLAGS.items():
+        if needs <= flags:
+            return isa
+    return "scalar"
+
+
+def chosen_isa() -> str:
+    """The instruction set to build: the CPU's best, or ``FUSEDSERVE_CPU_ISA`` if it runs here."""
+    flags = cpu_flags()
+    want = os.environ.get("FUSEDSERVE_CPU_ISA", "").strip().lower()
+    if not want:
+        return best_isa(flags)
+    if want not in ISA_FLAGS:
+        raise NativeUnavailable(f"FUSEDSERVE_CPU_ISA={want!r}: use one of {sorted(ISA_FLAGS)}")
+    missing = ISA_FLAGS[want][0] - flags
+    if missing and want != "scalar":
+        raise NativeUnavailable(f"FUSEDSERVE_CPU_ISA={want}: this CPU lacks {sorted(missing)}")
+    return want
+
+
+def enabled() -> bool:
+    return os.environ.get("FUSEDSERVE_NATIVE", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+@functools.cache
+def build(isa: str) -> ModuleType:
+    """Compile (or load from the cache) the kernels for ``isa``."""
+    from torch.utils import cpp_extension
+
+    _, mflags = ISA_FLAGS[isa]
+    try:
+        cpp_extension.verify_ninja_availability()
+    except RuntimeError as exc:
+        raise NativeUnavailable(f"ninja is not installed ({exc})") from None
+    log.info("loading native CPU kernels for %s (the first build takes about a minute)", isa)
+    try:
+        return cpp_extension.load(
+            name=f"fusedserve_cpu_{isa}",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-fopenmp", *mflags],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except (RuntimeError, OSError, ImportError) as exc:
+        raise NativeUnavailable(f"building the native kernels for {isa} failed: {exc}") from None
+
+
+@functools.cache
+def kernels() -> ModuleType | None:
+    """The native kernel module for this CPU, or None (with one warning) if it cannot be had."""
+    if not enabled():
+        log.info("native CPU kernels are off (FUSEDSERVE_NATIVE=0): using ATen's")
+        return None
+    try:
+        return build(chosen_isa())
+    except NativeUnavailable as exc:
+        log.warning("native CPU kernels unavailable, using ATen's: %s", exc)
+        return None

@@ -1,0 +1,172 @@
+"""The native CPU kernels: linear (16-bit and int8 weights) and paged decode attention,
+against float64 references, batch invariance bit for bit, every ISA build this CPU runs,
+and the ATen fallback where no compiler exists."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import native
+from kernels.quantize import quantize_int8
+
+
+def _isas() -> list[str]:
+    """The CPU's best build, and AVX2 too where the CPU has more (both paths get tested)."""
+    try:
+        best = native.chosen_isa()
+    except native.NativeUnavailable:
+        return []
+    isas = [best]
+    if best != "avx2" and native.ISA_FLAGS["avx2"][0] <= native.cpu_flags():
+        isas.append("avx2")
+    return isas
+
+
+def _module(isa: str):
+    try:
+        return native.build(isa)
+    except native.NativeUnavailable as exc:
+        pytest.skip(f"native kernels cannot be built here: {exc}")
+
+
+ISAS = _isas() or ["none"]
+needs_native = pytest.mark.skipif(ISAS == ["none"], reason="no native build for this CPU")
+
+DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("wkind", ["bf16", "f16", "int8"])
+@pytest.mark.parametrize("act", ["bf16", "f32"])
+def test_linear_matches_float64_reference(isa, wkind, act):
+    m = _module(isa)
+    g = torch.Generator().manual_seed(0)
+    for rows, k, n in [(1, 64, 8), (5, 100, 13), (17, 256, 37), (4, 31, 4)]:  # tails in every dim
+        x = torch.randn(rows, k, generator=g).to(DTYPES[act])
+        w = torch.randn(n, k, generator=g) * 0.1
+        if wkind == "int8":
+            q, scale = quantize_int8(w)
+            args, wref = (q, scale), q.double() * scale.double()[:, None]
+        else:
+            wq = w.to(DTYPES[wkind])
+            args, wref = (wq, None), wq.double()
+        out = torch.empty(rows, n, dtype=x.dtype)
+        m.linear(x, *args, out)
+        ref = x.double() @ wref.t()
+        # fp32 accumulation, then one rounding to the output dtype.
+        tol = 1e-5 * k if act == "f32" else 2 ** -7 * ref.abs().max().item() + 1e-3
+        err = (out.double() - ref).abs().max().item()
+        assert err <= tol, f"{isa} {wkind} {act} {rows}x{k}x{n}: error {err} > {tol}"
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("wkind", ["bf16", "int8"])
+def test_linear_rows_do_not_depend_on_the_batch(isa, wkind):
+    """Each output row is bit-identical whether computed alone, in 5 rows or in 37."""
+    m = _module(isa)
+    g = torch.Generator().manual_seed(1)
+    k, n = 200, 45
+    x = torch.randn(37, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g) * 0.1
+    args = quantize_int8(w) if wkind == "int8" else (w.bfloat16(), None)
+    full = torch.empty(37, n, dtype=torch.bfloat16)
+    m.linear(x, *args, full)
+    for lo, hi in [(0, 1), (3, 8), (36, 37), (10, 14)]:
+        part = torch.empty(hi - lo, n, dtype=torch.bfloat16)
+        m.linear(x[lo:hi], *args, part)
+        assert torch.equal(part, full[lo:hi]), f"rows {lo}:{hi} differ from the 37-row call"
+
+
+def _paged(lens, bs, kvh, hd, dtype, g):
+    nblocks = sum(-(-n // bs) for n in lens) + 3
+    k_cache = torch.randn(nblocks * bs, kvh, hd, generator=g).to(dtype)
+    v_cache = torch.randn(nblocks * bs, kvh, hd, generator=g).to(dtype)
+    perm = torch.randperm(nblocks, generator=g).tolist()
+    tables, at = [], 0
+    for n in lens:  # scattered, unordered blocks
+        nb = -(-n // bs)
+        tables.append(perm[at : at + nb])
+        at += nb
+    bt = torch.zeros(len(lens), max(len(t) for t in tables) + 2, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, : len(t)] = torch.tensor(t)
+    return k_cache, v_cache, tables, bt
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_in_place_equals_dense(isa, dtype):
+    m = _module(isa)
+    g = torch.Generator().manual_seed(2)
+    h, kvh, hd, bs = 8, 2, 32, 4
+    lens = [1, 5, 33, 70, 129]  # one token, block tails, more than one softmax chunk
+    k_cache, v_cache, tables, bt = _paged(lens, bs, kvh, hd, dtype, g)
+    q = torch.randn(len(lens), h, hd, generator=g).to(dtype)
+    out = torch.empty_like(q)
+    m.decode_attention(q, k_cache, v_cache, bt, torch.tensor(lens, dtype=torch.int32), bs, hd ** -0.5, out)
+    for i, n in enumerate(lens):
+        idx = torch.tensor([tables[i][p // bs] * bs + p % bs for p in range(n)])
+        k = k_cache[idx].double().transpose(0, 1)
+        v = v_cache[idx].double().transpose(0, 1)
+        ref = F.scaled_dot_product_attention(q[i].double().unsqueeze(1), k, v, enable_gqa=True).squeeze(1)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[i].double(), ref, atol=tol, rtol=tol)
+
+
+@needs_native
+def test_decode_attention_reads_only_each_rows_own_context():
+    """Garbage past a row's length (and in other rows' blocks) never reaches its output."""
+    m = _module(ISAS[0])
+    g = torch.Generator().manual_seed(3)
+    lens, bs = [6, 40], 4
+    k_cache, v_cache, _, bt = _paged(lens, bs, 2, 16, torch.float32, g)
+    q = torch.randn(2, 4, 16, generator=g)
+    sl = torch.tensor(lens, dtype=torch.int32)
+    a, b = torch.empty_like(q), torch.empty_like(q)
+    m.decode_attention(q, k_cache, v_cache, bt, sl, bs, 0.25, a)
+    used = {int(bt[i, p // bs]) * bs + p % bs for i, n in enumerate(lens) for p in range(n)}
+    for s in range(k_cache.shape[0]):
+        if s not in used:
+            k_cache[s] = float("nan")
+            v_cache[s] = float("nan")
+    m.decode_attention(q, k_cache, v_cache, bt, sl, bs, 0.25, b)
+    assert torch.equal(a, b)
+
+
+def test_without_a_compiler_the_model_falls_back_to_aten_with_one_warning(tmp_path, hf_checkpoints):
+    code = textwrap.dedent(f"""
+        import logging, torch
+        logging.basicConfig(level=logging.WARNING)
+        from kernels.model import Qwen3Model
+        m = Qwen3Model.from_pretrained({str(hf_checkpoints["gqa2_untied"])!r}, dtype="bfloat16")
+        Qwen3Model.from_pretrained({str(hf_checkpoints["gqa2_untied"])!r}, dtype="float32")
+        print("KERNELS", m.kernel_info())
+    """)
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "FUSEDSERVE_CPU_ISA": "",
+           "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "'linear': 'aten-mm'" in r.stdout and "'attention': 'aten-gather'" in r.stdout, r.stdout
+    assert r.stderr.count("native CPU kernels unavailable") == 1, r.stderr
+
+
+def test_an_isa_the_cpu_lacks_is_refused_clearly(monkeypatch):
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"sse2"})
+    monkeypatch.setenv("FUSEDSERVE_CPU_ISA", "avx512")
+    with pytest.raises(native.NativeUnavailable, match="lacks"):
+        native.chosen_isa()
+    monkeypatch.setenv("FUSEDSERVE_CPU_ISA", "sve")
+    with pytest.raises(native.NativeUnavailable, match="use one of"):
+        native.chosen_isa()
+    monkeypatch.delenv("FUSEDSERVE_CPU_ISA")
+    assert native.best_isa({"avx2", "fma", "f16c"}) in ("avx2", "scalar")  # scalar off x86
