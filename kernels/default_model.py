@@ -44,6 +44,10 @@ PRESETS: dict[str, dict] = {
     "benchmark": dict(vocab_size=32768, hidden_size=1024, intermediate_size=3072,
                       num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=8,
                       head_dim=64),
+    # Qwen3-0.6B's real configuration (random weights): the CPU peer benchmark's model.
+    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, tie_word_embeddings=True, max_position_embeddings=40960),
 }
 
 _CORPUS = """\
@@ -81,12 +85,14 @@ def write_checkpoint(out_dir: Path, preset: str = "tiny", seed: int = 0,
                      dtype: torch.dtype = torch.bfloat16) -> None:
     """Write config.json, model.safetensors and tokenizer.json for a preset."""
     shape = dict(PRESETS[preset])
+    tied = shape.pop("tie_word_embeddings", False)
+    max_pos = shape.pop("max_position_embeddings", 2048)
     tok = build_tokenizer(min(shape["vocab_size"], 1024))
     eos = tok.token_to_id("<|endoftext|>")
     config = dict(
         architectures=["Qwen3ForCausalLM"], model_type="qwen3", **shape,
-        rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=2048,
-        tie_word_embeddings=False, attention_bias=False, hidden_act="silu",
+        rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=max_pos,
+        tie_word_embeddings=tied, attention_bias=False, hidden_act="silu",
         eos_token_id=eos, bos_token_id=None, torch_dtype=str(dtype).removeprefix("torch."),
     )
     g = torch.Generator().manual_seed(seed)
@@ -102,6 +108,8 @@ def write_checkpoint(out_dir: Path, preset: str = "tiny", seed: int = 0,
     tensors = {"model.embed_tokens.weight": rand(shape["vocab_size"], hidden, std=1.0),
                "lm_head.weight": rand(shape["vocab_size"], hidden, std=2.0 * hidden**-0.5),
                "model.norm.weight": ones(hidden)}
+    if tied:
+        del tensors["lm_head.weight"]
     for i in range(shape["num_hidden_layers"]):
         p = f"model.layers.{i}."
         tensors |= {

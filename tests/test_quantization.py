@@ -1,0 +1,160 @@
+"""Weight-only int8 and bf16 on the native kernels: accuracy against transformers fp32,
+outputs independent of the batch (in-process and served), and the plumbing that selects them."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from coordinator.client import Client
+from coordinator.config import ServerConfig
+from coordinator.llm_engine import LLMEngine
+from coordinator.server import Server
+from kernels import native
+from kernels.default_model import TRAINED_DIR
+from kernels.linear import Int8Weight
+from kernels.model import Qwen3Model, resolve_dtype
+from kernels.sampling import SamplingParams
+from kernels.tokenizer import TextTokenizer
+from shared_memory.contract import RunnerConfig
+
+needs_native = pytest.mark.skipif(native.kernels() is None, reason="native kernels unavailable here")
+
+
+def _last_logits(model: Qwen3Model, prompts: list[list[int]]) -> torch.Tensor:
+    """Each prompt's next-token logits from one packed prefill."""
+    bs = 16
+    kv = model.new_kv_cache(sum(-(-len(p) // bs) for p in prompts) + 1, bs)
+    ws, out = model.new_workspace(len(prompts), bs, 8), model.new_outputs(len(prompts), 8)
+    ids, pos, slots, cu, block = [], [], [], [0], 0
+    for p in prompts:
+        ids += p
+        pos += list(range(len(p)))
+        slots += [block * bs + i for i in range(len(p))]
+        block += -(-len(p) // bs)
+        cu.append(len(ids))
+    model.prefill(torch.tensor(ids, dtype=torch.int32), torch.tensor(pos, dtype=torch.int32), cu,
+                  torch.tensor(slots), kv, ws, out)
+    return out.logits[: len(prompts)].clone()
+
+
+def test_int8_next_token_logits_agree_with_transformers_fp32():
+    from transformers import Qwen3ForCausalLM
+
+    text = (TRAINED_DIR / "heldout.txt").read_text()[:4000]
+    ids = TextTokenizer.from_dir(TRAINED_DIR).encode(text)[:400]
+    hf = Qwen3ForCausalLM.from_pretrained(TRAINED_DIR, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    ends = list(range(24, len(ids) + 1, 24))
+    ref = want[[e - 1 for e in ends]]
+    report = {}
+    for name, kw in {"bf16": {}, "int8": {"quantization": "int8"}}.items():
+        model = Qwen3Model.from_pretrained(TRAINED_DIR, dtype="bfloat16", **kw)
+        got = _last_logits(model, [ids[:e] for e in ends])
+        report[name] = ((got.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+                        (got - ref).abs().max().item())
+    print("vs transformers fp32 (top-1 agreement, max |logit error|):", report)
+    agree, err = report["int8"]
+    assert agree >= 0.95 and err < 0.5, report
+    assert err < 2.5 * report["bf16"][1] + 0.1, "int8 error stays of the order of bf16 rounding"
+
+
+def test_int8_model_stores_int8_projections_and_says_so(hf_checkpoints):
+    m16 = Qwen3Model.from_pretrained(hf_checkpoints["gqa4_tied"], dtype="bfloat16")
+    m8 = Qwen3Model.from_pretrained(hf_checkpoints["gqa4_tied"], dtype="bfloat16", quantization="int8")
+    lw = m8.w.layers[0]
+    assert all(isinstance(getattr(lw, n), Int8Weight) for n in ("qkv", "o_proj", "gate_up", "down"))
+    assert lw.qkv.q.dtype == torch.int8 and lw.qkv.q.shape == m16.w.layers[0].qkv.shape
+    assert isinstance(m8.w.lm_head, Int8Weight) and m8.w.embed.dtype == torch.bfloat16  # tied: split
+    info = m8.kernel_info()
+    assert info["quantization"] == "int8" and info["dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="quantization"):
+        Qwen3Model.from_pretrained(hf_checkpoints["gqa4_tied"], quantization="int4")
+
+
+def test_auto_dtype_follows_the_documented_rule(monkeypatch):
+    cpu = torch.device("cpu")
+    assert resolve_dtype(None, torch.float32, cpu) == torch.float32  # None: the checkpoint's
+    assert resolve_dtype("float16", torch.bfloat16, cpu) == torch.float16
+    assert resolve_dtype("auto", torch.bfloat16, torch.device("meta")) == torch.bfloat16
+    assert resolve_dtype("auto", torch.float32, torch.device("meta")) == torch.bfloat16
+    monkeypatch.setattr(native, "kernels", lambda: None)
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    assert resolve_dtype("auto", torch.bfloat16, cpu) == torch.float32
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    assert resolve_dtype("auto", torch.bfloat16, cpu) == torch.bfloat16
+    monkeypatch.setattr(native, "kernels", lambda: object())
+    assert resolve_dtype("auto", torch.float16, cpu) == torch.float16
+
+
+def _decode_all(model, prompts, steps, bs=4):
+    """Greedy prefill each prompt alone, then decode all of them together; per-row logits."""
+    kv = model.new_kv_cache(64, bs)
+    ws, out = model.new_workspace(len(prompts), bs, 8), model.new_outputs(len(prompts), 8)
+    tables = [list(range(16 * i, 16 * i + 16)) for i in range(len(prompts))]
+    state = []
+    for p, t in zip(prompts, tables):
+        slots = torch.tensor([t[i // bs] * bs + i % bs for i in range(len(p))])
+        model.prefill(torch.tensor(p, dtype=torch.int32), torch.arange(len(p), dtype=torch.int32),
+                      [0, len(p)], slots, kv, ws, out)
+        state.append([int(out.greedy_ids[0]), len(p)])
+    rows = []
+    for _ in range(steps):
+        bt = torch.tensor(tables, dtype=torch.int32)
+        pos = torch.tensor([s[1] for s in state], dtype=torch.int32)
+        model.decode_step(torch.tensor([s[0] for s in state], dtype=torch.int32), pos, bt, pos + 1,
+                          torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, pos.tolist())]),
+                          kv, ws, out)
+        rows.append(out.logits[: len(prompts)].clone())
+        for r, s in enumerate(state):
+            s[0], s[1] = int(out.greedy_ids[r]), s[1] + 1
+    return torch.stack(rows, 1)
+
+
+@needs_native
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_bf16_decode_rows_are_bit_identical_alone_and_batched(hf_checkpoints, quantization):
+    model = Qwen3Model.from_pretrained(hf_checkpoints["gqa2_untied"], dtype="bfloat16",
+                                       quantization=quantization)
+    prompts = [[1, 2, 3], list(range(10, 27)), [200], [5] * 9]
+    batched = _decode_all(model, prompts, 5)
+    for i, p in enumerate(prompts):
+        assert torch.equal(batched[i], _decode_all(model, [p], 5)[0]), f"row {i}"
+
+
+RC = RunnerConfig(max_batch=8, block_size=8, num_blocks=96, top_k=16)
+PROMPTS = [f"prompt {i}: the capital of France is" for i in range(5)] + ["Hello", "def hello(name):"]
+
+
+@needs_native
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_served_bf16_equals_offline_alone(ray_session, quantization):
+    """Served with strangers in bf16 (and int8), each request equals the offline run of it alone."""
+    params = {"max_tokens": 10, "ignore_eos": True}
+    with LLMEngine("default", dtype="bfloat16", quantization=quantization, runner=RC) as eng:
+        want = [eng.generate([p], SamplingParams(**params))[0].token_ids for p in PROMPTS]
+    srv = Server(ServerConfig(workers=1, device="cpu", port=0, runner=RC, dtype="bfloat16",
+                              quantization=quantization))
+    srv.start()
+    srv.serve_in_thread()
+    try:
+        def one(i: int) -> list[int]:
+            with Client(srv.address) as c:
+                return c.generate(PROMPTS[i], **params)["token_ids"]
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(one, range(len(PROMPTS))))
+        assert got == want
+        kernels = Client(srv.address).stats()["workers"][0]["kernels"]
+        assert kernels["quantization"] == (quantization or "none")
+        assert kernels["linear"].startswith("native-") and kernels["attention"].startswith("native-")
+    finally:
+        srv.shutdown()
+
+
+def test_server_refuses_an_unknown_quantization():
+    with pytest.raises(ValueError, match="quantization must be"):
+        ServerConfig(quantization="int4").check()
