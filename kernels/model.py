@@ -250,7 +250,7 @@ class Qwen3Model:
         cos3, sin3 = cos.unsqueeze(1), sin.unsqueeze(1)
         for i, lw in enumerate(self.w.layers):
             self._layer(i, lw, x, buf, cos3, sin3, slot_mapping, kv, ws, attend, linear)
-        rms_norm(x, self.w.final_norm, ws.eps, buf.h, buf.f32_h, buf.var_h, ws.inv_hidden)
+        self._norm(x, None, self.w.final_norm, buf, ws)
         self._sample(buf.h, ws, out, b, want_topk)
 
     def _layer(self, i: int, lw, x: torch.Tensor, buf: LayerBuffers, cos: torch.Tensor, sin: torch.Tensor,
@@ -261,31 +261,44 @@ class Qwen3Model:
         c = self.config
         n = x.shape[0]
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        rms_norm(x, lw.input_norm, ws.eps, buf.h, buf.f32_h, buf.var_h, ws.inv_hidden)
+        self._norm(x, None, lw.input_norm, buf, ws)
         linear(buf.h, lw.qkv, buf.qkv)
         if lw.qkv_bias is not None:
             buf.qkv.add_(lw.qkv_bias)
         q = buf.q
         k = buf.qkv[:, c.q_size : c.q_size + c.kv_size].view(n, nkv, hd)
         v = buf.qkv[:, c.q_size + c.kv_size :].view(n, nkv, hd)
-        rms_norm(buf.qkv[:, : c.q_size].view(n, nh, hd), lw.q_norm, ws.eps, q, buf.f32_q, buf.var_q,
-                 ws.inv_head)
-        rms_norm(k, lw.k_norm, ws.eps, k, buf.f32_k, buf.var_k, ws.inv_head)
-        rotary(q, cos, sin, buf.rot_q)
-        rotary(k, cos, sin, buf.rot_k)
+        if self.native is not None:  # one pass: both norms and both rotaries, k in place
+            self.native.qk_norm_rope(buf.qkv, lw.q_norm, lw.k_norm, cos[:, 0], sin[:, 0], c.rms_norm_eps,
+                                     q, nh, nkv)
+        else:
+            rms_norm(buf.qkv[:, : c.q_size].view(n, nh, hd), lw.q_norm, ws.eps, q, buf.f32_q, buf.var_q,
+                     ws.inv_head)
+            rms_norm(k, lw.k_norm, ws.eps, k, buf.f32_k, buf.var_k, ws.inv_head)
+            rotary(q, cos, sin, buf.rot_q)
+            rotary(k, cos, sin, buf.rot_k)
         k_cache, v_cache = kv.layer(i)
         k_cache.index_copy_(0, slot_mapping, k)
         v_cache.index_copy_(0, slot_mapping, v)
         attend(q, k, v, k_cache, v_cache, buf.attn)
         linear(buf.attn.view(n, c.q_size), lw.o_proj, buf.o)
-        x.add_(buf.o)
-        rms_norm(x, lw.post_norm, ws.eps, buf.h, buf.f32_h, buf.var_h, ws.inv_hidden)
+        self._norm(x, buf.o, lw.post_norm, buf, ws)
         linear(buf.h, lw.gate_up, buf.gate_up)
         gate = buf.gate_up[:, : c.intermediate_size]
         torch.nn.functional.silu(gate, inplace=True)
         torch.mul(gate, buf.gate_up[:, c.intermediate_size :], out=buf.act)
         linear(buf.act, lw.down, buf.o)
         x.add_(buf.o)
+
+    def _norm(self, x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, buf: LayerBuffers,
+              ws: DecodeWorkspace) -> None:
+        """``x += add`` (if given), then ``buf.h = rms_norm(x) * weight``: one native pass."""
+        if self.native is not None:
+            self.native.add_rms_norm(x, add, weight, self.config.rms_norm_eps, buf.h)
+            return
+        if add is not None:
+            x.add_(add)
+        rms_norm(x, weight, ws.eps, buf.h, buf.f32_h, buf.var_h, ws.inv_hidden)
 
     def _linear_for(self, rows: int):
         """The matmul for a step of ``rows`` rows: ``self.linear``, whose rows do not depend on

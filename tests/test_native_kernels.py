@@ -170,3 +170,43 @@ def test_an_isa_the_cpu_lacks_is_refused_clearly(monkeypatch):
         native.chosen_isa()
     monkeypatch.delenv("FUSEDSERVE_CPU_ISA")
     assert native.best_isa({"avx2", "fma", "f16c"}) in ("avx2", "scalar")  # scalar off x86
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norms_and_rotary_match_the_aten_ops(dtype):
+    from kernels.ops import rms_norm, rope_tables, rotary
+
+    m = _module(ISAS[0])
+    g = torch.Generator().manual_seed(4)
+    n, h, kvh, hd, eps = 5, 4, 2, 32, 1e-6
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+
+    def ref_norm(x, w):
+        out = torch.empty_like(x)
+        rms_norm(x, w, eps, out, torch.empty_like(x, dtype=torch.float32),
+                 torch.empty(*x.shape[:-1], 1))
+        return out
+
+    x, add = torch.randn(n, 96, generator=g).to(dtype), torch.randn(n, 96, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
+    want_x = x + add
+    out, xs = torch.empty_like(x), x.clone()
+    m.add_rms_norm(xs, add, w, eps, out)
+    assert torch.equal(xs, want_x)
+    torch.testing.assert_close(out, ref_norm(want_x, w), **tol)
+
+    qkv = torch.randn(n, (h + 2 * kvh) * hd, generator=g).to(dtype)
+    qw, kw = (1 + 0.1 * torch.randn(2, hd, generator=g)).to(dtype)
+    cos, sin = rope_tables(hd, 10000.0, 64, dtype)
+    pos = torch.tensor([0, 3, 7, 63, 20])
+    c, s = cos[pos], sin[pos]
+    q_ref = ref_norm(qkv[:, : h * hd].reshape(n, h, hd), qw)
+    k_ref = ref_norm(qkv[:, h * hd : (h + kvh) * hd].reshape(n, kvh, hd), kw)
+    for t in (q_ref, k_ref):
+        rotary(t, c.unsqueeze(1), s.unsqueeze(1), torch.empty_like(t))
+    q_out, fused = torch.empty(n, h, hd, dtype=dtype), qkv.clone()
+    m.qk_norm_rope(fused, qw, kw, c, s, eps, q_out, h, kvh)
+    torch.testing.assert_close(q_out, q_ref, **tol)
+    torch.testing.assert_close(fused[:, h * hd : (h + kvh) * hd].reshape(n, kvh, hd), k_ref, **tol)
+    assert torch.equal(fused[:, (h + kvh) * hd :], qkv[:, (h + kvh) * hd :]), "v untouched"

@@ -43,6 +43,9 @@ inline vf vload(const int8_t* p) {
 inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+inline vf _max(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf _sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf _add(vf a, vf b) { return _mm512_add_ps(a, b); }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int VL = 8;
 using vf = __m256;
@@ -60,6 +63,9 @@ inline vf vload(const int8_t* p) {
 }
 inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf _max(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf _sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf _add(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline float vsum(vf a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -79,6 +85,9 @@ inline vf vload(const int8_t* p) { return static_cast<float>(*p); }
 inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
 inline vf vmul(vf a, vf b) { return a * b; }
 inline float vsum(vf a) { return a; }
+inline vf _max(vf a, vf b) { return std::max(a, b); }
+inline vf _sub(vf a, vf b) { return a - b; }
+inline vf _add(vf a, vf b) { return a + b; }
 #endif
 
 inline float to_f(float v) { return v; }
@@ -370,14 +379,62 @@ inline void scale_f32(float a, float* acc, int64_t D) {
   for (; d < D; ++d) acc[d] *= a;
 }
 
+// e^x for the softmax (x <= 0 here): 2^n * p(r), r = x - n ln2, degree-6 polynomial
+// (relative error ~1e-7).
+#if defined(__AVX512F__)
+inline vf vexp(vf x) {
+  x = _mm512_max_ps(x, vset(-87.f));
+  vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, vset(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vf r = _mm512_fnmadd_ps(n, vset(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, vset(1.42860677e-6f), r);
+  vf p = vset(1.f / 720);
+  p = vfma(p, r, vset(1.f / 120));
+  p = vfma(p, r, vset(1.f / 24));
+  p = vfma(p, r, vset(1.f / 6));
+  p = vfma(p, r, vset(0.5f));
+  p = vfma(p, r, vset(1.f));
+  p = vfma(p, r, vset(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+inline float vmax_all(vf a) { return _mm512_reduce_max_ps(a); }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+inline vf vexp(vf x) {
+  x = _mm256_max_ps(x, vset(-87.f));
+  vf n = _mm256_round_ps(_mm256_mul_ps(x, vset(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vf r = _mm256_fnmadd_ps(n, vset(0.693145752f), x);
+  r = _mm256_fnmadd_ps(n, vset(1.42860677e-6f), r);
+  vf p = vset(1.f / 720);
+  p = vfma(p, r, vset(1.f / 120));
+  p = vfma(p, r, vset(1.f / 24));
+  p = vfma(p, r, vset(1.f / 6));
+  p = vfma(p, r, vset(0.5f));
+  p = vfma(p, r, vset(1.f));
+  p = vfma(p, r, vset(1.f));
+  __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+}
+inline float vmax_all(vf a) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+#else
+inline vf vexp(vf x) { return std::exp(x); }
+inline float vmax_all(vf a) { return a; }
+#endif
+
 // One query token per sequence against its paged context, K/V read in place from the
 // pages; online softmax in float32; query head h reads KV head h / (H / KVH).
-template <typename T>
+// A work item is one sequence and a run of its KV heads (all of them when the batch alone
+// keeps the threads busy): a token's K/V rows for those heads are contiguous in the page,
+// so the pages stream in order. GT: query heads per KV head known at compile time (0: not).
+template <typename T, int GT>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
                            double scale, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t KVH = k_cache.size(1), G = H / KVH;
+  const int64_t KVH = k_cache.size(1), G = GT > 0 ? GT : H / KVH;
   const int64_t max_blocks = block_tables.size(1);
   const T* qp = q.data_ptr<T>();
   const T* kp = k_cache.data_ptr<T>();
@@ -387,57 +444,118 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
   const int64_t slot_stride = KVH * D;
+  const int64_t DV = D - D % VL;  // vector part of a head row
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * KVH, 1, [&](int64_t w0, int64_t w1) {
-    alignas(64) float qf[MAX_GROUP][MAX_HEAD_DIM];
-    alignas(64) float acc[MAX_GROUP][MAX_HEAD_DIM];
-    float s[MAX_GROUP][CHUNK];
-    float mx[MAX_GROUP], l[MAX_GROUP];
+  // Split the KV heads into groups only as far as the threads need work.
+  int64_t groups = 1;
+  const int64_t threads = at::get_num_threads();
+  while (B * groups < threads && groups < KVH) {
+    int64_t next = groups + 1;
+    while (KVH % next) ++next;
+    groups = next;
+  }
+  const int64_t hpg = KVH / groups;  // KV heads per work item
+  const int64_t nq = hpg * G;  // query heads per work item
+  at::parallel_for(0, B * groups, 1, [&](int64_t w0, int64_t w1) {
+    thread_local std::vector<float> qbuf, abuf, sbuf;
+    if (qbuf.size() < static_cast<size_t>(nq * D)) { qbuf.resize(nq * D); abuf.resize(nq * D); }
+    if (sbuf.size() < static_cast<size_t>(nq * CHUNK)) sbuf.resize(nq * CHUNK);
+    float* qf = qbuf.data();
+    float* acc = abuf.data();
+    float* s = sbuf.data();
+    float mx[MAX_GROUP * 64], l[MAX_GROUP * 64];
     for (int64_t work = w0; work < w1; ++work) {
-      const int64_t b = work / KVH, kh = work % KVH;
+      const int64_t b = work / groups, kh0 = (work % groups) * hpg;
       const int64_t len = sl[b];
-      for (int64_t g = 0; g < G; ++g) {
-        const T* src = qp + b * qs0 + (kh * G + g) * qs1;
-        for (int64_t d = 0; d < D; ++d) qf[g][d] = to_f(src[d]) * sc;
-        std::fill(acc[g], acc[g] + D, 0.f);
-        mx[g] = -INFINITY;
-        l[g] = 0.f;
+      for (int64_t j = 0; j < nq; ++j) {
+        const T* src = qp + b * qs0 + (kh0 * G + j) * qs1;
+        for (int64_t d = 0; d < D; ++d) qf[j * D + d] = to_f(src[d]) * sc;
+        std::fill(acc + j * D, acc + (j + 1) * D, 0.f);
+        mx[j] = -INFINITY;
+        l[j] = 0.f;
       }
       for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {
         const int64_t n = std::min<int64_t>(CHUNK, len - t0);
-        int64_t slots[CHUNK];
+        const T* krows[CHUNK];
+        const T* vrows[CHUNK];
         for (int64_t t = 0; t < n; ++t) {
           const int64_t pos = t0 + t;
-          slots[t] = static_cast<int64_t>(bt[b * max_blocks + pos / block_size]) * block_size + pos % block_size;
+          const int64_t slot = static_cast<int64_t>(bt[b * max_blocks + pos / block_size]) * block_size +
+                               pos % block_size;
+          krows[t] = kp + slot * slot_stride + kh0 * D;
+          vrows[t] = vp + slot * slot_stride + kh0 * D;
         }
-        for (int64_t t = 0; t < n; ++t) {
-          const T* krow = kp + slots[t] * slot_stride + kh * D;
-          for (int64_t g = 0; g < G; ++g) s[g][t] = dot_f32(qf[g], krow, D);
-        }
-        for (int64_t g = 0; g < G; ++g) {
-          float m = mx[g];
-          for (int64_t t = 0; t < n; ++t) m = std::max(m, s[g][t]);
-          const float corr = std::exp(mx[g] - m);  // exp(-inf) = 0 on the first chunk
-          l[g] *= corr;
-          scale_f32(corr, acc[g], D);
-          for (int64_t t = 0; t < n; ++t) {
-            s[g][t] = std::exp(s[g][t] - m);
-            l[g] += s[g][t];
+        for (int64_t t = 0; t < n; ++t) {  // scores: each K row once for its G query heads
+          for (int64_t h = 0; h < hpg; ++h) {
+            const T* krow = krows[t] + h * D;
+            const float* qh = qf + h * G * D;
+            vf a[GT > 0 ? GT : MAX_GROUP];
+            for (int64_t g = 0; g < G; ++g) a[g] = vzero();
+            for (int64_t d = 0; d < DV; d += VL) {
+              const vf kv = vload(krow + d);
+              for (int64_t g = 0; g < G; ++g) a[g] = vfma(vload(qh + g * D + d), kv, a[g]);
+            }
+            for (int64_t g = 0; g < G; ++g) {
+              float v = vsum(a[g]);
+              for (int64_t d = DV; d < D; ++d) v += qh[g * D + d] * to_f(krow[d]);
+              s[(h * G + g) * CHUNK + t] = v;
+            }
           }
-          mx[g] = m;
         }
-        for (int64_t t = 0; t < n; ++t) {
-          const T* vrow = vp + slots[t] * slot_stride + kh * D;
-          for (int64_t g = 0; g < G; ++g) axpy_f32(s[g][t], vrow, acc[g], D);
+        for (int64_t j = 0; j < nq; ++j) {  // online softmax, one rescale per chunk
+          float* sj = s + j * CHUNK;
+          for (int64_t t = n; t < CHUNK; ++t) sj[t] = -INFINITY;
+          vf mv = vset(-INFINITY);
+          for (int t = 0; t < CHUNK; t += VL) mv = _max(mv, vload(sj + t));
+          const float m = std::max(mx[j], vmax_all(mv));
+          const float corr = std::exp(mx[j] - m);  // exp(-inf) = 0 on the first chunk
+          l[j] *= corr;
+          scale_f32(corr, acc + j * D, D);
+          vf sum = vzero();
+          for (int t = 0; t < CHUNK; t += VL) {
+            vf e = vexp(_sub(vload(sj + t), vset(m)));
+            vstore(sj + t, e);
+            for (int u = 0; u < VL; ++u) if (t + u >= n) sj[t + u] = 0.f;  // padding lanes weigh 0
+            sum = _add(sum, vload(sj + t));
+          }
+          l[j] += vsum(sum);
+          mx[j] = m;
+        }
+        for (int64_t t = 0; t < n; ++t) {  // values, in page order
+          for (int64_t h = 0; h < hpg; ++h) {
+            const T* vrow = vrows[t] + h * D;
+            float* ah = acc + h * G * D;
+            const float* sh = s + h * G * CHUNK + t;
+            for (int64_t d = 0; d < DV; d += VL) {
+              const vf vv = vload(vrow + d);
+              for (int64_t g = 0; g < G; ++g)
+                vstore(ah + g * D + d, vfma(vset(sh[g * CHUNK]), vv, vload(ah + g * D + d)));
+            }
+            for (int64_t d = DV; d < D; ++d)
+              for (int64_t g = 0; g < G; ++g) ah[g * D + d] += sh[g * CHUNK] * to_f(vrow[d]);
+          }
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        T* dst = op + b * os0 + (kh * G + g) * os1;
-        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[g][d] * inv);
+      for (int64_t j = 0; j < nq; ++j) {
+        T* dst = op + b * os0 + (kh0 * G + j) * os1;
+        const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[j * D + d] * inv);
       }
     }
   });
+}
+
+template <typename T>
+void decode_attention_g(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
+                        double scale, at::Tensor& out) {
+  switch (q.size(1) / k_cache.size(1)) {
+    case 1: decode_attention_impl<T, 1>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
+    case 2: decode_attention_impl<T, 2>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
+    case 4: decode_attention_impl<T, 4>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
+    case 8: decode_attention_impl<T, 8>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
+    default: decode_attention_impl<T, 0>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
+  }
 }
 
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -450,15 +568,127 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
               block_tables.is_contiguous() && seq_lens.is_contiguous(), "decode_attention: int32 tables");
   const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
-  TORCH_CHECK(H % KVH == 0 && H / KVH <= MAX_GROUP && D <= MAX_HEAD_DIM && k_cache.size(2) == D,
+  TORCH_CHECK(H % KVH == 0 && H / KVH <= MAX_GROUP && H <= MAX_GROUP * 64 && D <= MAX_HEAD_DIM &&
+              k_cache.size(2) == D,
               "decode_attention: unsupported head layout");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
               "decode_attention: q, cache and out dtypes differ");
   switch (q.scalar_type()) {
-    case at::kFloat: decode_attention_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
-    case at::kBFloat16: decode_attention_impl<bf16>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
-    case at::kHalf: decode_attention_impl<f16>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
+    case at::kFloat: decode_attention_g<float>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
+    case at::kBFloat16: decode_attention_g<bf16>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
+    case at::kHalf: decode_attention_g<f16>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
     default: TORCH_CHECK(false, "decode_attention: unsupported dtype ", q.scalar_type());
+  }
+}
+
+// ------------------------------------------------------------- norms and rotary
+// Rounded like transformers' Qwen3 in the model's dtype: the normalised value is rounded to T
+// before the weight multiplies it, and rotary rounds x*cos and rot(x)*sin before adding.
+
+template <typename T>
+inline float inv_rms(const T* x, int64_t D, float eps) {
+  vf acc = vzero();
+  int64_t d = 0;
+  for (; d + VL <= D; d += VL) {
+    vf v = vload(x + d);
+    acc = vfma(v, v, acc);
+  }
+  float ss = vsum(acc);
+  for (; d < D; ++d) ss += to_f(x[d]) * to_f(x[d]);
+  return 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+}
+
+template <typename T>
+inline void norm_row(const T* x, const T* w, float r, int64_t D, T* out) {
+  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(to_f(w[d]) * to_f(static_cast<T>(to_f(x[d]) * r)));
+}
+
+template <typename T>
+void add_rms_norm_impl(at::Tensor& x, const c10::optional<at::Tensor>& add, const at::Tensor& w, double eps,
+                       at::Tensor& out) {
+  const int64_t N = x.size(0), D = x.size(1), ldx = x.stride(0), ldo = out.stride(0);
+  T* xp = x.data_ptr<T>();
+  const T* ap = add.has_value() ? add->data_ptr<T>() : nullptr;
+  const int64_t lda = add.has_value() ? add->stride(0) : 0;
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t n = r0; n < r1; ++n) {
+      T* row = xp + n * ldx;
+      if (ap)
+        for (int64_t d = 0; d < D; ++d) row[d] = static_cast<T>(to_f(row[d]) + to_f(ap[n * lda + d]));
+      norm_row(row, wp, inv_rms(row, D, static_cast<float>(eps)), D, op + n * ldo);
+    }
+  });
+}
+
+// x += add (when given, rounded to x's dtype), then out = RMSNorm(x) * w; rows of [N, D].
+void add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& add, const at::Tensor& w, double eps,
+                  at::Tensor out) {
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1 && w.is_contiguous(),
+              "rms_norm: [N, D] tensors with contiguous rows");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() && x.scalar_type() == out.scalar_type(), "rms_norm: dtypes");
+  TORCH_CHECK(!add.has_value() || (add->sizes() == x.sizes() && add->stride(1) == 1), "rms_norm: add shape");
+  switch (x.scalar_type()) {
+    case at::kFloat: add_rms_norm_impl<float>(x, add, w, eps, out); break;
+    case at::kBFloat16: add_rms_norm_impl<bf16>(x, add, w, eps, out); break;
+    case at::kHalf: add_rms_norm_impl<f16>(x, add, w, eps, out); break;
+    default: TORCH_CHECK(false, "rms_norm: unsupported dtype ", x.scalar_type());
+  }
+}
+
+template <typename T>
+inline void norm_rope_head(const T* src, const T* w, const T* cos, const T* sin, float eps, int64_t D,
+                           T* tmp, T* dst) {
+  norm_row(src, w, inv_rms(src, D, eps), D, tmp);
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < D; ++d) {
+    const float rot = d < half ? -to_f(tmp[d + half]) : to_f(tmp[d - half]);
+    dst[d] = static_cast<T>(to_f(static_cast<T>(to_f(tmp[d]) * to_f(cos[d]))) +
+                            to_f(static_cast<T>(rot * to_f(sin[d]))));
+  }
+}
+
+template <typename T>
+void qk_norm_rope_impl(at::Tensor& qkv, const at::Tensor& qw, const at::Tensor& kw, const at::Tensor& cos,
+                       const at::Tensor& sin, double eps, at::Tensor& q_out, int64_t H, int64_t KVH) {
+  const int64_t N = qkv.size(0), D = qw.numel(), ld = qkv.stride(0);
+  T* base = qkv.data_ptr<T>();
+  T* qo = q_out.data_ptr<T>();
+  const T *qwp = qw.data_ptr<T>(), *kwp = kw.data_ptr<T>(), *cp = cos.data_ptr<T>(), *sp = sin.data_ptr<T>();
+  const int64_t ldc = cos.stride(0), lds = sin.stride(0);
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, N * (H + KVH), 8, [&](int64_t w0, int64_t w1) {
+    T tmp[MAX_HEAD_DIM];
+    for (int64_t work = w0; work < w1; ++work) {
+      const int64_t n = work / (H + KVH), h = work % (H + KVH);
+      const T* c = cp + n * ldc;
+      const T* s = sp + n * lds;
+      if (h < H) {
+        norm_rope_head(base + n * ld + h * D, qwp, c, s, e, D, tmp, qo + (n * H + h) * D);
+      } else {
+        T* k = base + n * ld + H * D + (h - H) * D;
+        norm_rope_head(k, kwp, c, s, e, D, tmp, k);
+      }
+    }
+  });
+}
+
+// q_out[n, h] = rotary(RMSNorm(q[n, h]) * qw); k heads of qkv normalised and rotated in place.
+void qk_norm_rope(at::Tensor qkv, const at::Tensor& qw, const at::Tensor& kw, const at::Tensor& cos,
+                  const at::Tensor& sin, double eps, at::Tensor q_out, int64_t H, int64_t KVH) {
+  const int64_t D = qw.numel();
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && q_out.is_contiguous() && D <= MAX_HEAD_DIM && D % 2 == 0,
+              "qk_norm_rope: qkv [N, (H + 2 KVH) D] rows contiguous, q_out contiguous");
+  TORCH_CHECK(cos.stride(-1) == 1 && sin.stride(-1) == 1 && cos.size(-1) == D && qkv.size(1) >= (H + KVH) * D,
+              "qk_norm_rope: cos/sin [N, D]");
+  TORCH_CHECK(qkv.scalar_type() == q_out.scalar_type() && qkv.scalar_type() == cos.scalar_type() &&
+              qkv.scalar_type() == qw.scalar_type(), "qk_norm_rope: dtypes");
+  switch (qkv.scalar_type()) {
+    case at::kFloat: qk_norm_rope_impl<float>(qkv, qw, kw, cos, sin, eps, q_out, H, KVH); break;
+    case at::kBFloat16: qk_norm_rope_impl<bf16>(qkv, qw, kw, cos, sin, eps, q_out, H, KVH); break;
+    case at::kHalf: qk_norm_rope_impl<f16>(qkv, qw, kw, cos, sin, eps, q_out, H, KVH); break;
+    default: TORCH_CHECK(false, "qk_norm_rope: unsupported dtype ", qkv.scalar_type());
   }
 }
 
@@ -471,4 +701,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention, K/V read in place",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("block_size"), py::arg("scale"), py::arg("out"));
+  m.def("add_rms_norm", &add_rms_norm, "x += add; out = rms_norm(x) * w (rows)",
+        py::arg("x"), py::arg("add"), py::arg("w"), py::arg("eps"), py::arg("out"));
+  m.def("qk_norm_rope", &qk_norm_rope, "per-head q/k RMSNorm and rotary, q into q_out, k in place",
+        py::arg("qkv"), py::arg("q_w"), py::arg("k_w"), py::arg("cos"), py::arg("sin"), py::arg("eps"),
+        py::arg("q_out"), py::arg("heads"), py::arg("kv_heads"));
 }
