@@ -18,7 +18,7 @@ import torch
 from benchmarks.common import checkpoint, copy_bandwidth, machine, read_bandwidth
 from coordinator.batch_io import write_batch
 from coordinator.scheduler import StepBatch
-from kernels.linear import Int8Weight
+from kernels.linear import Int8Weight, PackedWeight
 from kernels.model import Qwen3Model
 from kernels.sampling import RowKind
 from shared_memory.arena import HostArena
@@ -35,7 +35,7 @@ def weight_bytes(model: Qwen3Model) -> int:
     return n
 
 
-def _nbytes(w: torch.Tensor | Int8Weight) -> int:
+def _nbytes(w: torch.Tensor | Int8Weight | PackedWeight) -> int:
     return w.q.nbytes + w.scale.nbytes if isinstance(w, Int8Weight) else w.nbytes
 
 

@@ -47,27 +47,70 @@ class Int8Weight:
                           None if self.q_t is None else self.q_t.to(device))
 
 
-Weight = torch.Tensor | Int8Weight
+@dataclass
+class PackedWeight:
+    """A bf16 or int8 weight in the native GEMM's layout ``[ceil(out/16), in/2, 16, 2]`` (one
+    64-byte vector = 16 output channels x one pair of inputs), packed once at load."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor | None  # [out] float32 for int8
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def pack(cls, w: Weight) -> PackedWeight:
+        q, scale = (w.q, w.scale) if isinstance(w, Int8Weight) else (w, None)
+        n, k = q.shape
+        if n % 16:
+            q = torch.cat([q, q.new_zeros(16 - n % 16, k)])
+        return cls(q.view(-1, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous(), scale, n, k)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.packed.dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + (0 if self.scale is None else self.scale.nbytes)
+
+
+Weight = torch.Tensor | Int8Weight | PackedWeight
 
 
 class LinearOp:
     """``out = x @ w.T`` for whichever kind of weight, through the kernel this device has."""
 
-    def __init__(self, device: torch.device, native: ModuleType | None):
+    def __init__(self, device: torch.device, native: ModuleType | None, act_dtype: torch.dtype):
         self.device = device
         self.native = native if device.type == "cpu" else None
+        # The packed GEMM: AVX-512 BF16 builds, bf16 activations.
+        self.packs = self.native is not None and self.native.has_packed() and act_dtype == torch.bfloat16
         self._int8_fallback_warned = False
+
+    def prepare(self, w: Weight) -> Weight:
+        """The weight in the layout its kernel reads (packed where the packed GEMM runs it)."""
+        if self.packs and w.shape[1] % 2 == 0 and (isinstance(w, Int8Weight) or w.dtype == torch.bfloat16):
+            return PackedWeight.pack(w)
+        return w
 
     def describe(self, weight_dtype: torch.dtype | str) -> str:
         """Which kernel runs a weight of this kind (stats and the startup log)."""
         if self.native is not None and weight_dtype != torch.float32:
-            return f"native-{self.native.isa()}"
+            packed = "-packed" if self.packs and weight_dtype in ("int8", torch.bfloat16) else ""
+            return f"native-{self.native.isa()}{packed}"
         if weight_dtype == "int8":
             return {"cpu": "aten-int8pack", "cuda": "aten-int8pack", "npu": "npu-weight-quant"}.get(
                 self.device.type, "dequantize")
         return "aten-mm"
 
     def __call__(self, x: torch.Tensor, w: Weight, out: torch.Tensor) -> torch.Tensor:
+        if isinstance(w, PackedWeight):
+            self.native.linear_packed(x, w.packed, w.scale, out)
+            return out
         if isinstance(w, Int8Weight):
             return self._int8(x, w, out)
         if self.native is not None and w.dtype != torch.float32:

@@ -165,7 +165,8 @@ class Qwen3Model:
             _quantize_int8(self.w, dtype, self.device)
         # The native CPU kernels (None on other devices, or where they cannot be built).
         self.native = native.kernels() if self.device.type == "cpu" else None
-        self.linear = LinearOp(self.device, self.native)
+        self.linear = LinearOp(self.device, self.native, dtype)
+        _prepare(self.w, self.linear)
         self.cos, self.sin = rope_tables(config.head_dim, config.rope_theta,
                                          self.max_model_len, dtype)
         self.cos, self.sin = self.cos.to(self.device), self.sin.to(self.device)
@@ -391,6 +392,15 @@ def _quantize_int8(w: Qwen3Weights, dtype: torch.dtype, device: torch.device) ->
         for name in ("qkv", "o_proj", "gate_up", "down"):
             setattr(lw, name, Int8Weight.quantize(getattr(lw, name), dtype, device))
     w.lm_head = Int8Weight.quantize(w.lm_head, dtype, device)
+
+
+def _prepare(w: Qwen3Weights, linear: LinearOp) -> None:
+    """Every projection and the lm_head in its kernel's layout, in place (the embedding gather
+    keeps its own tensor, so a tied lm_head is then a packed copy)."""
+    for lw in w.layers:
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            setattr(lw, name, linear.prepare(getattr(lw, name)))
+    w.lm_head = linear.prepare(w.lm_head)
 
 
 def _to_device(w: Qwen3Weights, device: torch.device) -> Qwen3Weights:

@@ -210,3 +210,36 @@ def test_fused_norms_and_rotary_match_the_aten_ops(dtype):
     torch.testing.assert_close(q_out, q_ref, **tol)
     torch.testing.assert_close(fused[:, h * hd : (h + kvh) * hd].reshape(n, kvh, hd), k_ref, **tol)
     assert torch.equal(fused[:, (h + kvh) * hd :], qkv[:, (h + kvh) * hd :]), "v untouched"
+
+
+def _packed_module():
+    m = _module(ISAS[0])
+    if not m.has_packed():
+        pytest.skip(f"the {m.isa()} build has no packed GEMM (AVX-512 BF16 only)")
+    return m
+
+
+@needs_native
+@pytest.mark.parametrize("wkind", ["bf16", "int8"])
+def test_packed_gemm_matches_reference_and_rows_do_not_depend_on_the_batch(wkind):
+    from kernels.linear import Int8Weight, PackedWeight
+
+    m = _packed_module()
+    g = torch.Generator().manual_seed(5)
+    for rows, k, n in [(1, 64, 16), (7, 130, 45), (13, 256, 70), (6, 2, 1)]:  # N tails, row-tile tails
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        w = torch.randn(n, k, generator=g) * 0.1
+        if wkind == "int8":
+            iw = Int8Weight.quantize(w, torch.bfloat16, torch.device("cpu"))
+            p, wref = PackedWeight.pack(iw), iw.q.double() * iw.scale.double()[:, None]
+        else:
+            p, wref = PackedWeight.pack(w.bfloat16()), w.bfloat16().double()
+        out = torch.empty(rows, n, dtype=torch.bfloat16)
+        m.linear_packed(x, p.packed, p.scale, out)
+        ref = x.double() @ wref.t()
+        err = (out.double() - ref).abs().max().item()
+        assert err <= 2 ** -7 * ref.abs().max().item() + 1e-3, f"{rows}x{k}x{n}: error {err}"
+        for lo in range(rows):
+            one = torch.empty(1, n, dtype=torch.bfloat16)
+            m.linear_packed(x[lo : lo + 1], p.packed, p.scale, one)
+            assert torch.equal(one, out[lo : lo + 1]), f"row {lo} of {rows} differs alone"

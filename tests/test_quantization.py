@@ -14,7 +14,7 @@ from coordinator.llm_engine import LLMEngine
 from coordinator.server import Server
 from kernels import native
 from kernels.default_model import TRAINED_DIR
-from kernels.linear import Int8Weight
+from kernels.linear import Int8Weight, PackedWeight
 from kernels.model import Qwen3Model, resolve_dtype
 from kernels.sampling import SamplingParams
 from kernels.tokenizer import TextTokenizer
@@ -66,9 +66,12 @@ def test_int8_model_stores_int8_projections_and_says_so(hf_checkpoints):
     m16 = Qwen3Model.from_pretrained(hf_checkpoints["gqa4_tied"], dtype="bfloat16")
     m8 = Qwen3Model.from_pretrained(hf_checkpoints["gqa4_tied"], dtype="bfloat16", quantization="int8")
     lw = m8.w.layers[0]
-    assert all(isinstance(getattr(lw, n), Int8Weight) for n in ("qkv", "o_proj", "gate_up", "down"))
-    assert lw.qkv.q.dtype == torch.int8 and lw.qkv.q.shape == m16.w.layers[0].qkv.shape
-    assert isinstance(m8.w.lm_head, Int8Weight) and m8.w.embed.dtype == torch.bfloat16  # tied: split
+    for name in ("qkv", "o_proj", "gate_up", "down"):
+        w = getattr(lw, name)  # int8, packed or not for its kernel
+        assert isinstance(w, (Int8Weight, PackedWeight)) and tuple(w.shape) == tuple(getattr(
+            m16.w.layers[0], name).shape)
+        assert (w.q if isinstance(w, Int8Weight) else w.packed).dtype == torch.int8
+    assert isinstance(m8.w.lm_head, (Int8Weight, PackedWeight)) and m8.w.embed.dtype == torch.bfloat16
     info = m8.kernel_info()
     assert info["quantization"] == "int8" and info["dtype"] == "bfloat16"
     with pytest.raises(ValueError, match="quantization"):

@@ -297,6 +297,144 @@ void linear_int8_dp(const bf16* x, int64_t ldx, int64_t M, int64_t K, const int8
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// ------------------------------------------------- packed GEMM (AVX-512 BF16 builds)
+// Weights packed at load as [N/16, K/2, 16, 2]: one 64-byte vector holds 16 output channels
+// x one pair of k, so a tile of MP activation rows x NP vectors (16 NP channels) keeps MP x NP
+// accumulators in registers and each weight vector is loaded once per row tile
+// (vdpbf16ps with the activation pair broadcast). Each output lane sums its k pairs in order:
+// the same for any number of rows. int8 weights are widened to bf16 (exact) block by block.
+constexpr int MP = 6;  // activation rows per tile
+constexpr int NP = 4;  // 16-channel vectors per tile
+
+// 32 int8 -> 32 bf16, exact (|q| <= 127).
+inline __m512i widen_int8(const int8_t* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw)));
+  __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1)));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+inline __m512i load_w(const bf16* p) { return _mm512_loadu_si512(p); }
+inline __m512i load_w(const int8_t* p) { return widen_int8(p); }
+
+// W: bf16 (a packed weight, or an int8 block widened ahead) or int8 widened in registers.
+template <int M, int NV, typename W>
+inline void packed_tile(const bf16* x, int64_t ldx, int64_t K2, const W* const* w, __m512* res) {
+  __m512 a[M][NV];
+  for (int i = 0; i < M; ++i)
+    for (int v = 0; v < NV; ++v) a[i][v] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < K2; ++kp) {
+    __m512i wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = load_w(w[v] + kp * 32);
+    for (int i = 0; i < M; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, x + i * ldx + 2 * kp, sizeof(pair));
+      const __m512i xb = _mm512_set1_epi32(pair);
+      for (int v = 0; v < NV; ++v) a[i][v] = _mm512_dpbf16_ps(a[i][v], (__m512bh)xb, (__m512bh)wv[v]);
+    }
+  }
+  for (int i = 0; i < M; ++i)
+    for (int v = 0; v < NV; ++v) res[i * NP + v] = a[i][v];
+}
+
+template <int NV, typename W>
+inline void packed_rows(int m, const bf16* x, int64_t ldx, int64_t K2, const W* const* w, __m512* res) {
+  switch (m) {
+    case 6: packed_tile<6, NV>(x, ldx, K2, w, res); break;
+    case 5: packed_tile<5, NV>(x, ldx, K2, w, res); break;
+    case 4: packed_tile<4, NV>(x, ldx, K2, w, res); break;
+    case 3: packed_tile<3, NV>(x, ldx, K2, w, res); break;
+    case 2: packed_tile<2, NV>(x, ldx, K2, w, res); break;
+    default: packed_tile<1, NV>(x, ldx, K2, w, res); break;
+  }
+}
+
+template <typename W>
+inline void packed_nv(int nv, int m, const bf16* x, int64_t ldx, int64_t K2, const W* const* w, __m512* res) {
+  switch (nv) {
+    case 4: packed_rows<4>(m, x, ldx, K2, w, res); break;
+    case 3: packed_rows<3>(m, x, ldx, K2, w, res); break;
+    case 2: packed_rows<2>(m, x, ldx, K2, w, res); break;
+    default: packed_rows<1>(m, x, ldx, K2, w, res); break;
+  }
+}
+
+// out[M, N] (bf16) = x[M, K] (bf16) @ W^T for W packed [ceil(N/16), K/2, 16, 2] (bf16 or int8,
+// with float32 scales [N] for int8).
+void linear_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,
+                   at::Tensor out) {
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2,
+              "linear_packed: x [M, K], packed [N/16, K/2, 16, 2], out [M, N]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 && x.stride(1) == 1 &&
+              out.stride(1) == 1 && packed.is_contiguous(), "linear_packed: bf16 rows, contiguous pack");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), K2 = packed.size(1);
+  TORCH_CHECK(K == 2 * K2 && out.size(0) == M && packed.size(0) * 16 >= N && packed.size(0) * 16 < N + 16,
+              "linear_packed: shape mismatch x ", x.sizes(), " packed ", packed.sizes(), " out ", out.sizes());
+  const bool int8 = packed.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 || packed.scalar_type() == at::kBFloat16, "linear_packed: bf16 or int8 pack");
+  const float* sc = nullptr;
+  if (int8) {
+    TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat && scale->numel() == N, "int8 scales");
+    sc = scale->data_ptr<float>();
+  }
+  if (M == 0) return;
+  const bf16* xp = x.data_ptr<bf16>();
+  const int64_t ldx = x.stride(0), ldo = out.stride(0);
+  bf16* op = out.data_ptr<bf16>();
+  const int64_t nvec = packed.size(0);
+  const int64_t nblocks = (nvec + NP - 1) / NP;
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    thread_local std::vector<bf16> wide;  // an int8 block widened to bf16
+    __m512 res[MP * NP];
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t v0 = blk * NP;
+      const int nv = static_cast<int>(std::min<int64_t>(NP, nvec - v0));
+      const bf16* w[NP];
+      const int8_t* w8[NP];
+      // int8 within one row tile: widened in registers; over several: once, into a scratch.
+      const bool widen_ahead = int8 && M > MP;
+      if (widen_ahead) {
+        if (wide.size() < static_cast<size_t>(NP * K2 * 32)) wide.resize(NP * K2 * 32);
+        const int8_t* src = packed.data_ptr<int8_t>() + v0 * K2 * 32;
+        for (int64_t e = 0; e < nv * K2 * 32; e += 32) _mm512_storeu_si512(wide.data() + e, widen_int8(src + e));
+        for (int v = 0; v < nv; ++v) w[v] = wide.data() + v * K2 * 32;
+      } else if (int8) {
+        for (int v = 0; v < nv; ++v) w8[v] = packed.data_ptr<int8_t>() + (v0 + v) * K2 * 32;
+      } else {
+        for (int v = 0; v < nv; ++v) w[v] = packed.data_ptr<bf16>() + (v0 + v) * K2 * 32;
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += MP) {
+        const int m = static_cast<int>(std::min<int64_t>(MP, M - m0));
+        if (int8 && !widen_ahead)
+          packed_nv(nv, m, xp + m0 * ldx, ldx, K2, w8, res);
+        else
+          packed_nv(nv, m, xp + m0 * ldx, ldx, K2, w, res);
+        for (int v = 0; v < nv; ++v) {
+          const int64_t n0 = (v0 + v) * 16;
+          const int valid = static_cast<int>(std::min<int64_t>(16, N - n0));
+          const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+          const __m512 s = sc ? _mm512_maskz_loadu_ps(mask, sc + n0) : _mm512_setzero_ps();
+          for (int i = 0; i < m; ++i) {
+            __m512 r = res[i * NP + v];
+            if (sc) r = _mm512_mul_ps(r, s);
+            _mm256_mask_storeu_epi16(op + (m0 + i) * ldo + n0, mask, (__m256i)_mm512_cvtneps_pbh(r));
+          }
+        }
+      }
+    }
+  });
+}
+#endif
+
+bool has_packed() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 template <typename W>
 void dispatch_out(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* scale,
                   at::Tensor& out) {
@@ -696,6 +834,11 @@ void qk_norm_rope(at::Tensor qkv, const at::Tensor& qw, const at::Tensor& kw, co
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa_name, "the instruction set this build targets");
+  m.def("has_packed", &has_packed, "whether linear_packed exists in this build");
+#if defined(__AVX512BF16__)
+  m.def("linear_packed", &linear_packed, "out = x @ W.T, W packed [N/16, K/2, 16, 2] (bf16 or int8 + scales)",
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("out"));
+#endif
   m.def("linear", &linear, "out = x @ w.T (x scale for int8 w), fp32 accumulation",
         py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("out"));
   m.def("decode_attention", &decode_attention, "paged decode attention, K/V read in place",
