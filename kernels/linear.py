@@ -89,7 +89,9 @@ class LinearOp:
         self.native = native if device.type == "cpu" else None
         # The packed GEMM: AVX-512 BF16 builds, bf16 activations.
         self.packs = self.native is not None and self.native.has_packed() and act_dtype == torch.bfloat16
-        self._int8_fallback_warned = False
+        # Probed once, before any graph capture could hit a missing op: ATen's int8 matmul, or
+        # dequantizing per call where this build lacks it for the device and dtype.
+        self.int8_op = "native" if self.native is not None else _probe_int8(device, act_dtype)
 
     def prepare(self, w: Weight) -> Weight:
         """The weight in the layout its kernel reads (packed where the packed GEMM runs it)."""
@@ -103,8 +105,7 @@ class LinearOp:
             packed = "-packed" if self.packs and weight_dtype in ("int8", torch.bfloat16) else ""
             return f"native-{self.native.isa()}{packed}"
         if weight_dtype == "int8":
-            return {"cpu": "aten-int8pack", "cuda": "aten-int8pack", "npu": "npu-weight-quant"}.get(
-                self.device.type, "dequantize")
+            return {"int8pack": "aten-int8pack", "npu": "npu-weight-quant"}.get(self.int8_op, "dequantize")
         return "aten-mm"
 
     def __call__(self, x: torch.Tensor, w: Weight, out: torch.Tensor) -> torch.Tensor:
@@ -122,16 +123,27 @@ class LinearOp:
         if self.native is not None:
             self.native.linear(x, w.q, w.scale, out)
             return out
-        if self.device.type == "npu":  # pragma: no cover - needs Ascend hardware
+        if self.int8_op == "npu":  # pragma: no cover - needs Ascend hardware
             import torch_npu
 
             out.copy_(torch_npu.npu_weight_quant_batchmatmul(x, w.q_t, w.scale_act))
-            return out
-        try:
+        elif self.int8_op == "int8pack":
             out.copy_(torch._weight_int8pack_mm(x, w.q, w.scale_act))
-        except (RuntimeError, NotImplementedError) as exc:  # an op this build lacks for the dtype
-            if not self._int8_fallback_warned:
-                log.warning("int8 matmul unavailable here (%s): dequantizing per call", exc)
-                self._int8_fallback_warned = True
+        else:
             torch.mm(x, (w.q.to(x.dtype) * w.scale_act[:, None]).t(), out=out)
         return out
+
+
+def _probe_int8(device: torch.device, dtype: torch.dtype) -> str:
+    """Which int8 matmul this device and build run: ``npu``, ``int8pack`` or ``dequantize``."""
+    if device.type == "npu":
+        return "npu"
+    x = torch.ones(1, 64, dtype=dtype, device=device)
+    q = torch.ones(8, 64, dtype=torch.int8, device=device)
+    try:
+        torch._weight_int8pack_mm(x, q, torch.ones(8, dtype=dtype, device=device))
+        return "int8pack"
+    except (RuntimeError, NotImplementedError) as exc:
+        log.warning("int8 matmul unavailable on %s for %s (%s): int8 weights are dequantized per call",
+                    device, dtype, exc)
+        return "dequantize"

@@ -161,3 +161,23 @@ def test_served_bf16_equals_offline_alone(ray_session, quantization):
 def test_server_refuses_an_unknown_quantization():
     with pytest.raises(ValueError, match="quantization must be"):
         ServerConfig(quantization="int4").check()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_aten_int8_paths_match_the_dequantized_weight(device):
+    """The int8 matmul without the native kernels (CPU fallback, CUDA): ATen's int8pack op,
+    and the per-call dequantization where a build lacks it."""
+    from kernels.linear import LinearOp
+
+    dev = torch.device(device)
+    op = LinearOp(dev, None, torch.bfloat16)
+    assert op.int8_op in ("int8pack", "dequantize")
+    w = Int8Weight.quantize(torch.randn(24, 64) * 0.1, torch.bfloat16, dev)
+    x = torch.randn(3, 64).bfloat16().to(dev)
+    ref = x.double() @ (w.q.double() * w.scale.double()[:, None]).t()
+    for kind in (op.int8_op, "dequantize"):
+        op.int8_op = kind
+        out = torch.empty(3, 24, dtype=torch.bfloat16, device=dev)
+        op(x, w, out)
+        assert (out.double() - ref).abs().max().item() < 2 ** -7 * ref.abs().max().item() + 1e-2, kind
