@@ -1,6 +1,6 @@
 """The native CPU kernels: picked from the running CPU's flags, JIT-built once, cached.
 
-``kernels/csrc/cpu_kernels.cpp`` is compiled by ``torch.utils.cpp_extension`` (ninja)
+``kernels/csrc/*.cpp`` are compiled by ``torch.utils.cpp_extension`` (ninja)
 for the best instruction set this CPU has: ``avx512bf16`` (AVX-512 with bf16 dot
 products), ``avx512``, ``avx2`` (with FMA and F16C), else plain C++. The build lands
 in torch's extension cache (``TORCH_EXTENSIONS_DIR``), so only the first process
@@ -15,6 +15,7 @@ instruction set than the CPU's best (tests and benchmarks compare them).
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import platform
@@ -23,7 +24,7 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+CSRC = Path(__file__).parent / "csrc"
 
 # What each build needs from /proc/cpuinfo's flags, and the compiler flags it gets.
 ISA_FLAGS: dict[str, tuple[set[str], list[str]]] = {
@@ -90,11 +91,14 @@ def build(isa: str) -> ModuleType:
     except RuntimeError as exc:
         raise NativeUnavailable(f"ninja is not installed ({exc})") from None
     log.info("loading native CPU kernels for %s (the first build takes about a minute)", isa)
+    sources = sorted(str(p) for p in CSRC.glob("*.cpp"))
+    # torch rebuilds when a source or a flag changes, not a header: the header's hash is a flag.
+    header = hashlib.sha1((CSRC / "kernels.h").read_bytes()).hexdigest()[:12]
     try:
         return cpp_extension.load(
             name=f"fusedserve_cpu_{isa}",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-fopenmp", *mflags],
+            sources=sources,
+            extra_cflags=["-O3", "-fopenmp", *mflags, f"-DFUSEDSERVE_HEADER={header}"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

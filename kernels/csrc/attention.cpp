@@ -1,0 +1,235 @@
+// Paged decode attention: K/V read in place from the pages, online softmax in fp32, GQA.
+#include "kernels.h"
+
+namespace fusedserve {
+// -------------------------------------------------------------- decode attention
+
+constexpr int CHUNK = 32;  // context tokens scored before one online-softmax rescale
+
+template <typename T>
+inline float dot_f32(const float* q, const T* k, int64_t D) {
+  vf acc = vzero();
+  int64_t d = 0;
+  for (; d + VL <= D; d += VL) acc = vfma(vload(q + d), vload(k + d), acc);
+  float s = vsum(acc);
+  for (; d < D; ++d) s += q[d] * to_f(k[d]);
+  return s;
+}
+
+template <typename T>
+inline void axpy_f32(float a, const T* v, float* acc, int64_t D) {
+  vf av = vset(a);
+  int64_t d = 0;
+  for (; d + VL <= D; d += VL) vstore(acc + d, vfma(av, vload(v + d), vload(acc + d)));
+  for (; d < D; ++d) acc[d] += a * to_f(v[d]);
+}
+
+inline void scale_f32(float a, float* acc, int64_t D) {
+  vf av = vset(a);
+  int64_t d = 0;
+  for (; d + VL <= D; d += VL) vstore(acc + d, vmul(av, vload(acc + d)));
+  for (; d < D; ++d) acc[d] *= a;
+}
+
+// e^x for the softmax (x <= 0 here): 2^n * p(r), r = x - n ln2, degree-6 polynomial
+// (relative error ~1e-7).
+#if defined(__AVX512F__)
+inline vf vexp(vf x) {
+  x = _mm512_max_ps(x, vset(-87.f));
+  vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, vset(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vf r = _mm512_fnmadd_ps(n, vset(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, vset(1.42860677e-6f), r);
+  vf p = vset(1.f / 720);
+  p = vfma(p, r, vset(1.f / 120));
+  p = vfma(p, r, vset(1.f / 24));
+  p = vfma(p, r, vset(1.f / 6));
+  p = vfma(p, r, vset(0.5f));
+  p = vfma(p, r, vset(1.f));
+  p = vfma(p, r, vset(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+inline float vmax_all(vf a) { return _mm512_reduce_max_ps(a); }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+inline vf vexp(vf x) {
+  x = _mm256_max_ps(x, vset(-87.f));
+  vf n = _mm256_round_ps(_mm256_mul_ps(x, vset(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vf r = _mm256_fnmadd_ps(n, vset(0.693145752f), x);
+  r = _mm256_fnmadd_ps(n, vset(1.42860677e-6f), r);
+  vf p = vset(1.f / 720);
+  p = vfma(p, r, vset(1.f / 120));
+  p = vfma(p, r, vset(1.f / 24));
+  p = vfma(p, r, vset(1.f / 6));
+  p = vfma(p, r, vset(0.5f));
+  p = vfma(p, r, vset(1.f));
+  p = vfma(p, r, vset(1.f));
+  __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+}
+inline float vmax_all(vf a) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+#else
+inline vf vexp(vf x) { return std::exp(x); }
+inline float vmax_all(vf a) { return a; }
+#endif
+
+// One query token per sequence against its paged context, K/V read in place from the
+// pages; online softmax in float32; query head h reads KV head h / (H / KVH).
+// A work item is one sequence and a run of its KV heads (all of them when the batch alone
+// keeps the threads busy): a token's K/V rows for those heads are contiguous in the page,
+// so the pages stream in order. GT: query heads per KV head known at compile time (0: not).
+template <typename T, int GT>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
+                           double scale, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = k_cache.size(1), G = GT > 0 ? GT : H / KVH;
+  const int64_t max_blocks = block_tables.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  const int64_t slot_stride = KVH * D;
+  const int64_t DV = D - D % VL;  // vector part of a head row
+  const float sc = static_cast<float>(scale);
+  // Split the KV heads into groups only as far as the threads need work.
+  int64_t groups = 1;
+  const int64_t threads = at::get_num_threads();
+  while (B * groups < threads && groups < KVH) {
+    int64_t next = groups + 1;
+    while (KVH % next) ++next;
+    groups = next;
+  }
+  const int64_t hpg = KVH / groups;  // KV heads per work item
+  const int64_t nq = hpg * G;  // query heads per work item
+  at::parallel_for(0, B * groups, 1, [&](int64_t w0, int64_t w1) {
+    thread_local std::vector<float> qbuf, abuf, sbuf;
+    if (qbuf.size() < static_cast<size_t>(nq * D)) { qbuf.resize(nq * D); abuf.resize(nq * D); }
+    if (sbuf.size() < static_cast<size_t>(nq * CHUNK)) sbuf.resize(nq * CHUNK);
+    float* qf = qbuf.data();
+    float* acc = abuf.data();
+    float* s = sbuf.data();
+    float mx[MAX_GROUP * 64], l[MAX_GROUP * 64];
+    for (int64_t work = w0; work < w1; ++work) {
+      const int64_t b = work / groups, kh0 = (work % groups) * hpg;
+      const int64_t len = sl[b];
+      for (int64_t j = 0; j < nq; ++j) {
+        const T* src = qp + b * qs0 + (kh0 * G + j) * qs1;
+        for (int64_t d = 0; d < D; ++d) qf[j * D + d] = to_f(src[d]) * sc;
+        std::fill(acc + j * D, acc + (j + 1) * D, 0.f);
+        mx[j] = -INFINITY;
+        l[j] = 0.f;
+      }
+      for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {
+        const int64_t n = std::min<int64_t>(CHUNK, len - t0);
+        const T* krows[CHUNK];
+        const T* vrows[CHUNK];
+        for (int64_t t = 0; t < n; ++t) {
+          const int64_t pos = t0 + t;
+          const int64_t slot = static_cast<int64_t>(bt[b * max_blocks + pos / block_size]) * block_size +
+                               pos % block_size;
+          krows[t] = kp + slot * slot_stride + kh0 * D;
+          vrows[t] = vp + slot * slot_stride + kh0 * D;
+        }
+        for (int64_t t = 0; t < n; ++t) {  // scores: each K row once for its G query heads
+          for (int64_t h = 0; h < hpg; ++h) {
+            const T* krow = krows[t] + h * D;
+            const float* qh = qf + h * G * D;
+            vf a[GT > 0 ? GT : MAX_GROUP];
+            for (int64_t g = 0; g < G; ++g) a[g] = vzero();
+            for (int64_t d = 0; d < DV; d += VL) {
+              const vf kv = vload(krow + d);
+              for (int64_t g = 0; g < G; ++g) a[g] = vfma(vload(qh + g * D + d), kv, a[g]);
+            }
+            for (int64_t g = 0; g < G; ++g) {
+              float v = vsum(a[g]);
+              for (int64_t d = DV; d < D; ++d) v += qh[g * D + d] * to_f(krow[d]);
+              s[(h * G + g) * CHUNK + t] = v;
+            }
+          }
+        }
+        for (int64_t j = 0; j < nq; ++j) {  // online softmax, one rescale per chunk
+          float* sj = s + j * CHUNK;
+          for (int64_t t = n; t < CHUNK; ++t) sj[t] = -INFINITY;
+          vf mv = vset(-INFINITY);
+          for (int t = 0; t < CHUNK; t += VL) mv = _max(mv, vload(sj + t));
+          const float m = std::max(mx[j], vmax_all(mv));
+          const float corr = std::exp(mx[j] - m);  // exp(-inf) = 0 on the first chunk
+          l[j] *= corr;
+          scale_f32(corr, acc + j * D, D);
+          vf sum = vzero();
+          for (int t = 0; t < CHUNK; t += VL) {
+            vf e = vexp(_sub(vload(sj + t), vset(m)));
+            vstore(sj + t, e);
+            for (int u = 0; u < VL; ++u) if (t + u >= n) sj[t + u] = 0.f;  // padding lanes weigh 0
+            sum = _add(sum, vload(sj + t));
+          }
+          l[j] += vsum(sum);
+          mx[j] = m;
+        }
+        for (int64_t t = 0; t < n; ++t) {  // values, in page order
+          for (int64_t h = 0; h < hpg; ++h) {
+            const T* vrow = vrows[t] + h * D;
+            float* ah = acc + h * G * D;
+            const float* sh = s + h * G * CHUNK + t;
+            for (int64_t d = 0; d < DV; d += VL) {
+              const vf vv = vload(vrow + d);
+              for (int64_t g = 0; g < G; ++g)
+                vstore(ah + g * D + d, vfma(vset(sh[g * CHUNK]), vv, vload(ah + g * D + d)));
+            }
+            for (int64_t d = DV; d < D; ++d)
+              for (int64_t g = 0; g < G; ++g) ah[g * D + d] += sh[g * CHUNK] * to_f(vrow[d]);
+          }
+        }
+      }
+      for (int64_t j = 0; j < nq; ++j) {
+        T* dst = op + b * os0 + (kh0 * G + j) * os1;
+        const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[j * D + d] * inv);
+      }
+    }
+  });
+}
+
+template <typename T>
+void decode_attention_g(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
+                        double scale, at::Tensor& out) {
+  switch (q.size(1) / k_cache.size(1)) {
+    case 1: decode_attention_impl<T, 1>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
+    case 2: decode_attention_impl<T, 2>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
+    case 4: decode_attention_impl<T, 4>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
+    case 8: decode_attention_impl<T, 8>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
+    default: decode_attention_impl<T, 0>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
+  }
+}
+
+void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
+                      double scale, at::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3,
+              "decode_attention: q/out [B, H, D], caches [slots, KVH, D]");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "decode_attention: head rows and caches must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+              block_tables.is_contiguous() && seq_lens.is_contiguous(), "decode_attention: int32 tables");
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
+  TORCH_CHECK(H % KVH == 0 && H / KVH <= MAX_GROUP && H <= MAX_GROUP * 64 && D <= MAX_HEAD_DIM &&
+              k_cache.size(2) == D,
+              "decode_attention: unsupported head layout");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
+              "decode_attention: q, cache and out dtypes differ");
+  switch (q.scalar_type()) {
+    case at::kFloat: decode_attention_g<float>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
+    case at::kBFloat16: decode_attention_g<bf16>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
+    case at::kHalf: decode_attention_g<f16>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
+    default: TORCH_CHECK(false, "decode_attention: unsupported dtype ", q.scalar_type());
+  }
+}
+}  // namespace fusedserve

@@ -1,0 +1,119 @@
+// fusedserve CPU kernels: what every translation unit shares.
+//
+// The sources are compiled once per instruction set (kernels/native.py picks the flags from
+// the running CPU): AVX-512 (+BF16), AVX2+FMA, or plain C++. This header is the vector layer
+// they are written in, and the kernels' declarations.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace fusedserve {
+
+using bf16 = c10::BFloat16;
+using f16 = c10::Half;
+
+constexpr int MAX_GROUP = 16;  // query heads per KV head
+constexpr int MAX_HEAD_DIM = 512;
+
+// ----------------------------------------------------------------- vector layer
+
+#if defined(__AVX512F__)
+constexpr int VL = 16;
+using vf = __m512;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vset(float a) { return _mm512_set1_ps(a); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf a) { _mm512_storeu_ps(p, a); }
+inline vf vload(const bf16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline vf vload(const f16* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline vf vload(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+inline vf _max(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf _sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf _add(vf a, vf b) { return _mm512_add_ps(a, b); }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr int VL = 8;
+using vf = __m256;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vset(float a) { return _mm256_set1_ps(a); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf a) { _mm256_storeu_ps(p, a); }
+inline vf vload(const bf16* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline vf vload(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline vf vload(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf _max(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf _sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf _add(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline float vsum(vf a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#else
+constexpr int VL = 1;
+using vf = float;
+inline vf vzero() { return 0.f; }
+inline vf vset(float a) { return a; }
+inline vf vload(const float* p) { return *p; }
+inline void vstore(float* p, vf a) { *p = a; }
+inline vf vload(const bf16* p) { return static_cast<float>(*p); }
+inline vf vload(const f16* p) { return static_cast<float>(*p); }
+inline vf vload(const int8_t* p) { return static_cast<float>(*p); }
+inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
+inline vf vmul(vf a, vf b) { return a * b; }
+inline float vsum(vf a) { return a; }
+inline vf _max(vf a, vf b) { return std::max(a, b); }
+inline vf _sub(vf a, vf b) { return a - b; }
+inline vf _add(vf a, vf b) { return a + b; }
+#endif
+
+inline float to_f(float v) { return v; }
+inline float to_f(bf16 v) { return static_cast<float>(v); }
+inline float to_f(f16 v) { return static_cast<float>(v); }
+inline float to_f(int8_t v) { return static_cast<float>(v); }
+
+// linear.cpp
+void linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale, at::Tensor out);
+bool has_packed();
+#if defined(__AVX512BF16__)
+void linear_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,
+                   at::Tensor out);
+#endif
+
+// attention.cpp
+void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
+                      double scale, at::Tensor out);
+
+// norm.cpp
+void add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& add, const at::Tensor& w, double eps,
+                  at::Tensor out);
+void qk_norm_rope(at::Tensor qkv, const at::Tensor& qw, const at::Tensor& kw, const at::Tensor& cos,
+                  const at::Tensor& sin, double eps, at::Tensor q_out, int64_t H, int64_t KVH);
+
+}  // namespace fusedserve

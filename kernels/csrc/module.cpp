@@ -1,0 +1,42 @@
+// The Python module: kernels/native.py builds it once per instruction set.
+#include <torch/extension.h>
+
+#include "kernels.h"
+
+namespace {
+
+const char* isa_name() {
+#if defined(__AVX512BF16__)
+  return "avx512bf16";
+#elif defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+}  // namespace
+
+using namespace fusedserve;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa", &isa_name, "the instruction set this build targets");
+  m.def("has_packed", &has_packed, "whether linear_packed exists in this build");
+#if defined(__AVX512BF16__)
+  m.def("linear_packed", &linear_packed, "out = x @ W.T, W packed [N/16, K/2, 16, 2] (bf16 or int8 + scales)",
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("out"));
+#endif
+  m.def("linear", &linear, "out = x @ w.T (x scale for int8 w), fp32 accumulation",
+        py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("out"));
+  m.def("decode_attention", &decode_attention, "paged decode attention, K/V read in place",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("block_size"), py::arg("scale"), py::arg("out"));
+  m.def("add_rms_norm", &add_rms_norm, "x += add; out = rms_norm(x) * w (rows)",
+        py::arg("x"), py::arg("add"), py::arg("w"), py::arg("eps"), py::arg("out"));
+  m.def("qk_norm_rope", &qk_norm_rope, "per-head q/k RMSNorm and rotary, q into q_out, k in place",
+        py::arg("qkv"), py::arg("q_w"), py::arg("k_w"), py::arg("cos"), py::arg("sin"), py::arg("eps"),
+        py::arg("q_out"), py::arg("heads"), py::arg("kv_heads"));
+}
+

@@ -1,0 +1,115 @@
+// RMSNorm (with the residual add) and the per-head q/k norm + rotary of Qwen3.
+#include "kernels.h"
+
+namespace fusedserve {
+// ------------------------------------------------------------- norms and rotary
+// Rounded like transformers' Qwen3 in the model's dtype: the normalised value is rounded to T
+// before the weight multiplies it, and rotary rounds x*cos and rot(x)*sin before adding.
+
+template <typename T>
+inline float inv_rms(const T* x, int64_t D, float eps) {
+  vf acc = vzero();
+  int64_t d = 0;
+  for (; d + VL <= D; d += VL) {
+    vf v = vload(x + d);
+    acc = vfma(v, v, acc);
+  }
+  float ss = vsum(acc);
+  for (; d < D; ++d) ss += to_f(x[d]) * to_f(x[d]);
+  return 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+}
+
+template <typename T>
+inline void norm_row(const T* x, const T* w, float r, int64_t D, T* out) {
+  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(to_f(w[d]) * to_f(static_cast<T>(to_f(x[d]) * r)));
+}
+
+template <typename T>
+void add_rms_norm_impl(at::Tensor& x, const c10::optional<at::Tensor>& add, const at::Tensor& w, double eps,
+                       at::Tensor& out) {
+  const int64_t N = x.size(0), D = x.size(1), ldx = x.stride(0), ldo = out.stride(0);
+  T* xp = x.data_ptr<T>();
+  const T* ap = add.has_value() ? add->data_ptr<T>() : nullptr;
+  const int64_t lda = add.has_value() ? add->stride(0) : 0;
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t n = r0; n < r1; ++n) {
+      T* row = xp + n * ldx;
+      if (ap)
+        for (int64_t d = 0; d < D; ++d) row[d] = static_cast<T>(to_f(row[d]) + to_f(ap[n * lda + d]));
+      norm_row(row, wp, inv_rms(row, D, static_cast<float>(eps)), D, op + n * ldo);
+    }
+  });
+}
+
+// x += add (when given, rounded to x's dtype), then out = RMSNorm(x) * w; rows of [N, D].
+void add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& add, const at::Tensor& w, double eps,
+                  at::Tensor out) {
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1 && w.is_contiguous(),
+              "rms_norm: [N, D] tensors with contiguous rows");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() && x.scalar_type() == out.scalar_type(), "rms_norm: dtypes");
+  TORCH_CHECK(!add.has_value() || (add->sizes() == x.sizes() && add->stride(1) == 1), "rms_norm: add shape");
+  switch (x.scalar_type()) {
+    case at::kFloat: add_rms_norm_impl<float>(x, add, w, eps, out); break;
+    case at::kBFloat16: add_rms_norm_impl<bf16>(x, add, w, eps, out); break;
+    case at::kHalf: add_rms_norm_impl<f16>(x, add, w, eps, out); break;
+    default: TORCH_CHECK(false, "rms_norm: unsupported dtype ", x.scalar_type());
+  }
+}
+
+template <typename T>
+inline void norm_rope_head(const T* src, const T* w, const T* cos, const T* sin, float eps, int64_t D,
+                           T* tmp, T* dst) {
+  norm_row(src, w, inv_rms(src, D, eps), D, tmp);
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < D; ++d) {
+    const float rot = d < half ? -to_f(tmp[d + half]) : to_f(tmp[d - half]);
+    dst[d] = static_cast<T>(to_f(static_cast<T>(to_f(tmp[d]) * to_f(cos[d]))) +
+                            to_f(static_cast<T>(rot * to_f(sin[d]))));
+  }
+}
+
+template <typename T>
+void qk_norm_rope_impl(at::Tensor& qkv, const at::Tensor& qw, const at::Tensor& kw, const at::Tensor& cos,
+                       const at::Tensor& sin, double eps, at::Tensor& q_out, int64_t H, int64_t KVH) {
+  const int64_t N = qkv.size(0), D = qw.numel(), ld = qkv.stride(0);
+  T* base = qkv.data_ptr<T>();
+  T* qo = q_out.data_ptr<T>();
+  const T *qwp = qw.data_ptr<T>(), *kwp = kw.data_ptr<T>(), *cp = cos.data_ptr<T>(), *sp = sin.data_ptr<T>();
+  const int64_t ldc = cos.stride(0), lds = sin.stride(0);
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, N * (H + KVH), 8, [&](int64_t w0, int64_t w1) {
+    T tmp[MAX_HEAD_DIM];
+    for (int64_t work = w0; work < w1; ++work) {
+      const int64_t n = work / (H + KVH), h = work % (H + KVH);
+      const T* c = cp + n * ldc;
+      const T* s = sp + n * lds;
+      if (h < H) {
+        norm_rope_head(base + n * ld + h * D, qwp, c, s, e, D, tmp, qo + (n * H + h) * D);
+      } else {
+        T* k = base + n * ld + H * D + (h - H) * D;
+        norm_rope_head(k, kwp, c, s, e, D, tmp, k);
+      }
+    }
+  });
+}
+
+// q_out[n, h] = rotary(RMSNorm(q[n, h]) * qw); k heads of qkv normalised and rotated in place.
+void qk_norm_rope(at::Tensor qkv, const at::Tensor& qw, const at::Tensor& kw, const at::Tensor& cos,
+                  const at::Tensor& sin, double eps, at::Tensor q_out, int64_t H, int64_t KVH) {
+  const int64_t D = qw.numel();
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && q_out.is_contiguous() && D <= MAX_HEAD_DIM && D % 2 == 0,
+              "qk_norm_rope: qkv [N, (H + 2 KVH) D] rows contiguous, q_out contiguous");
+  TORCH_CHECK(cos.stride(-1) == 1 && sin.stride(-1) == 1 && cos.size(-1) == D && qkv.size(1) >= (H + KVH) * D,
+              "qk_norm_rope: cos/sin [N, D]");
+  TORCH_CHECK(qkv.scalar_type() == q_out.scalar_type() && qkv.scalar_type() == cos.scalar_type() &&
+              qkv.scalar_type() == qw.scalar_type(), "qk_norm_rope: dtypes");
+  switch (qkv.scalar_type()) {
+    case at::kFloat: qk_norm_rope_impl<float>(qkv, qw, kw, cos, sin, eps, q_out, H, KVH); break;
+    case at::kBFloat16: qk_norm_rope_impl<bf16>(qkv, qw, kw, cos, sin, eps, q_out, H, KVH); break;
+    case at::kHalf: qk_norm_rope_impl<f16>(qkv, qw, kw, cos, sin, eps, q_out, H, KVH); break;
+    default: TORCH_CHECK(false, "qk_norm_rope: unsupported dtype ", qkv.scalar_type());
+  }
+}
+}  // namespace fusedserve
