@@ -32,11 +32,15 @@ def write_batch(arena: HostArena, batch: StepBatch, step: int, k: int, vocab: in
     _put(arena, "topk_rows", topk_rows)
     _put(arena, "full_rows", full_rows)
     if batch.kind == "prefill":
-        dims["T"] = len(batch.token_ids)
+        prefix = batch.prefix_slots if batch.prefix_slots is not None else np.zeros(0, dtype=np.int64)
+        dims["T"], dims["TP"] = len(batch.token_ids), len(prefix)
         _put(arena, "prefill_token_ids", batch.token_ids)
         _put(arena, "prefill_positions", batch.positions)
         _put(arena, "prefill_slot_mapping", batch.slot_mapping)
-        return LaunchDescriptor("prefill", dims, step, cu_seqlens=list(batch.cu_seqlens))
+        _put(arena, "prefill_prefix_slots", prefix)
+        prefix_lens = list(batch.prefix_lens) or [0] * batch.batch_size
+        return LaunchDescriptor("prefill", dims, step, cu_seqlens=list(batch.cu_seqlens),
+                                prefix_lens=prefix_lens)
     assert batch.block_tables is not None and batch.seq_lens is not None
     dims["W"] = batch.block_tables.shape[1]
     _put(arena, "token_ids", batch.token_ids)

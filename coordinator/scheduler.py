@@ -38,7 +38,9 @@ class StepBatch:
     positions: np.ndarray  # int32, like token_ids
     slot_mapping: np.ndarray  # int64, like token_ids
     row_kinds: list[str]
-    cu_seqlens: list[int] = field(default_factory=list)  # prefill
+    cu_seqlens: list[int] = field(default_factory=list)  # prefill: boundaries of the new tokens
+    prefix_lens: list[int] = field(default_factory=list)  # prefill: leading tokens from the cache
+    prefix_slots: np.ndarray | None = None  # int64 [sum(prefix_lens)]: their slots, packed
     block_tables: np.ndarray | None = None  # int32 [B, W] (decode)
     seq_lens: np.ndarray | None = None  # int32 [B] (decode)
     ctx_len: int = 0  # decode: context gathered, a multiple of block_size
@@ -74,7 +76,8 @@ class Scheduler:
     @classmethod
     def for_worker(cls, config: Qwen3Config, rc: RunnerConfig, max_model_len: int) -> Scheduler:
         """The scheduler of one worker running ``config`` with ``rc``: offline and served alike."""
-        return cls(BlockManager(rc.num_blocks, rc.block_size), config.vocab_size, max_model_len,
+        return cls(BlockManager(rc.num_blocks, rc.block_size, rc.enable_prefix_caching),
+                   config.vocab_size, max_model_len,
                    rc.max_batch, rc.top_k, config.eos_token_ids, rc.max_prefill_tokens)
 
     # ------------------------------------------------------------------ requests
@@ -146,37 +149,43 @@ class Scheduler:
         return batch
 
     def _schedule_prefill(self) -> StepBatch | None:
-        admitted: list[Sequence] = []
+        admitted: list[tuple[Sequence, int]] = []  # (sequence, tokens already in the cache)
         tokens = 0
         while self.waiting and len(self.running) + len(admitted) < self.max_batch:
             seq = self.waiting[0]
-            n = seq.num_tokens
-            if admitted and tokens + n > self.max_prefill_tokens:
+            ids = seq.all_ids
+            if admitted and tokens + len(ids) - len(self.blocks.cached_prefix(ids)) * self.blocks.block_size \
+                    > self.max_prefill_tokens:
                 break
-            if not self.blocks.can_allocate(n + 1):
+            try:  # room for one generated token too
+                cached = self.blocks.allocate(seq.seq_id, ids, reserve=1)
+            except OutOfBlocks:
                 break
             self.waiting.popleft()
-            self.blocks.allocate(seq.seq_id, n)
-            admitted.append(seq)
-            tokens += n
+            admitted.append((seq, cached))
+            tokens += len(ids) - cached
         if not admitted:
             return None
-        ids, pos, slots, cu = [], [], [], [0]
-        for seq in admitted:
+        ids, pos, slots, cu, prefix_slots = [], [], [], [0], []
+        for seq, cached in admitted:
             n = seq.num_tokens
-            ids.extend(seq.all_ids)
-            pos.extend(range(n))
-            slots.extend(self.blocks.slot(seq.seq_id, p) for p in range(n))
-            cu.append(cu[-1] + n)
-        self.running.extend(admitted)
+            ids.extend(seq.all_ids[cached:])
+            pos.extend(range(cached, n))
+            slots.extend(self.blocks.slot(seq.seq_id, p) for p in range(cached, n))
+            prefix_slots.extend(self.blocks.slot(seq.seq_id, p) for p in range(cached))
+            cu.append(cu[-1] + n - cached)
+        seqs = [s for s, _ in admitted]
+        self.running.extend(seqs)
         return StepBatch(
             kind="prefill",
-            seqs=admitted,
+            seqs=seqs,
             token_ids=np.asarray(ids, dtype=np.int32),
             positions=np.asarray(pos, dtype=np.int32),
             slot_mapping=np.asarray(slots, dtype=np.int64),
-            row_kinds=[row_kind(s.params, self.k) for s in admitted],
+            row_kinds=[row_kind(s.params, self.k) for s in seqs],
             cu_seqlens=cu,
+            prefix_lens=[c for _, c in admitted],
+            prefix_slots=np.asarray(prefix_slots, dtype=np.int64),
         )
 
     def _schedule_decode(self) -> StepBatch | None:
@@ -259,6 +268,9 @@ class Scheduler:
             if seq.params.top_logprobs:
                 seq.top_logprobs.append(top_logprobs(row_logits, seq.params.top_logprobs))
         seq.output_ids.append(token)
+        # K/V now exist for every token but the one just sampled: name the full blocks.
+        if self.blocks.needs_commit(seq.seq_id, seq.num_tokens - 1):
+            self.blocks.commit(seq.seq_id, seq.all_ids, seq.num_tokens - 1)
         if seq.detok is not None:
             seq.detok.push(token)
         seq.finish_reason = self._finish_reason(seq, token)

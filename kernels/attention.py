@@ -112,17 +112,34 @@ def paged_decode_attention(
 def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int], scale: float,
     out: torch.Tensor | None = None,
+    prefix: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Causal attention within each packed prompt.
+    """Causal attention within each packed prompt, after its cached prefix if any.
 
-    q: [T, heads, head_dim], k/v: [T, kv_heads, head_dim] for all prompts packed;
-    ``cu_seqlens`` are the prompt boundaries. Writes and returns ``out`` [T, heads, head_dim].
+    q: [T, heads, head_dim], k/v: [T, kv_heads, head_dim] for all prompts' new tokens packed;
+    ``cu_seqlens`` are their boundaries. ``prefix`` = (prefix_lens, prefix_slots, k_cache,
+    v_cache): prompt i's first ``prefix_lens[i]`` tokens are already in the pages at the
+    next ``prefix_lens[i]`` of ``prefix_slots``; its new tokens attend to those too.
+    Writes and returns ``out`` [T, heads, head_dim].
     """
     out = torch.empty_like(q) if out is None else out
-    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+    offset = 0
+    for i, (start, end) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
+        ks, vs, p = k[start:end], v[start:end], 0
+        if prefix is not None and prefix[0][i]:
+            lens, slots, k_cache, v_cache = prefix
+            p = lens[i]
+            idx = slots[offset : offset + p]
+            offset += p
+            ks = torch.cat([k_cache.index_select(0, idx), ks])
+            vs = torch.cat([v_cache.index_select(0, idx), vs])
         qs = q[start:end].transpose(0, 1).unsqueeze(0)
-        ks = k[start:end].transpose(0, 1).unsqueeze(0)
-        vs = v[start:end].transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
+        if p:  # query j sits at position p + j: it sees keys 0..p + j
+            n = end - start
+            mask = torch.ones(n, p + n, dtype=torch.bool, device=q.device).tril(diagonal=p)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+        else:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
         out[start:end] = o.squeeze(0).transpose(0, 1)
     return out

@@ -339,12 +339,17 @@ class Qwen3Model:
         ws: DecodeWorkspace,
         out: SampleOutputs,
         want_topk: bool = True,
+        prefix_lens: list[int] | None = None,
+        prefix_slots: torch.Tensor | None = None,
     ) -> None:
         """Run B packed prompts, write their K/V into pages, sample each one's next token.
 
-        token_ids, positions, slot_mapping: [T] for all prompts packed back to back;
-        ``cu_seqlens`` [B + 1] are their boundaries. Rows [:B] of ``out`` are written.
-        Prefill may allocate (its shapes vary with the prompts); decode does not.
+        token_ids, positions, slot_mapping: [T] for all prompts' new tokens packed back to
+        back; ``cu_seqlens`` [B + 1] are their boundaries. A prompt whose first
+        ``prefix_lens[i]`` tokens are cached (prefix caching) passes only the rest, and its
+        attention also reads the cached K/V at ``prefix_slots`` (packed per prompt, in order).
+        Rows [:B] of ``out`` are written. Prefill may allocate (its shapes vary with the
+        prompts); decode does not.
         """
         b = len(cu_seqlens) - 1
         if b > ws.max_batch:
@@ -354,7 +359,9 @@ class Qwen3Model:
         sin = self.sin.index_select(0, positions).unsqueeze(1)
 
         def attend(q, k, v, k_cache, v_cache, o) -> None:
-            prefill_attention(q, k, v, cu_seqlens, self.scale, out=o)
+            prefix = None if not prefix_lens or not any(prefix_lens) else \
+                (prefix_lens, prefix_slots, k_cache, v_cache)
+            prefill_attention(q, k, v, cu_seqlens, self.scale, out=o, prefix=prefix)
 
         buf = LayerBuffers.allocate(self.config, x.shape[0], self.dtype, x.device)
         for i, lw in enumerate(self.w.layers):

@@ -26,6 +26,9 @@ class RunnerConfig:
     # "auto": capture decode graphs per batch bucket where the device has graphs (CUDA, NPU);
     # "padded": the same bucketed, padded decode run eagerly (any device); "off": exact shapes.
     graphs: str = "auto"
+    # Keep full KV blocks after their sequence ends, content-hashed, and reuse them as prompt
+    # prefixes (coordinator/block_manager.py).
+    enable_prefix_caching: bool = True
 
     @property
     def pad_slot(self) -> int:
@@ -38,6 +41,7 @@ class RunnerConfig:
             "B": self.max_batch,
             "W": -(-max_model_len // self.block_size),
             "T": max(self.max_prefill_tokens, max_model_len),
+            "TP": self.max_batch * max_model_len,  # cached prefix tokens of one prefill
             "NT": self.max_batch,
             "NF": self.max_batch,
             "K": self.top_k,
@@ -60,16 +64,17 @@ class LaunchDescriptor:
     dims: dict[str, int]
     step: int
     ctx_len: int = 0
-    cu_seqlens: list[int] = field(default_factory=list)
+    cu_seqlens: list[int] = field(default_factory=list)  # prefill: the new tokens' boundaries
+    prefix_lens: list[int] = field(default_factory=list)  # prefill: cached tokens before them
 
     def to_wire(self) -> dict:
         return {"table": self.table, "dims": self.dims, "step": self.step,
-                "ctx_len": self.ctx_len, "cu_seqlens": self.cu_seqlens}
+                "ctx_len": self.ctx_len, "cu_seqlens": self.cu_seqlens, "prefix_lens": self.prefix_lens}
 
     @classmethod
     def from_wire(cls, d: dict) -> LaunchDescriptor:
         return cls(d["table"], dict(d["dims"]), d["step"], d.get("ctx_len", 0),
-                   list(d.get("cu_seqlens", [])))
+                   list(d.get("cu_seqlens", [])), list(d.get("prefix_lens", [])))
 
 
 @dataclass

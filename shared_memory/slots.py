@@ -166,6 +166,7 @@ def prefill_table(hidden_dtype: torch.dtype = torch.float32) -> SlotTable:
             Slot("prefill_token_ids", ("T",), i32, IN, HS),
             Slot("prefill_positions", ("T",), i32, IN, HS),
             Slot("prefill_slot_mapping", ("T",), i64, IN, HS),
+            Slot("prefill_prefix_slots", ("TP",), i64, IN, HS),  # cached prefixes' K/V slots
             *_sampling_slots(hidden_dtype),
         ],
     )

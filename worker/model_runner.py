@@ -83,6 +83,7 @@ class ModelRunner:
         self.model.prefill(
             v["prefill_token_ids"], v["prefill_positions"], desc.cu_seqlens,
             v["prefill_slot_mapping"], self.kv, self.ws, self.outputs, want_topk=dims["NT"] > 0,
+            prefix_lens=desc.prefix_lens or None, prefix_slots=v["prefill_prefix_slots"],
         )
         self._gather_rows(v, dims)
 
