@@ -38,9 +38,16 @@ def write_batch(arena: HostArena, batch: StepBatch, step: int, k: int, vocab: in
         _put(arena, "prefill_positions", batch.positions)
         _put(arena, "prefill_slot_mapping", batch.slot_mapping)
         _put(arena, "prefill_prefix_slots", prefix)
+        dims["BD"], dims["W"] = batch.num_decode, 0
+        if batch.num_decode:
+            assert batch.block_tables is not None and batch.seq_lens is not None
+            dims["W"] = batch.block_tables.shape[1]
+            _put(arena, "prefill_block_tables", batch.block_tables)
+            _put(arena, "prefill_seq_lens", batch.seq_lens)
         prefix_lens = list(batch.prefix_lens) or [0] * batch.batch_size
-        return LaunchDescriptor("prefill", dims, step, cu_seqlens=list(batch.cu_seqlens),
-                                prefix_lens=prefix_lens)
+        return LaunchDescriptor("prefill", dims, step, ctx_len=batch.ctx_len,
+                                cu_seqlens=list(batch.cu_seqlens), prefix_lens=prefix_lens,
+                                num_decode=batch.num_decode)
     assert batch.block_tables is not None and batch.seq_lens is not None
     dims["W"] = batch.block_tables.shape[1]
     _put(arena, "token_ids", batch.token_ids)

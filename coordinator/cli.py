@@ -55,7 +55,8 @@ def _server_config(args: argparse.Namespace, token: str | None = None):
     from coordinator.config import Limits, ServerConfig
 
     rc = RunnerConfig(max_batch=args.max_batch, block_size=args.block_size, num_blocks=args.num_blocks,
-                      enable_prefix_caching=not args.no_prefix_caching)
+                      enable_prefix_caching=not args.no_prefix_caching,
+                      max_num_batched_tokens=args.max_num_batched_tokens)
     limits = Limits(max_tokens=args.max_tokens_limit, max_requests_per_client=args.max_requests_per_client,
                     max_prompt_tokens=args.max_prompt_tokens)
     return ServerConfig(model=args.model, workers=args.workers, device=args.device, host=args.host,
@@ -245,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--max-batch", type=int, default=16)
         p.add_argument("--block-size", type=int, default=16)
         p.add_argument("--num-blocks", type=int, default=256)
+        p.add_argument("--max-num-batched-tokens", type=int, default=0,
+                       help="chunked prefill: the most tokens one launch runs (decode rows count one); "
+                       "long prompts are split and share launches with running decodes (0: off)")
         p.add_argument("--no-prefix-caching", action="store_true",
                        help="free KV blocks when their sequence ends instead of keeping them as a "
                        "prefix cache")

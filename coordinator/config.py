@@ -47,6 +47,7 @@ class ServerConfig:
 
     def check(self) -> None:
         """Refuse, before anything starts, a configuration that cannot be served safely."""
+        self.runner.check()
         if self.quantization not in (None, "none", "int8"):
             raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
         if self.transport not in ("auto", "serial"):

@@ -57,6 +57,7 @@ class LLMEngine:
                                          quantization=quantization)
             self.tokenizer = tokenizer or tok
         self.rc = runner or RunnerConfig()
+        self.rc.check()
         self.arena = HostArena.create(slot_tables(self.model.dtype), model_dims(self.model, self.rc),
                                       tag="engine")
         self.runner = ModelRunner(self.model, self.rc, self.arena)

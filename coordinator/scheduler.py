@@ -41,6 +41,8 @@ class StepBatch:
     cu_seqlens: list[int] = field(default_factory=list)  # prefill: boundaries of the new tokens
     prefix_lens: list[int] = field(default_factory=list)  # prefill: leading tokens from the cache
     prefix_slots: np.ndarray | None = None  # int64 [sum(prefix_lens)]: their slots, packed
+    num_decode: int = 0  # prefill with chunking: its first rows are decode rows
+    chunk_lens: list[int] = field(default_factory=list)  # prefill: new tokens per row
     block_tables: np.ndarray | None = None  # int32 [B, W] (decode)
     seq_lens: np.ndarray | None = None  # int32 [B] (decode)
     ctx_len: int = 0  # decode: context gathered, a multiple of block_size
@@ -60,6 +62,7 @@ class Scheduler:
         top_k_candidates: int,
         eos_token_ids: tuple[int, ...] = (),
         max_prefill_tokens: int = 4096,
+        max_num_batched_tokens: int = 0,
     ):
         self.blocks = blocks
         self.vocab_size = vocab_size
@@ -68,6 +71,7 @@ class Scheduler:
         self.k = top_k_candidates
         self.eos = set(eos_token_ids)
         self.max_prefill_tokens = max_prefill_tokens
+        self.max_num_batched_tokens = max_num_batched_tokens  # 0: no chunked prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.steps = 0
@@ -78,7 +82,8 @@ class Scheduler:
         """The scheduler of one worker running ``config`` with ``rc``: offline and served alike."""
         return cls(BlockManager(rc.num_blocks, rc.block_size, rc.enable_prefix_caching),
                    config.vocab_size, max_model_len,
-                   rc.max_batch, rc.top_k, config.eos_token_ids, rc.max_prefill_tokens)
+                   rc.max_batch, rc.top_k, config.eos_token_ids, rc.max_prefill_tokens,
+                   rc.max_num_batched_tokens)
 
     # ------------------------------------------------------------------ requests
 
@@ -120,6 +125,7 @@ class Scheduler:
 
     def resume(self, seq: Sequence) -> None:
         """Queue a sequence that already has tokens (moved here from a failed worker)."""
+        seq.num_computed = 0
         self.waiting.appendleft(seq)
 
     def abort(self, seq_id: str) -> None:
@@ -141,9 +147,12 @@ class Scheduler:
     # ------------------------------------------------------------------ batching
 
     def schedule(self) -> StepBatch | None:
-        batch = self._schedule_prefill()
-        if batch is None and self.running:
-            batch = self._schedule_decode()
+        if self.max_num_batched_tokens:
+            batch = self._schedule_chunked()
+        else:
+            batch = self._schedule_prefill()
+            if batch is None and self.running:
+                batch = self._schedule_decode()
         if batch is not None:
             self.steps += 1
         return batch
@@ -174,6 +183,8 @@ class Scheduler:
             slots.extend(self.blocks.slot(seq.seq_id, p) for p in range(cached, n))
             prefix_slots.extend(self.blocks.slot(seq.seq_id, p) for p in range(cached))
             cu.append(cu[-1] + n - cached)
+        for seq, cached in admitted:
+            seq.num_computed = cached
         seqs = [s for s, _ in admitted]
         self.running.extend(seqs)
         return StepBatch(
@@ -186,9 +197,70 @@ class Scheduler:
             cu_seqlens=cu,
             prefix_lens=[c for _, c in admitted],
             prefix_slots=np.asarray(prefix_slots, dtype=np.int64),
+            chunk_lens=[s.num_tokens - c for s, c in admitted],
+        )
+
+    def _schedule_chunked(self) -> StepBatch | None:
+        """One launch of at most ``max_num_batched_tokens`` tokens: a decode row for every
+        prefilled sequence, then prompt chunks (unfinished prompts first, then admissions)
+        in what the budget leaves; a chunk's prefix is whatever its sequence has computed."""
+        decoding = self._decode_rows()
+        budget = self.max_num_batched_tokens - len(decoding)
+        chunks: list[tuple[Sequence, int]] = []
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if not seq.prefilled:
+                take = min(budget, seq.num_tokens - seq.num_computed)
+                chunks.append((seq, take))
+                budget -= take
+        while budget > 0 and self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            try:
+                seq.num_computed = self.blocks.allocate(seq.seq_id, seq.all_ids, reserve=1)
+            except OutOfBlocks:
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            take = min(budget, seq.num_tokens - seq.num_computed)
+            chunks.append((seq, take))
+            budget -= take
+        if not chunks:
+            return self._decode_batch(decoding) if decoding else None
+        ids, pos, slots, cu, prefix_slots = [], [], [], [0], []
+        for seq in decoding:
+            p = seq.num_tokens - 1
+            ids.append(seq.last_token)
+            pos.append(p)
+            slots.append(self.blocks.slot(seq.seq_id, p))
+            cu.append(cu[-1] + 1)
+        for seq, take in chunks:
+            start, all_ids = seq.num_computed, seq.all_ids
+            ids.extend(all_ids[start : start + take])
+            pos.extend(range(start, start + take))
+            slots.extend(self.blocks.slot(seq.seq_id, p) for p in range(start, start + take))
+            prefix_slots.extend(self.blocks.slot(seq.seq_id, p) for p in range(start))
+            cu.append(cu[-1] + take)
+        seqs = decoding + [s for s, _ in chunks]
+        tables, lens, ctx = self._tables(decoding)
+        return StepBatch(
+            kind="prefill", seqs=seqs,
+            token_ids=np.asarray(ids, dtype=np.int32), positions=np.asarray(pos, dtype=np.int32),
+            slot_mapping=np.asarray(slots, dtype=np.int64),
+            row_kinds=[row_kind(s.params, self.k) for s in seqs], cu_seqlens=cu,
+            prefix_lens=[0] * len(decoding) + [s.num_computed for s, _ in chunks],
+            prefix_slots=np.asarray(prefix_slots, dtype=np.int64),
+            num_decode=len(decoding), block_tables=tables, seq_lens=lens, ctx_len=ctx,
+            chunk_lens=[1] * len(decoding) + [t for _, t in chunks],
         )
 
     def _schedule_decode(self) -> StepBatch | None:
+        seqs = self._decode_rows()
+        return self._decode_batch(seqs) if seqs else None
+
+    def _decode_rows(self) -> list[Sequence]:
+        """The prefilled running sequences, each with room for its next token; when blocks
+        run out the newest running sequence is preempted (recomputed later)."""
         self.running.sort(key=lambda s: s.arrival)
         i = 0
         while i < len(self.running):
@@ -198,14 +270,20 @@ class Scheduler:
                 i += 1
             except OutOfBlocks:
                 self._preempt(self.running[-1])
-        if not self.running:
-            return None
-        seqs = list(self.running)
-        width = max(len(self.blocks.table(s.seq_id)) for s in seqs)
+        return [s for s in self.running if s.prefilled]
+
+    def _tables(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray, int]:
+        """Block tables [B, W], sequence lengths [B] and the context width for decode rows."""
+        width = max((len(self.blocks.table(s.seq_id)) for s in seqs), default=0)
         tables = np.zeros((len(seqs), width), dtype=np.int32)
         for r, s in enumerate(seqs):
             t = self.blocks.table(s.seq_id)
             tables[r, : len(t)] = t
+        lens = np.asarray([s.num_tokens for s in seqs], dtype=np.int32)
+        return tables, lens, width * self.blocks.block_size
+
+    def _decode_batch(self, seqs: list[Sequence]) -> StepBatch:
+        tables, _, ctx = self._tables(seqs)
         positions = np.asarray([s.num_tokens - 1 for s in seqs], dtype=np.int32)
         return StepBatch(
             kind="decode",
@@ -218,11 +296,13 @@ class Scheduler:
             row_kinds=[row_kind(s.params, self.k) for s in seqs],
             block_tables=tables,
             seq_lens=positions + 1,
-            ctx_len=width * self.blocks.block_size,
+            ctx_len=ctx,
+            chunk_lens=[1] * len(seqs),
         )
 
     def _preempt(self, seq: Sequence) -> None:
         self._retire(seq)
+        seq.num_computed = 0
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
@@ -244,6 +324,11 @@ class Scheduler:
         for row, (seq, kind) in enumerate(zip(batch.seqs, batch.row_kinds)):
             if seq.finish_reason is not None or seq not in self.running:
                 continue  # aborted while the launch ran
+            seq.num_computed += batch.chunk_lens[row] if batch.chunk_lens else 1
+            if seq.num_computed < seq.num_tokens:  # a chunk short of the prompt's end: no token
+                if self.blocks.needs_commit(seq.seq_id, seq.num_computed):
+                    self.blocks.commit(seq.seq_id, seq.all_ids, seq.num_computed)
+                continue
             try:
                 events.append(self._process_row(seq, kind, row, result))
             except Exception as exc:  # noqa: BLE001 - isolated to this request

@@ -21,6 +21,12 @@ class Sequence:
     arrival: int = 0
     num_preemptions: int = 0
     detok: Detokenizer | None = None  # None: the model has no tokenizer, ids only
+    num_computed: int = 0  # leading tokens whose K/V are in this worker's cache
+
+    @property
+    def prefilled(self) -> bool:
+        """Every token but the newest has its K/V: the next launch decodes one token."""
+        return self.num_computed >= self.num_tokens - 1
 
     @property
     def all_ids(self) -> list[int]:

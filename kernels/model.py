@@ -341,6 +341,10 @@ class Qwen3Model:
         want_topk: bool = True,
         prefix_lens: list[int] | None = None,
         prefix_slots: torch.Tensor | None = None,
+        num_decode: int = 0,
+        block_tables: torch.Tensor | None = None,
+        seq_lens: torch.Tensor | None = None,
+        ctx_len: int = 0,
     ) -> None:
         """Run B packed prompts, write their K/V into pages, sample each one's next token.
 
@@ -348,8 +352,10 @@ class Qwen3Model:
         back; ``cu_seqlens`` [B + 1] are their boundaries. A prompt whose first
         ``prefix_lens[i]`` tokens are cached (prefix caching) passes only the rest, and its
         attention also reads the cached K/V at ``prefix_slots`` (packed per prompt, in order).
-        Rows [:B] of ``out`` are written. Prefill may allocate (its shapes vary with the
-        prompts); decode does not.
+        Chunked prefill: the first ``num_decode`` rows are decode rows (one token each, whose
+        context is paged: ``block_tables`` [num_decode, W], ``seq_lens``), attended as in
+        ``decode_step``; the rest are prompt chunks. Rows [:B] of ``out`` are written.
+        Prefill may allocate (its shapes vary with the prompts); decode does not.
         """
         b = len(cu_seqlens) - 1
         if b > ws.max_batch:
@@ -358,10 +364,21 @@ class Qwen3Model:
         cos = self.cos.index_select(0, positions).unsqueeze(1)
         sin = self.sin.index_select(0, positions).unsqueeze(1)
 
+        nd = num_decode
+        if nd and self.native is None:
+            slots_mask = ws.attention.prepare(block_tables, seq_lens, ctx_len)
+        chunk_cu = [c - nd for c in cu_seqlens[nd:]]
+        chunk_prefix = None if not prefix_lens else prefix_lens[nd:]
+
         def attend(q, k, v, k_cache, v_cache, o) -> None:
-            prefix = None if not prefix_lens or not any(prefix_lens) else \
-                (prefix_lens, prefix_slots, k_cache, v_cache)
-            prefill_attention(q, k, v, cu_seqlens, self.scale, out=o, prefix=prefix)
+            if nd and self.native is not None:
+                self.native.decode_attention(q[:nd], k_cache, v_cache, block_tables, seq_lens,
+                                             kv.block_size, self.scale, o[:nd])
+            elif nd:
+                paged_decode_attention(q[:nd], k_cache, v_cache, *slots_mask, None, ws.attention, o[:nd])
+            prefix = None if not chunk_prefix or not any(chunk_prefix) else \
+                (chunk_prefix, prefix_slots, k_cache, v_cache)
+            prefill_attention(q[nd:], k[nd:], v[nd:], chunk_cu, self.scale, out=o[nd:], prefix=prefix)
 
         buf = LayerBuffers.allocate(self.config, x.shape[0], self.dtype, x.device)
         for i, lw in enumerate(self.w.layers):

@@ -29,6 +29,20 @@ class RunnerConfig:
     # Keep full KV blocks after their sequence ends, content-hashed, and reuse them as prompt
     # prefixes (coordinator/block_manager.py).
     enable_prefix_caching: bool = True
+    # Chunked prefill: the most tokens one launch runs (decode rows count one each); prompts
+    # are split to fit and share launches with the running decodes. 0: whole-prompt prefills.
+    max_num_batched_tokens: int = 0
+
+    def check(self) -> None:
+        """Refuse, at start, settings no launch could honour."""
+        for name in ("max_batch", "block_size", "num_blocks", "top_k", "max_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        n = self.max_num_batched_tokens
+        if n and not self.max_batch < n <= self.max_prefill_tokens:
+            raise ValueError(f"max_num_batched_tokens must be 0 (off) or in ({self.max_batch}, "
+                             f"{self.max_prefill_tokens}] (more than max_batch decode rows, at most "
+                             f"max_prefill_tokens), got {n}")
 
     @property
     def pad_slot(self) -> int:
@@ -42,6 +56,7 @@ class RunnerConfig:
             "W": -(-max_model_len // self.block_size),
             "T": max(self.max_prefill_tokens, max_model_len),
             "TP": self.max_batch * max_model_len,  # cached prefix tokens of one prefill
+            "BD": self.max_batch,  # decode rows riding in a prefill launch (chunked prefill)
             "NT": self.max_batch,
             "NF": self.max_batch,
             "K": self.top_k,
@@ -66,15 +81,17 @@ class LaunchDescriptor:
     ctx_len: int = 0
     cu_seqlens: list[int] = field(default_factory=list)  # prefill: the new tokens' boundaries
     prefix_lens: list[int] = field(default_factory=list)  # prefill: cached tokens before them
+    num_decode: int = 0  # prefill: its first rows are decode rows (one token, paged attention)
 
     def to_wire(self) -> dict:
         return {"table": self.table, "dims": self.dims, "step": self.step,
-                "ctx_len": self.ctx_len, "cu_seqlens": self.cu_seqlens, "prefix_lens": self.prefix_lens}
+                "ctx_len": self.ctx_len, "cu_seqlens": self.cu_seqlens, "prefix_lens": self.prefix_lens,
+                "num_decode": self.num_decode}
 
     @classmethod
     def from_wire(cls, d: dict) -> LaunchDescriptor:
         return cls(d["table"], dict(d["dims"]), d["step"], d.get("ctx_len", 0),
-                   list(d.get("cu_seqlens", [])), list(d.get("prefix_lens", [])))
+                   list(d.get("cu_seqlens", [])), list(d.get("prefix_lens", [])), d.get("num_decode", 0))
 
 
 @dataclass

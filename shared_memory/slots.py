@@ -167,6 +167,8 @@ def prefill_table(hidden_dtype: torch.dtype = torch.float32) -> SlotTable:
             Slot("prefill_positions", ("T",), i32, IN, HS),
             Slot("prefill_slot_mapping", ("T",), i64, IN, HS),
             Slot("prefill_prefix_slots", ("TP",), i64, IN, HS),  # cached prefixes' K/V slots
+            Slot("prefill_block_tables", ("BD", "W"), i32, IN, HS),  # decode rows (chunked prefill)
+            Slot("prefill_seq_lens", ("BD",), i32, IN, HS),
             *_sampling_slots(hidden_dtype),
         ],
     )

@@ -84,6 +84,8 @@ class ModelRunner:
             v["prefill_token_ids"], v["prefill_positions"], desc.cu_seqlens,
             v["prefill_slot_mapping"], self.kv, self.ws, self.outputs, want_topk=dims["NT"] > 0,
             prefix_lens=desc.prefix_lens or None, prefix_slots=v["prefill_prefix_slots"],
+            num_decode=desc.num_decode, block_tables=v["prefill_block_tables"],
+            seq_lens=v["prefill_seq_lens"], ctx_len=desc.ctx_len,
         )
         self._gather_rows(v, dims)
 

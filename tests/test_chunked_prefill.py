@@ -1,0 +1,71 @@
+"""Chunked prefill: a per-launch token budget; long prompts are split and share launches
+with the running decodes, which keep getting a token every launch."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.config import ServerConfig
+from coordinator.llm_engine import LLMEngine
+from kernels.sampling import SamplingParams
+from shared_memory.contract import RunnerConfig
+
+LONG = " ".join(f"item {i} is the number {i * 7 % 13}." for i in range(60))
+SHORT = ["Hello", "def hello(name):", "The capital of France is"]
+
+
+def _rc(budget: int, caching: bool = True) -> RunnerConfig:
+    return RunnerConfig(max_batch=4, block_size=8, num_blocks=128, top_k=8, max_num_batched_tokens=budget,
+                        enable_prefix_caching=caching)
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_chunked_outputs_equal_unchunked(caching):
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    prompts = [*SHORT, LONG, LONG + " And so on."]  # the long ones prefill while the short decode
+    with LLMEngine("default", dtype="float32", runner=_rc(0, caching)) as eng:
+        want = [o.token_ids for o in eng.generate(prompts, params)]
+    with LLMEngine("default", dtype="float32", runner=_rc(24, caching)) as eng:
+        eng.runtime.keep_history = 10_000
+        got = [o.token_ids for o in eng.generate(prompts, params)]
+        launches = eng.runtime.history
+        blocks = eng.core.scheduler.blocks
+        assert blocks.num_used == 0, "every block is free or only cached"
+    assert got == want
+    assert all(r.dims.get("T", 1) <= 24 for r in launches), "no launch over the token budget"
+    assert any(r.table == "prefill" and r.dims["BD"] > 0 for r in launches), "chunks rode with decodes"
+
+
+def test_a_long_prompt_does_not_stall_a_running_stream():
+    with LLMEngine("default", dtype="float32", runner=_rc(32)) as eng:
+        sched = eng.core.scheduler
+        stream = sched.add("stream", eng.encode("Once upon a time"),
+                           SamplingParams(max_tokens=200, ignore_eos=True))
+        while len(stream.output_ids) < 3:
+            eng.core.step()
+        long_ids = eng.encode(LONG)
+        assert len(long_ids) > 200
+        big = sched.add("big", long_ids, SamplingParams(max_tokens=2, ignore_eos=True))
+        launches = 0
+        before = len(stream.output_ids)
+        while not big.output_ids:
+            eng.core.step()
+            launches += 1
+        # Every launch while the prompt prefilled also decoded the stream.
+        assert launches >= len(long_ids) // 32
+        assert len(stream.output_ids) - before == launches
+        while sched.has_work():
+            eng.core.step()
+        assert sched.blocks.num_used == 0
+
+
+def test_out_of_range_chunking_is_refused_at_start():
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        RunnerConfig(max_batch=8, max_num_batched_tokens=8).check()  # no room beyond the decode rows
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        RunnerConfig(max_prefill_tokens=512, max_num_batched_tokens=1024).check()
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        ServerConfig(runner=RunnerConfig(max_batch=8, max_num_batched_tokens=3)).check()
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        LLMEngine("default", runner=RunnerConfig(max_batch=8, max_num_batched_tokens=5))
+    RunnerConfig(max_batch=8, max_num_batched_tokens=9).check()
