@@ -31,6 +31,7 @@ def write_batch(arena: HostArena, batch: StepBatch, step: int, k: int, vocab: in
             "K": k, "V": vocab, "D": hidden}
     _put(arena, "topk_rows", topk_rows)
     _put(arena, "full_rows", full_rows)
+    _write_sampling(arena, batch, dims)
     if batch.kind == "prefill":
         prefix = batch.prefix_slots if batch.prefix_slots is not None else np.zeros(0, dtype=np.int64)
         dims["T"], dims["TP"] = len(batch.token_ids), len(prefix)
@@ -58,11 +59,42 @@ def write_batch(arena: HostArena, batch: StepBatch, step: int, k: int, vocab: in
     return LaunchDescriptor("decode", dims, step, ctx_len=batch.ctx_len)
 
 
+def _write_sampling(arena: HostArena, batch: StepBatch, dims: dict[str, int]) -> None:
+    """Device sampling's per-row settings, and which rows want logprobs (and how many)."""
+    b = batch.batch_size
+    f32 = np.zeros((b, 4), dtype=np.float32)
+    seeds = np.zeros((b, 2), dtype=np.int64)
+    rows, n = [], 0
+    for i, (seq, kind) in enumerate(zip(batch.seqs, batch.row_kinds)):
+        if kind != RowKind.DEVICE or seq is None:
+            continue
+        p = seq.params
+        try:
+            f32[i] = (p.temperature, p.top_p, p.min_p, p.top_k)
+            seeds[i] = (p.seed & 0x7FFF_FFFF_FFFF_FFFF, len(seq.output_ids))
+        except (TypeError, ValueError, OverflowError):  # a bug past validation: this row alone fails
+            f32[i], seeds[i] = 0, 0
+            batch.row_kinds[i] = RowKind.INVALID
+            continue
+        if p.logprobs:
+            rows.append(i)
+            n = max(n, p.top_logprobs)
+    dims["NL"], dims["N"] = len(rows), n
+    _put(arena, "sampling_params", f32)
+    _put(arena, "sampling_seeds", seeds)
+    _put(arena, "logprob_rows", np.asarray(rows, dtype=np.int64))
+
+
 def read_result(arena: HostArena, desc: LaunchDescriptor) -> DecodeResult:
     d = desc.dims
     topk_rows = arena.view("topk_rows", (d["NT"],)).tolist()
     full_rows = arena.view("full_rows", (d["NF"],)).tolist()
+    nl, n = d.get("NL", 0), d.get("N", 0)
     return DecodeResult(
+        logprob_rows=arena.view("logprob_rows", (nl,)).tolist(),
+        sampled_logprobs=arena.view("sampled_logprobs", (nl,)).numpy() if nl else None,
+        top_logprob_ids=arena.view("top_logprob_ids", (nl, n)).numpy() if nl and n else None,
+        top_logprob_values=arena.view("top_logprob_values", (nl, n)).numpy() if nl and n else None,
         step=desc.step,
         sampled_ids=arena.view("sampled_ids", (d["B"],)).numpy(),
         topk_values=arena.view("topk_values", (d["NT"], d["K"])).numpy() if d["NT"] else None,

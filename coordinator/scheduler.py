@@ -21,7 +21,7 @@ from coordinator.detokenizer import Detokenizer
 from coordinator.errors import RequestError
 from coordinator.sequence import Sequence, TokenEvent
 from kernels.config import Qwen3Config
-from kernels.sampling import RowKind, SamplingParams, logprob, row_kind, sample, top_logprobs
+from kernels.sampling import RowKind, SamplingError, SamplingParams, logprob, row_kind, sample, top_logprobs
 from shared_memory.contract import RunnerConfig
 from shared_memory.result import DecodeResult
 
@@ -63,6 +63,7 @@ class Scheduler:
         eos_token_ids: tuple[int, ...] = (),
         max_prefill_tokens: int = 4096,
         max_num_batched_tokens: int = 0,
+        device_sampling: bool = False,
     ):
         self.blocks = blocks
         self.vocab_size = vocab_size
@@ -72,6 +73,7 @@ class Scheduler:
         self.eos = set(eos_token_ids)
         self.max_prefill_tokens = max_prefill_tokens
         self.max_num_batched_tokens = max_num_batched_tokens  # 0: no chunked prefill
+        self.device_sampling = device_sampling
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.steps = 0
@@ -83,7 +85,7 @@ class Scheduler:
         return cls(BlockManager(rc.num_blocks, rc.block_size, rc.enable_prefix_caching),
                    config.vocab_size, max_model_len,
                    rc.max_batch, rc.top_k, config.eos_token_ids, rc.max_prefill_tokens,
-                   rc.max_num_batched_tokens)
+                   rc.max_num_batched_tokens, rc.device_sampling)
 
     # ------------------------------------------------------------------ requests
 
@@ -193,7 +195,7 @@ class Scheduler:
             token_ids=np.asarray(ids, dtype=np.int32),
             positions=np.asarray(pos, dtype=np.int32),
             slot_mapping=np.asarray(slots, dtype=np.int64),
-            row_kinds=[row_kind(s.params, self.k) for s in seqs],
+            row_kinds=[row_kind(s.params, self.k, self.device_sampling) for s in seqs],
             cu_seqlens=cu,
             prefix_lens=[c for _, c in admitted],
             prefix_slots=np.asarray(prefix_slots, dtype=np.int64),
@@ -247,7 +249,7 @@ class Scheduler:
             kind="prefill", seqs=seqs,
             token_ids=np.asarray(ids, dtype=np.int32), positions=np.asarray(pos, dtype=np.int32),
             slot_mapping=np.asarray(slots, dtype=np.int64),
-            row_kinds=[row_kind(s.params, self.k) for s in seqs], cu_seqlens=cu,
+            row_kinds=[row_kind(s.params, self.k, self.device_sampling) for s in seqs], cu_seqlens=cu,
             prefix_lens=[0] * len(decoding) + [s.num_computed for s, _ in chunks],
             prefix_slots=np.asarray(prefix_slots, dtype=np.int64),
             num_decode=len(decoding), block_tables=tables, seq_lens=lens, ctx_len=ctx,
@@ -293,7 +295,7 @@ class Scheduler:
             slot_mapping=np.asarray(
                 [self.blocks.slot(s.seq_id, s.num_tokens - 1) for s in seqs], dtype=np.int64
             ),
-            row_kinds=[row_kind(s.params, self.k) for s in seqs],
+            row_kinds=[row_kind(s.params, self.k, self.device_sampling) for s in seqs],
             block_tables=tables,
             seq_lens=positions + 1,
             ctx_len=ctx,
@@ -342,12 +344,19 @@ class Scheduler:
 
     def _process_row(self, seq: Sequence, kind: str, row: int, result: DecodeResult) -> TokenEvent:
         step = len(seq.output_ids)
-        if kind == RowKind.GREEDY:
+        if kind == RowKind.INVALID:
+            raise SamplingError(f"sampling parameters {seq.params!r} cannot be sent to the device")
+        if kind in (RowKind.GREEDY, RowKind.DEVICE):
             token = result.greedy_id(row, seq.seq_id)
         else:
             values, ids = result.candidates(row, seq.seq_id)
             token = sample(values, ids, seq.params, step)
-        if seq.params.logprobs:
+        if seq.params.logprobs and kind == RowKind.DEVICE:
+            lp, top = result.device_logprobs(row, seq.seq_id, seq.params.top_logprobs)
+            seq.logprobs.append(lp)
+            if seq.params.top_logprobs:
+                seq.top_logprobs.append(top)
+        elif seq.params.logprobs:
             row_logits = result.full_logits(row, seq.seq_id)
             seq.logprobs.append(logprob(row_logits, token))
             if seq.params.top_logprobs:

@@ -87,10 +87,14 @@ class RowKind:
     GREEDY = "greedy"  # the argmax id
     TOPK = "topk"  # the top-K candidates
     FULL = "full"  # the whole logits row
+    DEVICE = "device"  # sampled on the device: the id (and asked-for logprobs)
+    INVALID = "invalid"  # its settings could not be sent to the device: the row fails alone
 
 
-def row_kind(params: SamplingParams, k: int) -> str:
+def row_kind(params: SamplingParams, k: int, device_sampling: bool = False) -> str:
     """Classify a request: which device output its next token is drawn from."""
+    if device_sampling:
+        return RowKind.DEVICE
     if params.logprobs:
         return RowKind.FULL
     if params.greedy:

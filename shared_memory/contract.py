@@ -15,6 +15,8 @@ import torch
 from shared_memory.runtime import LaunchRecord
 from shared_memory.slots import SlotTable, decode_table, prefill_table
 
+MAX_TOP_LOGPROBS = 20  # kernels.sampling refuses more (this package imports no kernels)
+
 
 @dataclass(frozen=True)
 class RunnerConfig:
@@ -32,6 +34,9 @@ class RunnerConfig:
     # Chunked prefill: the most tokens one launch runs (decode rows count one each); prompts
     # are split to fit and share launches with the running decodes. 0: whole-prompt prefills.
     max_num_batched_tokens: int = 0
+    # Sample every row on the device (only ids, and asked-for logprobs, come back); False keeps
+    # the host fallback (top-K candidates or the logits row of stochastic rows come back).
+    device_sampling: bool = True
 
     def check(self) -> None:
         """Refuse, at start, settings no launch could honour."""
@@ -59,6 +64,8 @@ class RunnerConfig:
             "BD": self.max_batch,  # decode rows riding in a prefill launch (chunked prefill)
             "NT": self.max_batch,
             "NF": self.max_batch,
+            "NL": self.max_batch,  # rows asking for logprobs (device sampling)
+            "N": MAX_TOP_LOGPROBS,  # top logprobs per row
             "K": self.top_k,
             "V": vocab,
             "D": hidden,

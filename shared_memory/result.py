@@ -31,6 +31,22 @@ class DecodeResult:
     topk_rows: list[int] = field(default_factory=list)
     logits: np.ndarray | None = None  # [n_full, vocab] float32
     full_rows: list[int] = field(default_factory=list)
+    # Device sampling: rows that asked for logprobs, the sampled token's, and the top n.
+    logprob_rows: list[int] = field(default_factory=list)
+    sampled_logprobs: np.ndarray | None = None  # [n_logprob] float32
+    top_logprob_ids: np.ndarray | None = None  # [n_logprob, n] int32
+    top_logprob_values: np.ndarray | None = None  # [n_logprob, n] float32
+
+    def device_logprobs(self, row: int, request_id: str, n: int) -> tuple[float, list[tuple[int, float]]]:
+        """The sampled token's logprob and the ``n`` most likely tokens', computed on the device."""
+        if row not in self.logprob_rows or self.sampled_logprobs is None:
+            raise MissingRowError(f"request {request_id!r}, step {self.step}: row {row} has no logprobs")
+        j = self.logprob_rows.index(row)
+        top = []
+        if n and self.top_logprob_ids is not None and self.top_logprob_values is not None:
+            ids, values = self.top_logprob_ids[j, :n], self.top_logprob_values[j, :n]
+            top = [(int(i), float(v)) for i, v in zip(ids, values)]
+        return float(self.sampled_logprobs[j]), top
 
     def candidates(self, row: int, request_id: str) -> tuple[np.ndarray, np.ndarray]:
         """(values, ids) to sample row ``row`` from: its top-K or its full logits."""

@@ -134,7 +134,14 @@ def _sampling_slots(hidden_dtype: torch.dtype) -> list[Slot]:
     return [
         Slot("topk_rows", ("NT",), i64, IN, HS),
         Slot("full_rows", ("NF",), i64, IN, HS),
+        # Device sampling: (temperature, top_p, min_p, top_k) and (seed, step) per row.
+        Slot("sampling_params", ("B", 4), f32, IN, HS),
+        Slot("sampling_seeds", ("B", 2), i64, IN, HS),
+        Slot("logprob_rows", ("NL",), i64, IN, HS),
         Slot("sampled_ids", ("B",), i32, OUT, HS),
+        Slot("sampled_logprobs", ("NL",), f32, OUT, HS),
+        Slot("top_logprob_ids", ("NL", "N"), i32, OUT, HS),
+        Slot("top_logprob_values", ("NL", "N"), f32, OUT, HS),
         Slot("topk_values", ("NT", "K"), f32, OUT, HS),
         Slot("topk_ids", ("NT", "K"), i32, OUT, HS),
         Slot("logits_rows", ("NF", "V"), f32, OUT, HS),

@@ -16,7 +16,7 @@ from shared_memory.arena import SHM_DIR, HostArena, list_segments, remove_stale
 from shared_memory.slots import decode_table, prefill_table
 
 ROOT = Path(__file__).resolve().parents[1]
-DIMS = {"B": 4, "W": 3, "T": 16, "TP": 8, "BD": 4, "NT": 4, "NF": 4, "K": 8, "V": 32, "D": 8}
+DIMS = {"B": 4, "W": 3, "T": 16, "TP": 8, "BD": 4, "NL": 4, "N": 2, "NT": 4, "NF": 4, "K": 8, "V": 32, "D": 8}
 TABLES = [prefill_table(), decode_table()]
 
 

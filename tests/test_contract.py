@@ -19,7 +19,8 @@ K = 16
 
 @pytest.fixture(scope="module")
 def engine():
-    rc = RunnerConfig(max_batch=16, num_blocks=128, block_size=8, top_k=K)
+    # The host-sampling fallback: its candidates and logits rows are what this file counts.
+    rc = RunnerConfig(max_batch=16, num_blocks=128, block_size=8, top_k=K, device_sampling=False)
     with LLMEngine("default", runner=rc) as eng:
         eng.runtime.keep_history = 10_000
         yield eng

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels import device_sampling
+from kernels.device_sampling import RowParams
 from kernels.model import Qwen3Model, SampleOutputs
 from shared_memory.arena import HostArena
 from shared_memory.contract import LaunchDescriptor, RunnerConfig, slot_tables
@@ -90,8 +92,14 @@ class ModelRunner:
         self._gather_rows(v, dims)
 
     def _gather_rows(self, v: dict[str, torch.Tensor], dims: dict[str, int]) -> None:
-        """Compact the rows that need candidates or logits, on the device."""
+        """Sample on the device, and compact the rows that need candidates or logits."""
         b = dims["B"]
+        if self.rc.device_sampling:
+            logits = self.outputs.logits[:b]
+            device_sampling.sample(logits, RowParams(v["sampling_params"], v["sampling_seeds"]),
+                                   v["sampled_ids"], argmax_done=True)
+            device_sampling.logprobs(logits, v["logprob_rows"], v["sampled_ids"], dims["N"],
+                                     v["sampled_logprobs"], v["top_logprob_ids"], v["top_logprob_values"])
         if dims["NT"]:
             torch.index_select(v["all_topk_values"], 0, v["topk_rows"], out=v["topk_values"])
             torch.index_select(v["all_topk_ids"], 0, v["topk_rows"], out=v["topk_ids"])

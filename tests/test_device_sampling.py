@@ -1,0 +1,120 @@
+"""Sampling of every kind on the device: the exact distribution, reproducible draws whatever
+the batch, and only ids (plus asked-for logprobs) coming back."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from coordinator.llm_engine import LLMEngine
+from kernels.device_sampling import RowParams, sample
+from kernels.sampling import SamplingParams
+from shared_memory.contract import RunnerConfig
+
+
+def _expected(logits: np.ndarray, t: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """The target distribution, computed independently in float64 (ids ascending on ties)."""
+    order = np.lexsort((np.arange(len(logits)), -logits))
+    if top_k:
+        order = order[:top_k]
+    x = logits[order] / t
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    if top_p < 1:
+        keep = int(np.searchsorted(np.cumsum(p), top_p)) + 1
+        order, p = order[:keep], p[:keep] / p[:keep].sum()
+    if min_p:
+        keep = p >= min_p * p[0]
+        order, p = order[keep], p[keep] / p[keep].sum()
+    out = np.zeros(len(logits))
+    out[order] = p
+    return out
+
+
+def _chi2_ok(counts: np.ndarray, probs: np.ndarray) -> tuple[float, float]:
+    """Pearson's chi-square over the kept tokens, and the 0.1% critical value (Wilson-Hilferty)."""
+    n, keep = counts.sum(), probs > 0
+    assert counts[~keep].sum() == 0, "drew a token outside the kept set"
+    e = probs[keep] * n
+    chi2 = float(((counts[keep] - e) ** 2 / e).sum())
+    df = max(int(keep.sum()) - 1, 1)
+    z = 3.09  # one-sided 0.1%
+    crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return chi2, crit
+
+
+@pytest.mark.parametrize("t,top_k,top_p,min_p", [
+    (1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.3, 5, 1.0, 0.0), (1.0, 0, 0.8, 0.0),
+    (0.9, 6, 0.9, 0.0), (1.0, 0, 1.0, 0.1),
+])
+def test_draws_follow_the_exact_distribution(t, top_k, top_p, min_p):
+    logits = np.array([2.0, 1.5, 1.0, 0.7, 0.3, 0.0, -0.5, -1.0, -2.0, -3.0])
+    n = 20_000
+    rows = torch.tensor(logits, dtype=torch.float32).repeat(n, 1)
+    p = RowParams(torch.tensor([[t, top_p, min_p, top_k]], dtype=torch.float32).repeat(n, 1),
+                  torch.stack([torch.full((n,), 1234), torch.arange(n)], 1))
+    out = torch.empty(n, dtype=torch.int32)
+    sample(rows, p, out)
+    counts = np.bincount(out.numpy(), minlength=len(logits))
+    want = _expected(logits.astype(np.float32).astype(np.float64), t, top_k, top_p, min_p)
+    chi2, crit = _chi2_ok(counts, want)
+    assert chi2 < crit, f"chi-square {chi2:.1f} >= {crit:.1f}: draws do not follow the distribution"
+
+
+def test_seeded_draws_repeat_whatever_the_batch():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g) * 2
+    f32 = torch.tensor([[0.9, 0.95, 0.0, 0], [1.0, 1.0, 0.05, 0], [0.7, 1.0, 0.0, 8],
+                        [0.0, 1.0, 0.0, 0], [1.2, 0.5, 0.0, 20], [1.0, 1.0, 0.0, 0]])
+    seeds = torch.tensor([[7, 3], [8, 3], [9, 0], [1, 1], [2, 5], [3, 9]])
+    full = torch.empty(6, dtype=torch.int32)
+    sample(logits, RowParams(f32, seeds), full)
+    assert int(full[3]) == int(logits[3].argmax()), "temperature 0 is greedy"
+    for i in range(6):  # alone, and again: the same token
+        one = torch.empty(1, dtype=torch.int32)
+        sample(logits[i : i + 1], RowParams(f32[i : i + 1], seeds[i : i + 1]), one)
+        assert int(one) == int(full[i])
+    other = torch.empty(6, dtype=torch.int32)
+    sample(logits, RowParams(f32, seeds + torch.tensor([0, 1])), other)
+    assert not torch.equal(other, full), "a different step draws anew"
+
+
+RC = RunnerConfig(max_batch=8, block_size=8, num_blocks=96, top_k=8)
+
+
+def test_d2h_is_ids_plus_asked_logprobs_for_any_mix_and_outputs_repeat():
+    greedy = [SamplingParams(max_tokens=10, ignore_eos=True) for _ in range(2)]
+    top_p = [SamplingParams(max_tokens=10, temperature=0.7, top_p=0.95, seed=i, ignore_eos=True)
+             for i in range(3)]
+    mixed = [SamplingParams(max_tokens=10, temperature=1.0, top_k=0, min_p=0.05, seed=9, ignore_eos=True),
+             SamplingParams(max_tokens=10, temperature=0.8, top_k=40, seed=3, logprobs=True, ignore_eos=True),
+             SamplingParams(max_tokens=10, temperature=0.0, top_logprobs=5, ignore_eos=True)]
+    params = greedy + top_p + mixed
+    prompts = [f"request {i} says hello" for i in range(len(params))]
+    with LLMEngine("default", dtype="float32", runner=RC) as eng:
+        eng.runtime.keep_history = 10_000
+        outs = eng.generate(prompts, params)
+        decode = [r for r in eng.runtime.history if r.table == "decode"]
+        alone = [eng.generate([prompts[i]], [params[i]])[0].token_ids for i in (2, 5, 6)]
+    for r in decode:
+        nl, n = r.dims["NL"], r.dims["N"]
+        assert r.dims["NT"] == r.dims["NF"] == 0, "no candidates or logits rows leave the device"
+        assert r.d2h_bytes == r.dims["B"] * 4 + nl * 4 + nl * n * 8
+    assert any(r.dims["NL"] == 2 and r.dims["N"] == 5 for r in decode)
+    assert [outs[i].token_ids for i in (2, 5, 6)] == alone, "a seeded request draws the same alone"
+    assert len(outs[6].logprobs) == 10 and all(lp <= 0 for lp in outs[6].logprobs)
+
+
+def test_host_fallback_still_serves_every_kind():
+    host = RunnerConfig(max_batch=8, block_size=8, num_blocks=96, top_k=8, device_sampling=False)
+    params = [SamplingParams(max_tokens=6, temperature=0.7, top_p=0.95, seed=1, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.8, top_k=4, seed=2, logprobs=True, ignore_eos=True)]
+    with LLMEngine("default", dtype="float32", runner=host) as eng:
+        eng.runtime.keep_history = 1000
+        outs = eng.generate(["Hello", "The capital of France is"], params)
+        decode = [r for r in eng.runtime.history if r.table == "decode"]
+    assert all(len(o.token_ids) == 6 for o in outs) and len(outs[1].logprobs) == 6
+    assert any(r.dims["NF"] > 0 for r in decode), "the host path copies the rows it samples"
