@@ -61,22 +61,6 @@ def _fusedserve(model_dir: Path, batch: list[list[int]], new: int, quantization:
     return len(batch) * new / dt
 
 
-def _transformers(model_dir: Path, batch: list[list[int]], new: int) -> float:
-    import torch
-    from transformers import Qwen3ForCausalLM
-
-    model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    ids = torch.tensor(batch)
-    with torch.no_grad():
-        model.generate(ids[:1, :8], max_new_tokens=4, do_sample=False)
-        t0 = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                             attention_mask=torch.ones_like(ids))
-        dt = time.perf_counter() - t0
-    assert out.shape[1] == ids.shape[1] + new
-    return len(batch) * new / dt
-
-
 def _openvino(ov_dir: Path, batch: list[list[int]], new: int) -> float:
     import openvino as ov
     import openvino_genai as genai
@@ -106,7 +90,11 @@ def run_engine(engine: str, model_dir: Path, ov_root: Path, batch: list[list[int
     if engine == "fusedserve-int8":
         return _fusedserve(model_dir, batch, new, "int8")
     if engine == "transformers-bf16":
-        return _transformers(model_dir, batch, new)
+        import torch
+
+        from benchmarks.throughput import transformers_generate
+
+        return transformers_generate(batch, new, "bfloat16", torch.get_num_threads(), model_dir)
     if engine.startswith("openvino-"):
         return _openvino(ov_root / engine.split("-", 1)[1], batch, new)
     raise ValueError(f"unknown engine {engine!r}")

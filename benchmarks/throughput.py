@@ -11,6 +11,7 @@ import argparse
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,12 +24,13 @@ def prompts(n: int, input_len: int, vocab: int, seed: int = 0) -> list[list[int]
     return rng.integers(0, vocab, size=(n, input_len)).tolist()
 
 
-def transformers_generate(batch: list[list[int]], output_len: int, dtype: str, threads: int) -> float:
-    """Output tokens/s of transformers' static-batch greedy generate."""
+def transformers_generate(batch: list[list[int]], output_len: int, dtype: str, threads: int,
+                          model_dir: Path | None = None) -> float:
+    """Output tokens/s of transformers' static-batch greedy generate (default: the benchmark model)."""
     from transformers import Qwen3ForCausalLM
 
     torch.set_num_threads(threads)
-    model = Qwen3ForCausalLM.from_pretrained(checkpoint(), dtype=getattr(torch, dtype)).eval()
+    model = Qwen3ForCausalLM.from_pretrained(model_dir or checkpoint(), dtype=getattr(torch, dtype)).eval()
     ids = torch.tensor(batch)
     with torch.no_grad():
         model.generate(ids[:, :8], max_new_tokens=2, do_sample=False)  # warm-up

@@ -90,13 +90,15 @@ class BlockManager:
             blocks.append(block)
         return blocks
 
-    def allocate(self, seq_id: str, token_ids: list[int], reserve: int = 0) -> int:
+    def allocate(self, seq_id: str, token_ids: list[int], reserve: int = 0,
+                 hit: list[int] | None = None) -> int:
         """Give ``seq_id`` blocks for ``token_ids`` (+ ``reserve`` tokens of room), reusing the
-        cached prefix; returns how many leading tokens are already computed. Raises
-        OutOfBlocks, changing nothing, if the rest does not fit."""
+        cached prefix (``hit``: ``cached_prefix(token_ids)`` when the caller already has it);
+        returns how many leading tokens are already computed. Raises OutOfBlocks, changing
+        nothing, if the rest does not fit."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already has blocks")
-        hit = self.cached_prefix(token_ids)
+        hit = self.cached_prefix(token_ids) if hit is None else hit
         need = self.blocks_for(len(token_ids) + reserve) - len(hit)
         available = self.num_free - sum(1 for b in hit if b in self._evictable)
         if need > available:

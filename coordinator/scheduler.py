@@ -165,11 +165,11 @@ class Scheduler:
         while self.waiting and len(self.running) + len(admitted) < self.max_batch:
             seq = self.waiting[0]
             ids = seq.all_ids
-            if admitted and tokens + len(ids) - len(self.blocks.cached_prefix(ids)) * self.blocks.block_size \
-                    > self.max_prefill_tokens:
+            hit = self.blocks.cached_prefix(ids)  # hashed once: the budget check and the allocation
+            if admitted and tokens + len(ids) - len(hit) * self.blocks.block_size > self.max_prefill_tokens:
                 break
             try:  # room for one generated token too
-                cached = self.blocks.allocate(seq.seq_id, ids, reserve=1)
+                cached = self.blocks.allocate(seq.seq_id, ids, reserve=1, hit=hit)
             except OutOfBlocks:
                 break
             self.waiting.popleft()
