@@ -1,6 +1,7 @@
 """Latency and overhead through the server: TTFT / TPOT percentiles at several
-concurrency levels, and coordinator + IPC time per decode step (step wall time at
-the coordinator minus the worker's launch time) for each transport."""
+concurrency levels, and the coordinator's share of a decode step (the worker's wait
+between launches against its launch time) per transport, with and without async
+scheduling."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from benchmarks.common import machine, percentile
 from benchmarks.throughput import prompts
 
 
-def _server(transport: str, max_batch: int, threads: int, dtype: str):
+def _server(transport: str, max_batch: int, threads: int, dtype: str, async_scheduling: bool = True):
     import ray
 
     from coordinator.config import ServerConfig
@@ -24,7 +25,8 @@ def _server(transport: str, max_batch: int, threads: int, dtype: str):
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     cfg = ServerConfig(model="default:benchmark", workers=1, device="cpu", port=0, dtype=dtype,
                        max_model_len=256, threads_per_worker=threads, transport=transport,
-                       runner=RunnerConfig(max_batch=max_batch, block_size=16, num_blocks=max_batch * 16 + 8))
+                       runner=RunnerConfig(max_batch=max_batch, block_size=16, num_blocks=max_batch * 16 + 8,
+                                           async_scheduling=async_scheduling))
     coord = Server(cfg)
     coord.start()
     coord.serve_in_thread()
@@ -65,12 +67,20 @@ def latency(concurrency: list[int], input_len: int, output_len: int, dtype: str,
     return rows
 
 
+OVERHEAD_SETUPS = (("shm", False), ("shm", True), ("serial", True))  # (transport, async scheduling)
+
+
 def overhead(batches: list[int], output_len: int, dtype: str, threads: int) -> list[dict]:
+    """The coordinator's share of a decode step, seen from the worker: how long it waited
+    between the end of one launch and the start of the next (the coordinator reading ids,
+    streaming, checking stops, scheduling, writing the arena, and the IPC), against the
+    launches' own time. Steady decode steps at the full batch only; with async scheduling
+    the next launch is already queued when one ends."""
     from coordinator.client import Client
 
     rows = []
-    for transport in ("auto", "serial"):
-        coord = _server(transport, max(batches), threads, dtype)
+    for transport, async_on in OVERHEAD_SETUPS:
+        coord = _server("auto" if transport == "shm" else "serial", max(batches), threads, dtype, async_on)
         try:
             for b in batches:
                 w = coord.workers[0]
@@ -83,13 +93,14 @@ def overhead(batches: list[int], output_len: int, dtype: str, threads: int) -> l
 
                 with ThreadPoolExecutor(b) as pool:
                     list(pool.map(one, batch))
-                full = [(wall, k) for bb, wall, k in list(w.core.stats.recent) if bb == b]
-                wall = sum(x[0] for x in full) / max(len(full), 1)
+                # The first step at the full batch waited for the prompts to arrive: skip it.
+                full = [(idle, k) for bb, idle, k in list(w.core.stats.recent) if bb == b][1:]
+                idle = sum(x[0] for x in full) / max(len(full), 1)
                 kern = sum(x[1] for x in full) / max(len(full), 1)
-                rows.append({"transport": "shm" if transport == "auto" else "serial", "batch": b,
-                             "steps": len(full), "step_ms": wall * 1e3, "launch_ms": kern * 1e3,
-                             "overhead_ms": (wall - kern) * 1e3,
-                             "overhead_pct": 100 * (wall - kern) / wall if wall else float("nan")})
+                rows.append({"transport": transport, "async": async_on, "batch": b, "steps": len(full),
+                             "step_ms": (idle + kern) * 1e3, "launch_ms": kern * 1e3,
+                             "overhead_ms": idle * 1e3,
+                             "overhead_pct": 100 * idle / (idle + kern) if idle + kern else float("nan")})
         finally:
             coord.shutdown()
     return rows
@@ -115,8 +126,9 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['ttft_p90_ms']:.0f}/{r['ttft_p99_ms']:.0f} ms, TPOT {r['tpot_p50_ms']:.1f}/"
               f"{r['tpot_p90_ms']:.1f}/{r['tpot_p99_ms']:.1f} ms")
     for r in res["overhead"]:
-        print(f"{r['transport']:>6} batch {r['batch']:>3}: step {r['step_ms']:.2f} ms, launch "
-              f"{r['launch_ms']:.2f} ms, overhead {r['overhead_ms']:.2f} ms ({r['overhead_pct']:.1f}%)")
+        print(f"{r['transport']:>6} async {'on ' if r['async'] else 'off'} batch {r['batch']:>3}: step "
+              f"{r['step_ms']:.2f} ms, launch {r['launch_ms']:.2f} ms, worker idle {r['overhead_ms']:.2f} ms "
+              f"({r['overhead_pct']:.2f}%)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

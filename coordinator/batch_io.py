@@ -45,6 +45,7 @@ def write_batch(arena: HostArena, batch: StepBatch, step: int, k: int, vocab: in
             dims["W"] = batch.block_tables.shape[1]
             _put(arena, "prefill_block_tables", batch.block_tables)
             _put(arena, "prefill_seq_lens", batch.seq_lens)
+            _put(arena, "prefill_feed_rows", _feed(batch, batch.num_decode))
         prefix_lens = list(batch.prefix_lens) or [0] * batch.batch_size
         return LaunchDescriptor("prefill", dims, step, ctx_len=batch.ctx_len,
                                 cu_seqlens=list(batch.cu_seqlens), prefix_lens=prefix_lens,
@@ -52,11 +53,18 @@ def write_batch(arena: HostArena, batch: StepBatch, step: int, k: int, vocab: in
     assert batch.block_tables is not None and batch.seq_lens is not None
     dims["W"] = batch.block_tables.shape[1]
     _put(arena, "token_ids", batch.token_ids)
+    _put(arena, "feed_rows", _feed(batch, batch.batch_size))
     _put(arena, "positions", batch.positions)
     _put(arena, "seq_lens", batch.seq_lens)
     _put(arena, "slot_mapping", batch.slot_mapping)
     _put(arena, "block_tables", batch.block_tables)
     return LaunchDescriptor("decode", dims, step, ctx_len=batch.ctx_len)
+
+
+def _feed(batch: StepBatch, rows: int) -> np.ndarray:
+    if batch.feed_rows is None:
+        return np.full(rows, -1, dtype=np.int32)
+    return batch.feed_rows
 
 
 def _write_sampling(arena: HostArena, batch: StepBatch, dims: dict[str, int]) -> None:
@@ -71,7 +79,8 @@ def _write_sampling(arena: HostArena, batch: StepBatch, dims: dict[str, int]) ->
         p = seq.params
         try:
             f32[i] = (p.temperature, p.top_p, p.min_p, p.top_k)
-            seeds[i] = (p.seed & 0x7FFF_FFFF_FFFF_FFFF, len(seq.output_ids))
+            step = batch.draw_steps[i] if batch.draw_steps else len(seq.output_ids)
+            seeds[i] = (p.seed & 0x7FFF_FFFF_FFFF_FFFF, step)
         except (TypeError, ValueError, OverflowError):  # a bug past validation: this row alone fails
             f32[i], seeds[i] = 0, 0
             batch.row_kinds[i] = RowKind.INVALID

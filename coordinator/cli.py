@@ -56,7 +56,8 @@ def _server_config(args: argparse.Namespace, token: str | None = None):
 
     rc = RunnerConfig(max_batch=args.max_batch, block_size=args.block_size, num_blocks=args.num_blocks,
                       enable_prefix_caching=not args.no_prefix_caching,
-                      max_num_batched_tokens=args.max_num_batched_tokens)
+                      max_num_batched_tokens=args.max_num_batched_tokens,
+                      async_scheduling=not args.no_async_scheduling)
     limits = Limits(max_tokens=args.max_tokens_limit, max_requests_per_client=args.max_requests_per_client,
                     max_prompt_tokens=args.max_prompt_tokens)
     return ServerConfig(model=args.model, workers=args.workers, device=args.device, host=args.host,
@@ -209,9 +210,8 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=os.environ.get("FUSEDSERVE_LOG", "WARNING"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand's flags (tests parse with it too)."""
     ap = argparse.ArgumentParser(prog="fusedserve")
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name in ("serve", "demo"):
@@ -252,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--no-prefix-caching", action="store_true",
                        help="free KV blocks when their sequence ends instead of keeping them as a "
                        "prefix cache")
+        p.add_argument("--no-async-scheduling", action="store_true",
+                       help="one launch in flight per worker: schedule the next only after reading "
+                       "this one's ids (default: two in flight, the next fed on the device)")
         p.add_argument("--threads-per-worker", type=int, default=1)
         p.add_argument("--max-tokens", type=int, default=16)
         p.add_argument("--ray-address", default=None,
@@ -279,7 +282,15 @@ def main(argv: list[str] | None = None) -> int:
     for p in (g, s, sc):
         p.add_argument("--address", default=DEFAULT_ADDRESS)
         p.add_argument("--auth-token-file", default=None, help=f"the server's token file (or ${TOKEN_ENV})")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("FUSEDSERVE_LOG", "WARNING"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from coordinator import bench_serve
+
+    args = build_parser().parse_args(argv)
     commands = {"serve": cmd_serve, "generate": cmd_generate, "stats": cmd_stats, "demo": cmd_demo,
                 "scale": cmd_scale, "bench": bench_serve.main}
     try:

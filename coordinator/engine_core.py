@@ -1,10 +1,15 @@
 """One worker's step, written once: schedule -> write arena -> launch -> read -> sample.
 
 ``launch()`` starts the next step on the executor and returns at once; ``finish(reply)``
-turns the worker's reply into token events. The offline engine calls the two back to
-back (``step()``); the server calls ``launch()`` on every idle worker, then ``finish()``
-on whichever replies first, so workers run in parallel. The core also keeps the
-worker's step counters: nothing else writes them.
+turns the oldest launch's reply into token events. The offline engine calls them from
+``step()``; the server calls ``launch()`` on every worker that wants one, then
+``finish()`` on whichever replies first, so workers run in parallel.
+
+Async scheduling keeps two launches in flight: launch n+1 is scheduled and sent while
+launch n runs, its rows fed the ids n leaves on the device, so the device never waits
+for the coordinator to read, stream and check stops. Each launch of the pair has its
+own arena bank, so writing n+1's inputs never touches n's outputs. The core also keeps
+the worker's step counters: nothing else writes them.
 """
 
 from __future__ import annotations
@@ -18,8 +23,11 @@ from coordinator.errors import RequestError
 from coordinator.executor import Executor
 from coordinator.scheduler import Scheduler, StepBatch
 from coordinator.sequence import Sequence, TokenEvent
+from kernels.sampling import RowKind
 from shared_memory.arena import HostArena
 from shared_memory.contract import LaunchDescriptor, LaunchReply
+
+DEVICE_KINDS = (RowKind.GREEDY, RowKind.DEVICE)  # rows whose token is drawn on the device
 
 
 @dataclass
@@ -29,8 +37,11 @@ class StepStats:
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     launch_s: float = 0.0  # time inside the worker's launches
+    idle_s: float = 0.0  # the worker's wait between launches: the coordinator's share
+    ahead: int = 0  # launches sent while the previous one was in flight
+    fed_rows: int = 0  # rows whose input id the device took from the previous launch
     last_decode: dict | None = None
-    # Recent decode steps as (batch, coordinator wall s, worker launch s): the overhead figure.
+    # Recent decode steps as (batch, worker idle s before it, worker launch s): the overhead figure.
     recent: deque = field(default_factory=lambda: deque(maxlen=4096))
 
 
@@ -38,25 +49,47 @@ class StepStats:
 class Inflight:
     batch: StepBatch
     desc: LaunchDescriptor
-    started: float  # perf_counter at schedule time
+    started: float  # perf_counter when it was sent, or when the launch before it finished
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, arena: HostArena, executor: Executor, top_k: int,
-                 vocab_size: int, hidden_size: int):
+    def __init__(self, scheduler: Scheduler, arenas: list[HostArena], executor: Executor, top_k: int,
+                 vocab_size: int, hidden_size: int, async_scheduling: bool = False):
         self.scheduler = scheduler
-        self.arena = arena
+        self.arenas = arenas
         self.executor = executor
         self._dims = (top_k, vocab_size, hidden_size)
-        self.inflight: Inflight | None = None
+        self.inflight: deque[Inflight] = deque()
+        self.async_scheduling = async_scheduling and len(arenas) > 1
         self.stats = StepStats()
 
+    @property
+    def arena(self) -> HostArena:
+        """The first bank (the only one without async scheduling)."""
+        return self.arenas[0]
+
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        """Requests to run, or launches whose replies are still owed."""
+        return self.scheduler.has_work() or bool(self.inflight)
 
     @property
     def idle(self) -> bool:
-        return self.inflight is None
+        return not self.inflight
+
+    @property
+    def running_since(self) -> float | None:
+        """When the worker started the oldest launch in flight (for the hang check)."""
+        return self.inflight[0].started if self.inflight else None
+
+    def wants_launch(self) -> bool:
+        """Whether ``launch()`` may run now: nothing in flight, or one launch whose rows
+        are all sampled on the device (their ids can feed the next launch there)."""
+        if not self.scheduler.has_work():
+            return False
+        if not self.inflight:
+            return True
+        return (self.async_scheduling and len(self.inflight) == 1
+                and all(k in DEVICE_KINDS for k in self.inflight[0].batch.row_kinds))
 
     def launch(self) -> bool:
         """Schedule the next step and start it; False when nothing could be scheduled.
@@ -68,16 +101,23 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if batch is None:
             return False
-        desc = write_batch(self.arena, batch, self.scheduler.steps, *self._dims)
+        bank = self.scheduler.steps % len(self.arenas)
+        desc = write_batch(self.arenas[bank], batch, self.scheduler.steps, *self._dims)
+        desc.bank = bank
         self.executor.submit(desc)
-        self.inflight = Inflight(batch, desc, t0)
+        self.stats.ahead += bool(self.inflight)
+        if batch.feed_rows is not None:
+            self.stats.fed_rows += int((batch.feed_rows >= 0).sum())
+        self.inflight.append(Inflight(batch, desc, t0))
         return True
 
     def finish(self, reply: LaunchReply) -> list[TokenEvent]:
-        """Sample from the launch's outputs; a failed launch fails each of its requests."""
-        inflight, self.inflight = self.inflight, None
-        if inflight is None:
+        """Read the oldest launch's outputs; a failed launch fails each of its requests."""
+        if not self.inflight:
             raise RuntimeError("finish() without a launch in flight")
+        inflight = self.inflight.popleft()
+        if self.inflight:
+            self.inflight[0].started = time.perf_counter()
         batch, desc = inflight.batch, inflight.desc
         if not reply.ok:
             events = []
@@ -93,19 +133,29 @@ class EngineCore:
         s.h2d_bytes += reply.h2d
         s.d2h_bytes += reply.d2h
         s.launch_s += reply.seconds
-        events = self.scheduler.process(batch, read_result(self.arena, desc))
+        s.idle_s += reply.idle
+        events = self.scheduler.process(batch, read_result(self.arenas[desc.bank], desc))
         s.tokens += sum(ev.token is not None for ev in events)
         if desc.table == "decode":
             b = desc.dims["B"]
             s.last_decode = {"batch": b, "h2d": reply.h2d, "d2h": reply.d2h, "seconds": reply.seconds}
-            s.recent.append((b, time.perf_counter() - inflight.started, reply.seconds))
+            s.recent.append((b, reply.idle, reply.seconds))
         return events
 
     def step(self) -> list[TokenEvent]:
-        """launch + wait + finish: the offline engine's whole step."""
-        if not self.launch():
+        """The offline engine's step: launch (and, with async scheduling, the one after it
+        too), then wait for and finish the oldest launch."""
+        if not self.inflight and not self.launch():
             raise RuntimeError("scheduler has work but could not schedule a launch")
+        if self.wants_launch():
+            self.launch()
         return self.finish(self.executor.wait())
+
+    def drain(self) -> None:
+        """Wait out the launches in flight and drop their replies (after an error)."""
+        while self.inflight:
+            self.inflight.popleft()
+            self.executor.wait()
 
     def unfinished(self) -> list[Sequence]:
         """Every request this worker holds, oldest first (to re-run elsewhere)."""

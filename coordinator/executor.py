@@ -7,6 +7,7 @@ know which one it has: that is the whole point of the split (vLLM V1's executor)
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Protocol
 
 import msgpack
@@ -35,60 +36,62 @@ class Executor(Protocol):
 
 
 class InProcessExecutor:
-    """Runs each launch at once on a model runner in this process (the offline engine).
+    """Runs each launch at once on a model runner in this process (the offline engine);
+    ``wait`` hands the replies back in launch order.
 
     A failing launch raises here, to the caller, with its traceback.
     """
 
     def __init__(self, runner: Runner):
         self.runner = runner
-        self._reply: LaunchReply | None = None
+        self._replies: deque[LaunchReply] = deque()
 
     def submit(self, desc: LaunchDescriptor) -> None:
-        self._reply = LaunchReply.from_record(self.runner.execute(desc))
+        self._replies.append(LaunchReply.from_record(self.runner.execute(desc)))
 
     def wait(self) -> LaunchReply:
-        reply, self._reply = self._reply, None
-        if reply is None:
+        if not self._replies:
             raise RuntimeError("wait() without a submitted launch")
-        return reply
+        return self._replies.popleft()
 
 
 class SocketExecutor:
     """A Ray worker's PAIR socket. Shared memory: the message is the descriptor alone.
     Serial (a worker on another node, or forced): it also carries the HOST_SHARED
-    input bytes, and the reply the output bytes, which land in the local arena."""
+    input bytes, and the reply the output bytes, which land in the local arena bank.
+    The worker answers launches in the order they were sent."""
 
-    def __init__(self, sock: zmq.Socket, arena: HostArena, serial: bool):
+    def __init__(self, sock: zmq.Socket, arenas: list[HostArena], serial: bool):
         self.sock = sock
-        self.arena = arena
+        self.arenas = arenas
         self.serial = serial
         self.tables = {t.name: t for t in slot_tables()}
         self.wire_bytes = 0
-        self._desc: LaunchDescriptor | None = None
+        self._sent: deque[LaunchDescriptor] = deque()
 
     def submit(self, desc: LaunchDescriptor) -> None:
         msg = desc.to_wire()
         if self.serial:
-            msg["inputs"] = transport.pack_inputs(self.arena, self.tables[desc.table], desc.dims)
+            msg["inputs"] = transport.pack_inputs(self.arenas[desc.bank], self.tables[desc.table],
+                                                  desc.dims)
         payload = msgpack.packb(msg)
         try:
             self.sock.send(payload, zmq.NOBLOCK)  # PAIR with no peer would block: the worker is gone
         except zmq.Again:
             raise WorkerGone("step socket has no peer") from None
         self.wire_bytes += len(payload)
-        self._desc = desc
+        self._sent.append(desc)
 
     def ready(self, poll_events: dict) -> bool:
         """True when a reply is waiting (``poll_events``: the loop's poll result)."""
-        return self._desc is not None and self.sock in poll_events
+        return bool(self._sent) and self.sock in poll_events
 
     def wait(self) -> LaunchReply:
         raw = self.sock.recv()
         self.wire_bytes += len(raw)
         reply = LaunchReply.from_wire(msgpack.unpackb(raw, raw=False))
-        desc, self._desc = self._desc, None
+        desc = self._sent.popleft() if self._sent else None
         if self.serial and reply.ok and desc is not None:
-            transport.unpack(self.arena, self.tables[desc.table], desc.dims, reply.outputs or {},
-                             outputs=True)
+            transport.unpack(self.arenas[desc.bank], self.tables[desc.table], desc.dims,
+                             reply.outputs or {}, outputs=True)
         return reply

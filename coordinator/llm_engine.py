@@ -58,13 +58,18 @@ class LLMEngine:
             self.tokenizer = tokenizer or tok
         self.rc = runner or RunnerConfig()
         self.rc.check()
-        self.arena = HostArena.create(slot_tables(self.model.dtype), model_dims(self.model, self.rc),
-                                      tag="engine")
-        self.runner = ModelRunner(self.model, self.rc, self.arena)
+        tables, dims = slot_tables(self.model.dtype), model_dims(self.model, self.rc)
+        self.arenas = [HostArena.create(tables, dims, tag="engine") for _ in range(self.rc.banks)]
+        self.runner = ModelRunner(self.model, self.rc, self.arenas)
         c = self.model.config
-        self.core = EngineCore(self.new_scheduler(), self.arena, InProcessExecutor(self.runner),
-                               self.rc.top_k, c.vocab_size, c.hidden_size)
+        self.core = EngineCore(self.new_scheduler(), self.arenas, InProcessExecutor(self.runner),
+                               self.rc.top_k, c.vocab_size, c.hidden_size, self.rc.async_scheduling)
         self._ids = itertools.count(1)
+
+    @property
+    def arena(self) -> HostArena:
+        """The first arena bank (the only one without async scheduling)."""
+        return self.arenas[0]
 
     @property
     def runtime(self) -> LaunchRuntime:
@@ -98,13 +103,14 @@ class LLMEngine:
             for prompt, p in zip(prompts, params):
                 seqs.append(sched.add(f"req-{next(self._ids)}", self.encode(prompt), p,
                                       self.detokenizer(p)))
-            while sched.has_work():
+            while self.core.has_work():
                 for ev in self.core.step():
                     if ev.error is not None:
                         errors[ev.seq.seq_id] = f"{ev.error.code}: {ev.error}"
-        except BaseException:  # an exception leaves nothing of this call queued
+        except BaseException:  # an exception leaves nothing of this call queued or in flight
             for s in seqs:
                 sched.abort(s.seq_id)
+            self.core.drain()
             raise
         return [self._output(s, errors.get(s.seq_id, "")) for s in seqs]
 
@@ -114,7 +120,8 @@ class LLMEngine:
                                 s.finish_reason or "abort", list(s.logprobs), s.num_preemptions, error)
 
     def close(self) -> None:
-        self.arena.close()
+        for arena in self.arenas:
+            arena.close()
 
     def __enter__(self) -> LLMEngine:
         return self

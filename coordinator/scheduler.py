@@ -5,6 +5,13 @@ requests (as many as blocks and the batch allow), else one decode step of every
 running request. When blocks run out mid-decode the newest request is preempted:
 its blocks are freed and it is recomputed later from prompt + tokens so far.
 The scheduler is host-only bookkeeping; an executor runs the launches.
+
+A launch may be scheduled before the previous one's ids are read (async scheduling):
+what a launch computes is counted when it is scheduled, a row whose newest token is
+still on the device is fed that token there (``feed_rows``), and ``process`` reads the
+ids one launch behind. A row that a stop string or EOS has already finished samples one
+token too many; ``process`` drops it, so it is never streamed. Finishing by length is
+known ahead, so such a row is never scheduled.
 """
 
 from __future__ import annotations
@@ -46,6 +53,12 @@ class StepBatch:
     block_tables: np.ndarray | None = None  # int32 [B, W] (decode)
     seq_lens: np.ndarray | None = None  # int32 [B] (decode)
     ctx_len: int = 0  # decode: context gathered, a multiple of block_size
+    # Decode rows: the row of the previous launch whose sampled id is this row's input
+    # (its token is not read yet), or -1 where ``token_ids`` holds it.
+    feed_rows: np.ndarray | None = None
+    samples: list[bool] = field(default_factory=list)  # the row samples a token
+    computed_to: list[int] = field(default_factory=list)  # the row's K/V reach after this launch
+    draw_steps: list[int] = field(default_factory=list)  # the sampled token's index in the output
 
     @property
     def batch_size(self) -> int:
@@ -126,8 +139,9 @@ class Scheduler:
         self.waiting.append(seq)
 
     def resume(self, seq: Sequence) -> None:
-        """Queue a sequence that already has tokens (moved here from a failed worker)."""
-        seq.num_computed = 0
+        """Queue a sequence that already has tokens (moved here from a failed worker, whose
+        launches in flight are lost: their tokens are sampled again, the same ones)."""
+        seq.num_computed, seq.num_pending, seq.feed_row = 0, 0, -1
         self.waiting.appendleft(seq)
 
     def abort(self, seq_id: str) -> None:
@@ -156,14 +170,42 @@ class Scheduler:
             if batch is None and self.running:
                 batch = self._schedule_decode()
         if batch is not None:
+            self._advance(batch)
             self.steps += 1
         return batch
+
+    def _advance(self, batch: StepBatch) -> None:
+        """Count what the launch will compute and sample, before it runs: the next
+        launch may be scheduled before this one's ids are read."""
+        for row, (seq, n) in enumerate(zip(batch.seqs, batch.chunk_lens)):
+            seq.num_computed += n
+            samples = seq.num_computed >= seq.length
+            batch.samples.append(samples)
+            batch.computed_to.append(seq.num_computed)
+            batch.draw_steps.append(len(seq.output_ids) + seq.num_pending)
+            if samples:
+                seq.num_pending += 1
+                seq.feed_row = row
+
+    def _input(self, seq: Sequence) -> tuple[int, int]:
+        """A decode row's input token and feed row: the token itself once read, else the
+        row of the launch in flight that samples it (the device keeps its ids)."""
+        if seq.num_pending:
+            return 0, seq.feed_row
+        return seq.last_token, -1
+
+    def _length_done(self, seq: Sequence) -> bool:
+        """The tokens already sampled finish ``seq`` by length: it needs no more launches."""
+        return (len(seq.output_ids) + seq.num_pending >= seq.params.max_tokens
+                or seq.length >= self.max_model_len)
 
     def _schedule_prefill(self) -> StepBatch | None:
         admitted: list[tuple[Sequence, int]] = []  # (sequence, tokens already in the cache)
         tokens = 0
         while self.waiting and len(self.running) + len(admitted) < self.max_batch:
             seq = self.waiting[0]
+            if seq.num_pending:  # preempted with its newest token still on the device
+                break
             ids = seq.all_ids
             hit = self.blocks.cached_prefix(ids)  # hashed once: the budget check and the allocation
             if admitted and tokens + len(ids) - len(hit) * self.blocks.block_size > self.max_prefill_tokens:
@@ -187,6 +229,7 @@ class Scheduler:
             cu.append(cu[-1] + n - cached)
         for seq, cached in admitted:
             seq.num_computed = cached
+            seq.feed_row = -1
         seqs = [s for s, _ in admitted]
         self.running.extend(seqs)
         return StepBatch(
@@ -213,26 +256,31 @@ class Scheduler:
             if budget <= 0:
                 break
             if not seq.prefilled:
-                take = min(budget, seq.num_tokens - seq.num_computed)
+                take = min(budget, seq.length - seq.num_computed)
                 chunks.append((seq, take))
                 budget -= take
         while budget > 0 and self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
+            if seq.num_pending:  # preempted with its newest token still on the device
+                break
             try:
                 seq.num_computed = self.blocks.allocate(seq.seq_id, seq.all_ids, reserve=1)
             except OutOfBlocks:
                 break
             self.waiting.popleft()
             self.running.append(seq)
+            seq.feed_row = -1
             take = min(budget, seq.num_tokens - seq.num_computed)
             chunks.append((seq, take))
             budget -= take
         if not chunks:
             return self._decode_batch(decoding) if decoding else None
-        ids, pos, slots, cu, prefix_slots = [], [], [], [0], []
+        ids, pos, slots, cu, prefix_slots, feed = [], [], [], [0], [], []
         for seq in decoding:
-            p = seq.num_tokens - 1
-            ids.append(seq.last_token)
+            p = seq.num_computed
+            token, row = self._input(seq)
+            ids.append(token)
+            feed.append(row)
             pos.append(p)
             slots.append(self.blocks.slot(seq.seq_id, p))
             cu.append(cu[-1] + 1)
@@ -254,6 +302,7 @@ class Scheduler:
             prefix_slots=np.asarray(prefix_slots, dtype=np.int64),
             num_decode=len(decoding), block_tables=tables, seq_lens=lens, ctx_len=ctx,
             chunk_lens=[1] * len(decoding) + [t for _, t in chunks],
+            feed_rows=np.asarray(feed, dtype=np.int32),
         )
 
     def _schedule_decode(self) -> StepBatch | None:
@@ -261,18 +310,19 @@ class Scheduler:
         return self._decode_batch(seqs) if seqs else None
 
     def _decode_rows(self) -> list[Sequence]:
-        """The prefilled running sequences, each with room for its next token; when blocks
-        run out the newest running sequence is preempted (recomputed later)."""
+        """The prefilled running sequences that need another token, each with room for it;
+        when blocks run out the newest running sequence is preempted (recomputed later)."""
         self.running.sort(key=lambda s: s.arrival)
         i = 0
         while i < len(self.running):
             seq = self.running[i]
             try:
-                self.blocks.ensure(seq.seq_id, seq.num_tokens)
+                if not self._length_done(seq):
+                    self.blocks.ensure(seq.seq_id, seq.length)
                 i += 1
             except OutOfBlocks:
                 self._preempt(self.running[-1])
-        return [s for s in self.running if s.prefilled]
+        return [s for s in self.running if s.prefilled and not self._length_done(s)]
 
     def _tables(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray, int]:
         """Block tables [B, W], sequence lengths [B] and the context width for decode rows."""
@@ -281,25 +331,27 @@ class Scheduler:
         for r, s in enumerate(seqs):
             t = self.blocks.table(s.seq_id)
             tables[r, : len(t)] = t
-        lens = np.asarray([s.num_tokens for s in seqs], dtype=np.int32)
+        lens = np.asarray([s.length for s in seqs], dtype=np.int32)
         return tables, lens, width * self.blocks.block_size
 
     def _decode_batch(self, seqs: list[Sequence]) -> StepBatch:
         tables, _, ctx = self._tables(seqs)
-        positions = np.asarray([s.num_tokens - 1 for s in seqs], dtype=np.int32)
+        positions = np.asarray([s.num_computed for s in seqs], dtype=np.int32)
+        inputs = [self._input(s) for s in seqs]
         return StepBatch(
             kind="decode",
             seqs=seqs,
-            token_ids=np.asarray([s.last_token for s in seqs], dtype=np.int32),
+            token_ids=np.asarray([t for t, _ in inputs], dtype=np.int32),
             positions=positions,
             slot_mapping=np.asarray(
-                [self.blocks.slot(s.seq_id, s.num_tokens - 1) for s in seqs], dtype=np.int64
+                [self.blocks.slot(s.seq_id, s.num_computed) for s in seqs], dtype=np.int64
             ),
             row_kinds=[row_kind(s.params, self.k, self.device_sampling) for s in seqs],
             block_tables=tables,
             seq_lens=positions + 1,
             ctx_len=ctx,
             chunk_lens=[1] * len(seqs),
+            feed_rows=np.asarray([r for _, r in inputs], dtype=np.int32),
         )
 
     def _preempt(self, seq: Sequence) -> None:
@@ -311,32 +363,43 @@ class Scheduler:
     # ------------------------------------------------------------------- results
 
     def _retire(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.blocks.free(seq.seq_id)
+        """Take ``seq`` out (running, or waiting after a preemption) and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.blocks.free(seq.seq_id)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def _holds(self, seq: Sequence) -> bool:
+        """Still this scheduler's: running, or preempted while its token was in flight."""
+        return seq in self.running or (seq.num_pending > 0 and seq in self.waiting)
 
     # ------------------------------------------------------------------- results
 
     def process(self, batch: StepBatch, result: DecodeResult) -> list[TokenEvent]:
-        """Sample each row's token from the launch's result and retire finished rows.
+        """Read each row's token from the launch's result and retire finished rows.
 
+        A row of a request that finished meanwhile (its extra token) or left is skipped.
         A row that raises fails alone: its request leaves the batch with an error event
         and the other rows go on (one request must never stop a worker's loop).
         """
         events = []
         for row, (seq, kind) in enumerate(zip(batch.seqs, batch.row_kinds)):
-            if seq.finish_reason is not None or seq not in self.running:
-                continue  # aborted while the launch ran
-            seq.num_computed += batch.chunk_lens[row] if batch.chunk_lens else 1
-            if seq.num_computed < seq.num_tokens:  # a chunk short of the prompt's end: no token
-                if self.blocks.needs_commit(seq.seq_id, seq.num_computed):
-                    self.blocks.commit(seq.seq_id, seq.all_ids, seq.num_computed)
+            held = self._holds(seq)
+            if batch.samples[row] and seq.num_pending:
+                seq.num_pending -= 1
+            if seq.finish_reason is not None or not held:
+                continue  # finished by an earlier token (this one is extra), or aborted
+            if not batch.samples[row]:  # a chunk short of the prompt's end: no token
+                upto = batch.computed_to[row]
+                if seq in self.running and self.blocks.needs_commit(seq.seq_id, upto):
+                    self.blocks.commit(seq.seq_id, seq.all_ids, upto)
                 continue
             try:
                 events.append(self._process_row(seq, kind, row, result))
             except Exception as exc:  # noqa: BLE001 - isolated to this request
                 log.exception("request %s failed while sampling", seq.seq_id)
-                if seq in self.running:
-                    self._retire(seq)
+                self._retire(seq)
                 seq.finish_reason = "error"
                 events.append(TokenEvent(seq, None, True, error=RequestError(
                     "sampling_error", f"sampling failed: {type(exc).__name__}: {exc}")))
@@ -363,7 +426,7 @@ class Scheduler:
                 seq.top_logprobs.append(top_logprobs(row_logits, seq.params.top_logprobs))
         seq.output_ids.append(token)
         # K/V now exist for every token but the one just sampled: name the full blocks.
-        if self.blocks.needs_commit(seq.seq_id, seq.num_tokens - 1):
+        if seq in self.running and self.blocks.needs_commit(seq.seq_id, seq.num_tokens - 1):
             self.blocks.commit(seq.seq_id, seq.all_ids, seq.num_tokens - 1)
         if seq.detok is not None:
             seq.detok.push(token)

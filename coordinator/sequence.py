@@ -21,12 +21,23 @@ class Sequence:
     arrival: int = 0
     num_preemptions: int = 0
     detok: Detokenizer | None = None  # None: the model has no tokenizer, ids only
-    num_computed: int = 0  # leading tokens whose K/V are in this worker's cache
+    # Leading tokens whose K/V this worker's launches compute, counted when a launch is
+    # scheduled (it runs before any later launch reads them).
+    num_computed: int = 0
+    # Tokens sampled by launches still in flight, not read yet (0 or 1): with async
+    # scheduling the next launch is scheduled before the previous one's ids are read.
+    num_pending: int = 0
+    feed_row: int = -1  # the row of the launch in flight that samples the pending token
+
+    @property
+    def length(self) -> int:
+        """Tokens as the device will know them: read ones plus the pending one."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
 
     @property
     def prefilled(self) -> bool:
         """Every token but the newest has its K/V: the next launch decodes one token."""
-        return self.num_computed >= self.num_tokens - 1
+        return self.num_computed >= self.length - 1
 
     @property
     def all_ids(self) -> list[int]:

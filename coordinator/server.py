@@ -85,10 +85,10 @@ class Server:
         self.address = self.frontend.address
         log.info("coordinator serving on %s with %d %s workers", self.address, n, self.pool.device.kind)
 
-    def _new_core(self, arena: HostArena, executor: SocketExecutor) -> EngineCore:
+    def _new_core(self, arenas: list[HostArena], executor: SocketExecutor) -> EngineCore:
         c, rc = self.config, self.cfg.runner
-        return EngineCore(Scheduler.for_worker(c, rc, self.max_model_len), arena, executor, rc.top_k,
-                          c.vocab_size, c.hidden_size)
+        return EngineCore(Scheduler.for_worker(c, rc, self.max_model_len), arenas, executor, rc.top_k,
+                          c.vocab_size, c.hidden_size, rc.async_scheduling)
 
     @property
     def workers(self) -> list[WorkerHandle]:
@@ -134,8 +134,8 @@ class Server:
         if self.router.orphans:
             self.router.service_orphans(self._fail)
         for w in list(pool.workers):
-            if w.core.idle and w.core.has_work():
-                self._launch(w)
+            while w.core.wants_launch() and self._launch(w):
+                pass  # with async scheduling, a second launch goes out behind the first
         poller = zmq.Poller()
         for sock in (fe.sock, fe.monitor, *pool.sockets()):
             poller.register(sock, zmq.POLLIN)
@@ -160,15 +160,17 @@ class Server:
                     break
                 self._handle(*got)
 
-    def _launch(self, w: WorkerHandle) -> None:
+    def _launch(self, w: WorkerHandle) -> bool:
+        """Start the worker's next launch; False when none could start."""
         try:
-            w.core.launch()
+            return w.core.launch()
         except WorkerGone as exc:
             self._worker_lost(w, str(exc))
         except Exception as exc:  # noqa: BLE001 - a bad step fails its requests, not the loop
             log.exception("worker %s: could not launch", w.worker_id)
             for seq in list(w.scheduler.running):
                 self._fail(seq.seq_id, "internal", f"launch failed: {type(exc).__name__}: {exc}")
+        return False
 
     def _worker_lost(self, w: WorkerHandle, reason: str) -> None:
         seqs = [s for s in self.pool.remove_lost(w, reason) if self.requests.get(s.seq_id)]

@@ -1,6 +1,6 @@
 """The coordinator's worker actors: start, attach, watch for death, replace, drain, stop.
 
-Each worker gets its own arena and ``EngineCore`` (over a ``SocketExecutor``) here; with
+Each worker gets its own arena banks and ``EngineCore`` (over a ``SocketExecutor``) here; with
 the offline engine, this is the only coordinator module that imports ``worker/``.
 Death is seen from the step socket, not from Ray: the coordinator's PAIR socket
 carries a monitor (a process that dies closes its TCP connection at once) and ZMTP
@@ -59,6 +59,10 @@ class WorkerHandle:
         return self.core.arena
 
     @property
+    def arenas(self) -> list[HostArena]:
+        return self.core.arenas
+
+    @property
     def sock(self) -> zmq.Socket:
         return self.executor.sock
 
@@ -81,8 +85,12 @@ class Starting:
 
     worker_id: str
     actor: Any
-    arena: HostArena
+    arenas: list[HostArena]
     ref: Any
+
+    def close(self) -> None:
+        for arena in self.arenas:
+            arena.close()
 
 
 @dataclass
@@ -111,12 +119,13 @@ class PoolConfig:
 
 class WorkerPool:
     def __init__(self, ctx: zmq.Context, cfg: PoolConfig, model: Qwen3Config,
-                 new_core: Callable[[HostArena, SocketExecutor], EngineCore]):
+                 new_core: Callable[[list[HostArena], SocketExecutor], EngineCore]):
         self.ctx = ctx
         self.cfg = cfg
         self.device: DeviceInfo = probe(cfg.device)
         self.tables = slot_tables()
         rc = RunnerConfig(**cfg.runner)
+        self.banks = rc.banks
         self.max_dims = rc.max_dims(model.vocab_size, model.hidden_size, cfg.max_model_len)
         self.new_core = new_core
         self.workers: list[WorkerHandle] = []
@@ -139,19 +148,19 @@ class WorkerPool:
         return max(1, sum(1 for node in ray.nodes() if node.get("Alive")))
 
     def spawn(self) -> None:
-        """Create a worker actor and its arena; the start call runs in the background."""
+        """Create a worker actor and its arena banks; the start call runs in the background."""
         wid = f"w{self._next_id}"
         self._next_id += 1
-        arena = HostArena.create(self.tables, self.max_dims, tag=wid)
+        arenas = [HostArena.create(self.tables, self.max_dims, tag=wid) for _ in range(self.banks)]
         options = self.device.ray_resources(self.cfg.cpus_per_worker)
         actor = ray.remote(WorkerActor).options(max_concurrency=2, **options).remote(
             wid, self.device.kind, self.cfg.threads_per_worker)
         # A worker on another node cannot attach the arena and falls back to the serializing
         # transport by itself; the serial option forces that path here too.
-        name = None if self.cfg.serial else arena.name
+        names = [None if self.cfg.serial else a.name for a in arenas]
         ref = actor.start.remote(self.cfg.model_dir, self.cfg.dtype, self.cfg.max_model_len,
-                                 self.cfg.runner, name, quantization=self.cfg.quantization)
-        self.starting.append(Starting(wid, actor, arena, ref))
+                                 self.cfg.runner, names, quantization=self.cfg.quantization)
+        self.starting.append(Starting(wid, actor, arenas, ref))
 
     def start(self, n: int) -> None:
         """Start ``n`` workers and wait for all of them (the server's first start)."""
@@ -169,8 +178,8 @@ class WorkerPool:
         sock.setsockopt(zmq.RECONNECT_IVL, -1)  # a worker's endpoint is never reused
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(info["endpoint"])
-        executor = SocketExecutor(sock, starting.arena, serial=info["transport"] == "serial")
-        w = WorkerHandle(starting.worker_id, starting.actor, self.new_core(starting.arena, executor),
+        executor = SocketExecutor(sock, starting.arenas, serial=info["transport"] == "serial")
+        w = WorkerHandle(starting.worker_id, starting.actor, self.new_core(starting.arenas, executor),
                          executor, monitor, info)
         self.workers.append(w)
         log.info("worker %s up: %s", w.worker_id, info)
@@ -188,7 +197,7 @@ class WorkerPool:
             except Exception as exc:  # noqa: BLE001 - a failed start must not take the server down
                 log.error("worker %s failed to start: %s", starting.worker_id, exc)
                 self._kill(starting.actor)
-                starting.arena.close()
+                starting.close()
                 self.failures.append(Failure(starting.worker_id, f"start failed: {exc}", time.time(), 0))
                 self._replace(starting.worker_id)
 
@@ -199,7 +208,7 @@ class WorkerPool:
         for w in self.workers:
             if w.monitor in ready and w.lost():
                 lost.append((w, "step socket disconnected (process gone or heartbeats unanswered)"))
-            elif w.core.inflight is not None and now - w.core.inflight.started > self.cfg.step_timeout_s:
+            elif w.core.inflight and now - w.core.running_since > self.cfg.step_timeout_s:
                 lost.append((w, f"launch ran over {self.cfg.step_timeout_s:.0f} s (hung)"))
         return lost
 
@@ -258,7 +267,7 @@ class WorkerPool:
         self.workers.clear()
         for starting in self.starting:
             self._kill(starting.actor)
-            starting.arena.close()
+            starting.close()
         self.starting.clear()
         for actor, _, _ in self.stopping:
             self._kill(actor)
@@ -293,4 +302,5 @@ class WorkerPool:
         w.sock.disable_monitor()
         w.monitor.close(0)
         w.sock.close(0)
-        w.arena.close()
+        for arena in w.arenas:
+            arena.close()

@@ -37,6 +37,15 @@ class RunnerConfig:
     # Sample every row on the device (only ids, and asked-for logprobs, come back); False keeps
     # the host fallback (top-K candidates or the logits row of stochastic rows come back).
     device_sampling: bool = True
+    # Two launches in flight: the next is scheduled and sent while one runs, fed the ids it
+    # leaves on the device; the coordinator reads ids one launch behind. Needs one arena
+    # bank per launch in flight (``banks``). Rows sampled on the host never launch ahead.
+    async_scheduling: bool = True
+
+    @property
+    def banks(self) -> int:
+        """Arena banks per worker: one per launch that may be in flight."""
+        return 2 if self.async_scheduling else 1
 
     def check(self) -> None:
         """Refuse, at start, settings no launch could honour."""
@@ -89,16 +98,18 @@ class LaunchDescriptor:
     cu_seqlens: list[int] = field(default_factory=list)  # prefill: the new tokens' boundaries
     prefix_lens: list[int] = field(default_factory=list)  # prefill: cached tokens before them
     num_decode: int = 0  # prefill: its first rows are decode rows (one token, paged attention)
+    bank: int = 0  # the arena bank holding its inputs and outputs (async scheduling alternates)
 
     def to_wire(self) -> dict:
         return {"table": self.table, "dims": self.dims, "step": self.step,
                 "ctx_len": self.ctx_len, "cu_seqlens": self.cu_seqlens, "prefix_lens": self.prefix_lens,
-                "num_decode": self.num_decode}
+                "num_decode": self.num_decode, "bank": self.bank}
 
     @classmethod
     def from_wire(cls, d: dict) -> LaunchDescriptor:
         return cls(d["table"], dict(d["dims"]), d["step"], d.get("ctx_len", 0),
-                   list(d.get("cu_seqlens", [])), list(d.get("prefix_lens", [])), d.get("num_decode", 0))
+                   list(d.get("cu_seqlens", [])), list(d.get("prefix_lens", [])), d.get("num_decode", 0),
+                   d.get("bank", 0))
 
 
 @dataclass
@@ -114,17 +125,18 @@ class LaunchReply:
     seconds: float = 0.0
     error: str = ""
     outputs: dict[str, bytes] | None = None
+    idle: float = 0.0  # the worker's wait since its previous launch ended
 
     @classmethod
     def from_record(cls, rec: LaunchRecord) -> LaunchReply:
-        return cls(True, rec.h2d_bytes, rec.d2h_bytes, rec.seconds)
+        return cls(True, rec.h2d_bytes, rec.d2h_bytes, rec.seconds, idle=rec.idle_s)
 
     @classmethod
     def failed(cls, exc: BaseException) -> LaunchReply:
         return cls(False, error=f"{type(exc).__name__}: {exc}")
 
     def to_wire(self) -> dict:
-        msg = {"ok": self.ok, "h2d": self.h2d, "d2h": self.d2h, "seconds": self.seconds}
+        msg = {"ok": self.ok, "h2d": self.h2d, "d2h": self.d2h, "seconds": self.seconds, "idle": self.idle}
         if self.error:
             msg["error"] = self.error
         if self.outputs is not None:
@@ -134,4 +146,5 @@ class LaunchReply:
     @classmethod
     def from_wire(cls, d: dict) -> LaunchReply:
         return cls(bool(d.get("ok")), d.get("h2d", 0), d.get("d2h", 0), d.get("seconds", 0.0),
-                   d.get("error", "" if d.get("ok") else "launch failed"), d.get("outputs"))
+                   d.get("error", "" if d.get("ok") else "launch failed"), d.get("outputs"),
+                   d.get("idle", 0.0))

@@ -65,6 +65,7 @@ class LaunchRecord:
     h2d_bytes: int
     d2h_bytes: int
     seconds: float
+    idle_s: float = 0.0  # since the previous launch ended: time the device had nothing to run
 
 
 @dataclass
@@ -99,20 +100,31 @@ StepFn = Callable[[dict[str, torch.Tensor], dict[str, int]], None]
 
 
 class LaunchRuntime:
-    """Runs launches against declared slot tables, moving and counting HOST_SHARED bytes."""
+    """Runs launches against declared slot tables, moving and counting HOST_SHARED bytes.
 
-    def __init__(self, tables: list[SlotTable], arena: HostArena, pool: DeviceScratchPool):
+    ``arenas`` are the banks a launch may name (one per launch the coordinator keeps in
+    flight); each has every HOST_SHARED slot.
+    """
+
+    def __init__(self, tables: list[SlotTable], arenas: HostArena | list[HostArena],
+                 pool: DeviceScratchPool):
         self.tables = {t.name: t for t in tables}
-        self.arena = arena
+        self.arenas = arenas if isinstance(arenas, list) else [arenas]
         self.pool = pool
         self.counters = TrafficCounters()
         self.history: list[LaunchRecord] = []
         self.keep_history = 0  # > 0 keeps the latest N records (tests, benchmarks)
+        self._last_end: float | None = None
         for table in tables:  # declarations vs. what was allocated, before any launch
             for slot in table:
                 slot.check(pool.full(slot.name), pool.max_dims)
-                if slot.host_shared:
-                    slot.check(arena.full(slot.name), pool.max_dims)
+                for arena in self.arenas:
+                    if slot.host_shared:
+                        slot.check(arena.full(slot.name), pool.max_dims)
+
+    @property
+    def arena(self) -> HostArena:
+        return self.arenas[0]
 
     def check_dims(self, table: SlotTable, dims: dict[str, int]) -> None:
         for slot in table:
@@ -123,25 +135,31 @@ class LaunchRuntime:
                         f"outside the allocated {slot.concrete(self.pool.max_dims)}"
                     )
 
-    def launch(self, table_name: str, dims: dict[str, int], step: StepFn) -> LaunchRecord:
-        """Copy inputs in, run ``step(views, dims)``, copy HOST_SHARED outputs out."""
+    def launch(self, table_name: str, dims: dict[str, int], step: StepFn, bank: int = 0) -> LaunchRecord:
+        """Copy inputs in from arena ``bank``, run ``step(views, dims)``, copy HOST_SHARED
+        outputs out to the same bank."""
         table = self.tables[table_name]
         self.check_dims(table, dims)
+        if not 0 <= bank < len(self.arenas):
+            raise SlotError(f"{table_name} launch: arena bank {bank} of {len(self.arenas)}")
+        arena = self.arenas[bank]
         t0 = time.perf_counter()
+        idle = t0 - self._last_end if self._last_end is not None else 0.0
         views = {s.name: self.pool.view(s.name, s.concrete(dims)) for s in table}
         h2d = 0
         for slot in table.host_inputs():
             shape = slot.concrete(dims)
-            views[slot.name].copy_(self.arena.view(slot.name, shape), non_blocking=True)
+            views[slot.name].copy_(arena.view(slot.name, shape), non_blocking=True)
             h2d += slot.nbytes(dims)
         step(views, dims)
         d2h = 0
         for slot in table.host_outputs():
             shape = slot.concrete(dims)
-            self.arena.view(slot.name, shape).copy_(views[slot.name])
+            arena.view(slot.name, shape).copy_(views[slot.name])
             d2h += slot.nbytes(dims)
         _synchronize(self.pool.device)
-        rec = LaunchRecord(table_name, dict(dims), h2d, d2h, time.perf_counter() - t0)
+        self._last_end = time.perf_counter()
+        rec = LaunchRecord(table_name, dict(dims), h2d, d2h, self._last_end - t0, idle)
         self.counters.record(rec)
         if self.keep_history:
             self.history.append(rec)

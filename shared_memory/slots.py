@@ -157,6 +157,9 @@ def decode_table(hidden_dtype: torch.dtype = torch.float32) -> SlotTable:
         "decode",
         [
             Slot("token_ids", ("B",), i32, IN, HS),
+            # Row of the previous launch whose sampled id (still on the device) is the
+            # input, or -1: ``token_ids`` holds it (async scheduling).
+            Slot("feed_rows", ("B",), i32, IN, HS),
             Slot("positions", ("B",), i32, IN, HS),
             Slot("seq_lens", ("B",), i32, IN, HS),
             Slot("slot_mapping", ("B",), i64, IN, HS),
@@ -176,6 +179,7 @@ def prefill_table(hidden_dtype: torch.dtype = torch.float32) -> SlotTable:
             Slot("prefill_prefix_slots", ("TP",), i64, IN, HS),  # cached prefixes' K/V slots
             Slot("prefill_block_tables", ("BD", "W"), i32, IN, HS),  # decode rows (chunked prefill)
             Slot("prefill_seq_lens", ("BD",), i32, IN, HS),
+            Slot("prefill_feed_rows", ("BD",), i32, IN, HS),  # like feed_rows, for the decode rows
             *_sampling_slots(hidden_dtype),
         ],
     )

@@ -38,8 +38,9 @@ def test_newest_request_is_preempted_and_blocks_return():
     assert batch.kind == "prefill" and [q.seq_id for q in batch.seqs] == ["a", "b"]
     assert blocks.num_free == 2
     for seq in (a, b):
-        seq.output_ids.extend([7, 7, 7, 7])  # pretend 4 tokens were sampled: 7 tokens each
-        seq.num_computed = seq.num_tokens - 1  # ... and their K/V computed, as process() records
+        seq.output_ids.extend([7, 7, 7, 7])  # pretend 4 tokens were sampled and read: 7 tokens each
+        seq.num_pending = 0
+        seq.num_computed = seq.num_tokens - 1  # ... and their K/V computed, as schedule() counts
     batch = s.schedule()  # each needs 4 blocks now: only "a" (the oldest) fits
     assert batch.kind == "decode" and [q.seq_id for q in batch.seqs] == ["a"]
     assert [q.seq_id for q in s.waiting] == ["b"] and b.num_preemptions == 1

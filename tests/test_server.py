@@ -48,7 +48,8 @@ def server(request, ray_session):
     coord.start()
     coord.serve_in_thread()
     yield coord
-    names = {w.arena.name for w in coord.workers}
+    names = {a.name for w in coord.workers for a in w.arenas}
+    assert len(names) == 2 * len(coord.workers), "two arena banks per worker (async scheduling)"
     assert names <= set(list_segments())
     coord.shutdown()
     assert not names & set(list_segments())
@@ -72,6 +73,8 @@ def test_served_equals_offline_under_concurrency(server, reference):
         assert w["kv_blocks_used"] == 0 and w["kv_blocks_free"] == RC.num_blocks
     if len(server.workers) == 2:
         assert all(w["steps"] > 0 for w in stats["workers"]), "least-loaded routing used both"
+    for w in stats["workers"]:  # equal outputs with the next launch sent ahead and fed on the device
+        assert w["async_scheduling"] and w["launches_ahead"] > 0 and w["fed_rows"] > 0
 
 
 def test_streaming_matches_non_streamed(server):

@@ -35,35 +35,40 @@ class WorkerActor:
         if threads > 0:
             torch.set_num_threads(threads)
         self.runner: ModelRunner | None = None
-        self.arena: HostArena | None = None
+        self.arenas: list[HostArena] = []
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._ctx = zmq.Context.instance()
         self.serial = False
 
     def start(self, model_dir: str, dtype: str | None, max_model_len: int | None, runner: dict,
-              arena_name: str | None, host: str = "127.0.0.1", quantization: str | None = None) -> dict:
-        """Load the model, attach the arena, allocate everything, warm up, open the step socket.
+              arena_names: list[str | None], host: str = "127.0.0.1",
+              quantization: str | None = None) -> dict:
+        """Load the model, attach the arena banks, allocate everything, warm up, open the
+        step socket.
 
-        ``arena_name=None`` selects the serializing transport (a worker on another node):
-        the worker keeps a private arena and launch messages carry the HOST_SHARED bytes.
+        A ``None`` name selects the serializing transport (a worker on another node): the
+        worker keeps private banks and launch messages carry the HOST_SHARED bytes.
         """
         device = torch_device(self.device_kind)
         model = Qwen3Model.from_pretrained(model_dir, dtype, device, max_model_len, quantization)
         rc = RunnerConfig(**runner)
         tables, dims = slot_tables(model.dtype), model_dims(model, rc)
-        self.arena = None
-        if arena_name is not None:
-            try:
-                self.arena = HostArena.attach(arena_name, tables, dims)
-            except FileNotFoundError:  # another node: the coordinator's memory is not here
-                log.info("arena %s not on this node: serializing transport", arena_name)
-        self.serial = self.arena is None
+        self.arenas = []
+        try:
+            self.arenas = [HostArena.attach(name, tables, dims) for name in arena_names
+                           if name is not None]
+        except FileNotFoundError:  # another node: the coordinator's memory is not here
+            log.info("arenas %s not on this node: serializing transport", arena_names)
+            for arena in self.arenas:
+                arena.close()
+            self.arenas = []
+        self.serial = len(self.arenas) < len(arena_names)
         if self.serial:
-            self.arena = HostArena.create(tables, dims, tag="remote")
-            if arena_name is not None:  # truly off-node (not forced): reachable on the node's address
+            self.arenas = [HostArena.create(tables, dims, tag="remote") for _ in arena_names]
+            if any(arena_names):  # truly off-node (not forced): reachable on the node's address
                 host = ray.util.get_node_ip_address()
-        self.runner = ModelRunner(model, rc, self.arena)
+        self.runner = ModelRunner(model, rc, self.arenas)
         sock = self._ctx.socket(zmq.PAIR)
         sock.setsockopt(zmq.LINGER, 0)
         port = sock.bind_to_random_port(f"tcp://{host}")
@@ -91,10 +96,10 @@ class WorkerActor:
             desc = LaunchDescriptor.from_wire(msg)
             table = self.runner.runtime.tables[desc.table]
             if self.serial:
-                transport.unpack(self.arena, table, desc.dims, msg["inputs"], outputs=False)
+                transport.unpack(self.arenas[desc.bank], table, desc.dims, msg["inputs"], outputs=False)
             reply = LaunchReply.from_record(self.runner.execute(desc))
             if self.serial:
-                reply.outputs = transport.pack_outputs(self.arena, table, desc.dims)
+                reply.outputs = transport.pack_outputs(self.arenas[desc.bank], table, desc.dims)
             return reply
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which decides
             log.exception("launch failed")
@@ -104,7 +109,7 @@ class WorkerActor:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        if self.arena is not None:
-            self.runner = None
-            self.arena.close()
-            self.arena = None
+        self.runner = None
+        for arena in self.arenas:
+            arena.close()
+        self.arenas = []

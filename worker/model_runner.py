@@ -2,8 +2,10 @@
 
 The runner owns what lives on the device (weights, paged KV cache, decode
 workspace, scratch pool) and executes ``LaunchDescriptor``s against the host arena
-the coordinator wrote. It is used in-process by the offline engine and inside
-each Ray worker actor.
+bank the coordinator wrote. It is used in-process by the offline engine and inside
+each Ray worker actor. Launches run in the order they arrive, so the ids one launch
+samples are still in the pool's ``sampled_ids`` when the next one starts: rows whose
+input the coordinator has not read yet are fed from there (``feed_rows``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def model_dims(model: Qwen3Model, rc: RunnerConfig) -> dict[str, int]:
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3Model, rc: RunnerConfig, arena: HostArena):
+    def __init__(self, model: Qwen3Model, rc: RunnerConfig, arenas: HostArena | list[HostArena]):
         self.model = model
         self.rc = rc
         self.tables = slot_tables(model.dtype)
@@ -38,7 +40,11 @@ class ModelRunner:
         self.ws = model.new_workspace(rc.max_batch, rc.block_size, rc.top_k, hidden=hidden)
         self.pool = DeviceScratchPool(self.tables, self.max_dims, model.device,
                                       adopt={"next_hidden": hidden})
-        self.runtime = LaunchRuntime(self.tables, arena, self.pool)
+        self.runtime = LaunchRuntime(self.tables, arenas, self.pool)
+        dev = model.device  # the feed's scratch: no allocation per launch
+        self._feed_idx = torch.zeros(rc.max_batch, dtype=torch.int32, device=dev)
+        self._feed_ids = torch.zeros(rc.max_batch, dtype=torch.int32, device=dev)
+        self._feed_mask = torch.zeros(rc.max_batch, dtype=torch.bool, device=dev)
         self.outputs = SampleOutputs(
             greedy_ids=self.pool.full("sampled_ids"),
             topk_values=self.pool.full("all_topk_values"),
@@ -66,13 +72,25 @@ class ModelRunner:
                                self.outputs, ctx_len=self.rc.block_size)
 
     def execute(self, desc: LaunchDescriptor) -> LaunchRecord:
-        if desc.table == "decode":
-            return self.runtime.launch("decode", desc.dims, lambda v, d: self._decode(v, d, desc))
-        if desc.table == "prefill":
-            return self.runtime.launch("prefill", desc.dims, lambda v, d: self._prefill(v, d, desc))
+        steps = {"decode": self._decode, "prefill": self._prefill}
+        if desc.table in steps:
+            run = steps[desc.table]
+            return self.runtime.launch(desc.table, desc.dims, lambda v, d: run(v, d, desc), desc.bank)
         raise ValueError(f"unknown launch table {desc.table!r}")
 
+    def _feed(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """``ids[r] = previous launch's sampled_ids[rows[r]]`` where ``rows[r] >= 0``."""
+        n = rows.shape[0]
+        if n == 0:
+            return
+        idx, vals, mask = self._feed_idx[:n], self._feed_ids[:n], self._feed_mask[:n]
+        torch.clamp(rows, min=0, out=idx)
+        torch.index_select(self.outputs.greedy_ids, 0, idx, out=vals)
+        torch.ge(rows, 0, out=mask)
+        torch.where(mask, vals, ids[:n], out=ids[:n])
+
     def _decode(self, v: dict[str, torch.Tensor], dims: dict[str, int], desc: LaunchDescriptor) -> None:
+        self._feed(v["token_ids"], v["feed_rows"])
         args = (v["token_ids"], v["positions"], v["block_tables"], v["seq_lens"], v["slot_mapping"])
         if self.graphs is not None:
             self.graphs.run(*args)
@@ -82,6 +100,7 @@ class ModelRunner:
         self._gather_rows(v, dims)
 
     def _prefill(self, v: dict[str, torch.Tensor], dims: dict[str, int], desc: LaunchDescriptor) -> None:
+        self._feed(v["prefill_token_ids"], v["prefill_feed_rows"])  # decode rows come first
         self.model.prefill(
             v["prefill_token_ids"], v["prefill_positions"], desc.cu_seqlens,
             v["prefill_slot_mapping"], self.kv, self.ws, self.outputs, want_topk=dims["NT"] > 0,
