@@ -72,10 +72,11 @@ OVERHEAD_SETUPS = (("shm", False), ("shm", True), ("serial", True))  # (transpor
 
 def overhead(batches: list[int], output_len: int, dtype: str, threads: int) -> list[dict]:
     """The coordinator's share of a decode step, seen from the worker: how long it waited
-    between the end of one launch and the start of the next (the coordinator reading ids,
+    for the coordinator's next descriptor after replying (the coordinator reading ids,
     streaming, checking stops, scheduling, writing the arena, and the IPC), against the
-    launches' own time. Steady decode steps at the full batch only; with async scheduling
-    the next launch is already queued when one ends."""
+    whole step. The rest of the gap between launches is the worker's own (sending its
+    reply, decoding the next descriptor). Steady decode steps at the full batch only;
+    with async scheduling the next descriptor is already queued when a launch ends."""
     from coordinator.client import Client
 
     rows = []
@@ -94,13 +95,14 @@ def overhead(batches: list[int], output_len: int, dtype: str, threads: int) -> l
                 with ThreadPoolExecutor(b) as pool:
                     list(pool.map(one, batch))
                 # The first step at the full batch waited for the prompts to arrive: skip it.
-                full = [(idle, k) for bb, idle, k in list(w.core.stats.recent) if bb == b][1:]
-                idle = sum(x[0] for x in full) / max(len(full), 1)
-                kern = sum(x[1] for x in full) / max(len(full), 1)
+                full = [x[1:] for x in list(w.core.stats.recent) if x[0] == b][1:]
+                idle, wait, kern = (sum(x[i] for x in full) / max(len(full), 1) for i in range(3))
+                step = idle + kern
                 rows.append({"transport": transport, "async": async_on, "batch": b, "steps": len(full),
-                             "step_ms": (idle + kern) * 1e3, "launch_ms": kern * 1e3,
-                             "overhead_ms": idle * 1e3,
-                             "overhead_pct": 100 * idle / (idle + kern) if idle + kern else float("nan")})
+                             "step_ms": step * 1e3, "launch_ms": kern * 1e3, "gap_ms": idle * 1e3,
+                             "overhead_ms": wait * 1e3,
+                             "overhead_pct": 100 * wait / step if step else float("nan"),
+                             "gap_pct": 100 * idle / step if step else float("nan")})
         finally:
             coord.shutdown()
     return rows
@@ -127,8 +129,9 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['tpot_p90_ms']:.1f}/{r['tpot_p99_ms']:.1f} ms")
     for r in res["overhead"]:
         print(f"{r['transport']:>6} async {'on ' if r['async'] else 'off'} batch {r['batch']:>3}: step "
-              f"{r['step_ms']:.2f} ms, launch {r['launch_ms']:.2f} ms, worker idle {r['overhead_ms']:.2f} ms "
-              f"({r['overhead_pct']:.2f}%)")
+              f"{r['step_ms']:.2f} ms, launch {r['launch_ms']:.2f} ms, "
+              f"gap {r['gap_ms']:.3f} ms ({r['gap_pct']:.2f}%), "
+              f"of which waiting for the coordinator {r['overhead_ms']:.3f} ms ({r['overhead_pct']:.2f}%)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

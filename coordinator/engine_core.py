@@ -37,11 +37,13 @@ class StepStats:
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     launch_s: float = 0.0  # time inside the worker's launches
-    idle_s: float = 0.0  # the worker's wait between launches: the coordinator's share
+    idle_s: float = 0.0  # the worker's gaps between launches
+    wait_s: float = 0.0  # of those, its waits for the coordinator's next descriptor
     ahead: int = 0  # launches sent while the previous one was in flight
     fed_rows: int = 0  # rows whose input id the device took from the previous launch
     last_decode: dict | None = None
-    # Recent decode steps as (batch, worker idle s before it, worker launch s): the overhead figure.
+    # Recent decode steps as (batch, worker gap s before it, of which waiting for the coordinator,
+    # worker launch s): the overhead figure.
     recent: deque = field(default_factory=lambda: deque(maxlen=4096))
 
 
@@ -134,12 +136,13 @@ class EngineCore:
         s.d2h_bytes += reply.d2h
         s.launch_s += reply.seconds
         s.idle_s += reply.idle
+        s.wait_s += reply.wait
         events = self.scheduler.process(batch, read_result(self.arenas[desc.bank], desc))
         s.tokens += sum(ev.token is not None for ev in events)
         if desc.table == "decode":
             b = desc.dims["B"]
             s.last_decode = {"batch": b, "h2d": reply.h2d, "d2h": reply.d2h, "seconds": reply.seconds}
-            s.recent.append((b, reply.idle, reply.seconds))
+            s.recent.append((b, reply.idle, reply.wait, reply.seconds))
         return events
 
     def step(self) -> list[TokenEvent]:

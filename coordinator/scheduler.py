@@ -385,11 +385,10 @@ class Scheduler:
         """
         events = []
         for row, (seq, kind) in enumerate(zip(batch.seqs, batch.row_kinds)):
-            held = self._holds(seq)
-            if batch.samples[row] and seq.num_pending:
+            if seq.finish_reason is not None or not self._holds(seq):
+                continue  # finished by an earlier token (this one is extra), aborted, or moved
+            if batch.samples[row]:
                 seq.num_pending -= 1
-            if seq.finish_reason is not None or not held:
-                continue  # finished by an earlier token (this one is extra), or aborted
             if not batch.samples[row]:  # a chunk short of the prompt's end: no token
                 upto = batch.computed_to[row]
                 if seq in self.running and self.blocks.needs_commit(seq.seq_id, upto):

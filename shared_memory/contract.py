@@ -125,18 +125,22 @@ class LaunchReply:
     seconds: float = 0.0
     error: str = ""
     outputs: dict[str, bytes] | None = None
-    idle: float = 0.0  # the worker's wait since its previous launch ended
+    idle: float = 0.0  # the worker's gap since its previous launch ended
+    # Of that gap, the time it waited for this launch's descriptor to arrive (for the
+    # coordinator); the rest is the worker's own reply and decode. In-process: all of it.
+    wait: float = 0.0
 
     @classmethod
     def from_record(cls, rec: LaunchRecord) -> LaunchReply:
-        return cls(True, rec.h2d_bytes, rec.d2h_bytes, rec.seconds, idle=rec.idle_s)
+        return cls(True, rec.h2d_bytes, rec.d2h_bytes, rec.seconds, idle=rec.idle_s, wait=rec.idle_s)
 
     @classmethod
     def failed(cls, exc: BaseException) -> LaunchReply:
         return cls(False, error=f"{type(exc).__name__}: {exc}")
 
     def to_wire(self) -> dict:
-        msg = {"ok": self.ok, "h2d": self.h2d, "d2h": self.d2h, "seconds": self.seconds, "idle": self.idle}
+        msg = {"ok": self.ok, "h2d": self.h2d, "d2h": self.d2h, "seconds": self.seconds, "idle": self.idle,
+               "wait": self.wait}
         if self.error:
             msg["error"] = self.error
         if self.outputs is not None:
@@ -147,4 +151,4 @@ class LaunchReply:
     def from_wire(cls, d: dict) -> LaunchReply:
         return cls(bool(d.get("ok")), d.get("h2d", 0), d.get("d2h", 0), d.get("seconds", 0.0),
                    d.get("error", "" if d.get("ok") else "launch failed"), d.get("outputs"),
-                   d.get("idle", 0.0))
+                   d.get("idle", 0.0), d.get("wait", 0.0))

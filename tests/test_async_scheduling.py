@@ -4,11 +4,15 @@ stop string or EOS already finished samples one extra token that is never stream
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+from coordinator.block_manager import BlockManager
 from coordinator.llm_engine import LLMEngine
+from coordinator.scheduler import Scheduler
 from kernels.sampling import SamplingParams
 from shared_memory.contract import RunnerConfig
+from shared_memory.result import DecodeResult
 
 PROMPTS = ["The history of", "In the beginning", "Python is a", "Once upon a time there",
            "The function returns", "A list of"]
@@ -152,3 +156,41 @@ def test_the_cli_turns_it_off_and_it_is_on_by_default():
     off = _server_config(build_parser().parse_args(["serve", "--no-async-scheduling"]))
     assert on.runner.async_scheduling and on.runner.banks == 2
     assert not off.runner.async_scheduling and off.runner.banks == 1
+
+
+def _sched(num_blocks: int = 16) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks=num_blocks, block_size=4), vocab_size=50, max_model_len=64,
+                     max_batch=4, top_k_candidates=4, device_sampling=True)
+
+
+def _ids(*ids: int) -> DecodeResult:
+    return DecodeResult(step=1, sampled_ids=np.array(ids, dtype=np.int32))
+
+
+def test_a_preempted_request_waits_for_its_token_in_flight_and_a_moved_one_is_left_alone():
+    s = _sched()
+    a = s.add("a", [1, 2, 3], SamplingParams(max_tokens=8))
+    prefill = s.schedule()
+    decode = s.schedule()  # sent behind the prefill: fed the prefill's id on the device
+    assert decode.kind == "decode" and decode.feed_rows.tolist() == [0] and a.num_pending == 2
+    s._preempt(a)  # the cache ran out while both were in flight
+    assert s.schedule() is None, "not re-admitted while its tokens are still on the device"
+    s.process(prefill, _ids(7))
+    assert a.output_ids == [7] and a.num_pending == 1 and s.schedule() is None
+    s.process(decode, _ids(9))
+    assert a.output_ids == [7, 9] and a.num_pending == 0
+    again = s.schedule()  # recomputed from prompt + both tokens
+    assert again.kind == "prefill" and again.token_ids.tolist() == [1, 2, 3, 7, 9]
+
+    # Moved to another worker (drained or lost) while its token was in flight: the old
+    # worker's late reply must not touch it.
+    s.running.remove(a)
+    other = _sched()
+    other.resume(a)
+    assert a.num_pending == 0, "the lost launch's token is drawn again, from the same (seed, step)"
+    moved = other.schedule()
+    assert moved.kind == "prefill" and a.num_pending == 1
+    s.process(again, _ids(11))
+    assert a.output_ids == [7, 9] and a.num_pending == 1
+    other.process(moved, _ids(13))
+    assert a.output_ids == [7, 9, 13] and a.num_pending == 0

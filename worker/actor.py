@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 import msgpack
 import ray
@@ -84,11 +85,16 @@ class WorkerActor:
     def _serve(self, sock: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        sent: float | None = None  # when the previous reply went out
         while not self._stop.is_set():
             if not poller.poll(100):
                 continue
-            msg = msgpack.unpackb(sock.recv(), raw=False, strict_map_key=False)
-            sock.send(msgpack.packb(self._execute(msg).to_wire()))
+            raw = sock.recv()
+            waited = time.perf_counter() - sent if sent is not None else 0.0
+            reply = self._execute(msgpack.unpackb(raw, raw=False, strict_map_key=False))
+            reply.wait = waited  # blocked on the coordinator: nothing queued behind the last launch
+            sock.send(msgpack.packb(reply.to_wire()))
+            sent = time.perf_counter()
         sock.close(0)
 
     def _execute(self, msg: dict) -> LaunchReply:
