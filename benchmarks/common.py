@@ -32,25 +32,37 @@ def machine() -> str:
             f"{torch.get_num_threads()} threads, Python {platform.python_version()}")
 
 
-def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Best read+write bandwidth of a large tensor copy, in bytes/s."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5, device: str = "cpu") -> float:
+    """Best read+write bandwidth of a large tensor copy on ``device``, in bytes/s."""
+    dev = torch.device(device)
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
     dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(repeats):
+        _sync(dev)
         t0 = time.perf_counter()
         dst.copy_(src)
+        _sync(dev)
         best = min(best, time.perf_counter() - t0)
     return 2 * nbytes / best
 
 
-def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Best read bandwidth of a large reduction (what a decode step mostly does), bytes/s."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
+def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5, device: str = "cpu") -> float:
+    """Best read bandwidth of a large reduction on ``device`` (what a decode step mostly
+    does), bytes/s."""
+    dev = torch.device(device)
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
     best = float("inf")
     for _ in range(repeats):
+        _sync(dev)
         t0 = time.perf_counter()
         src.sum()
+        _sync(dev)
         best = min(best, time.perf_counter() - t0)
     return nbytes / best
 

@@ -43,7 +43,9 @@ def prompts(n: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
 
 # ------------------------------------------------------------------ engines (subprocess)
 
-def _fusedserve(model_dir: Path, batch: list[list[int]], new: int, quantization: str | None) -> float:
+def fusedserve_generate(model_dir: Path, batch: list[list[int]], new: int, quantization: str | None,
+                        device: str = "cpu") -> float:
+    """Output tokens/s of ``LLMEngine.generate`` over ``batch`` (a short warm-up first)."""
     from coordinator.llm_engine import LLMEngine
     from kernels.sampling import SamplingParams
     from shared_memory.contract import RunnerConfig
@@ -52,7 +54,7 @@ def _fusedserve(model_dir: Path, batch: list[list[int]], new: int, quantization:
     rc = RunnerConfig(max_batch=len(batch), block_size=16, num_blocks=len(batch) * -(-total // 16) + 4,
                       top_k=8)
     with LLMEngine(str(model_dir), dtype="bfloat16", quantization=quantization, runner=rc,
-                   max_model_len=total + 16) as eng:
+                   max_model_len=total + 16, device=device) as eng:
         eng.generate([batch[0][:8]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         t0 = time.perf_counter()
         outs = eng.generate(batch, SamplingParams(max_tokens=new, ignore_eos=True))
@@ -86,9 +88,9 @@ def _openvino(ov_dir: Path, batch: list[list[int]], new: int) -> float:
 
 def run_engine(engine: str, model_dir: Path, ov_root: Path, batch: list[list[int]], new: int) -> float:
     if engine == "fusedserve-bf16":
-        return _fusedserve(model_dir, batch, new, None)
+        return fusedserve_generate(model_dir, batch, new, None)
     if engine == "fusedserve-int8":
-        return _fusedserve(model_dir, batch, new, "int8")
+        return fusedserve_generate(model_dir, batch, new, "int8")
     if engine == "transformers-bf16":
         import torch
 

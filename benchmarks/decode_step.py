@@ -40,8 +40,10 @@ def _nbytes(w: torch.Tensor | Int8Weight | PackedWeight) -> int:
 
 
 def run(batches: list[int], context: int, steps: int, dtype: str, single_row_gemv: bool = False,
-        quantization: str | None = None, model_dir: str | None = None) -> dict:
-    model = Qwen3Model.from_pretrained(model_dir or checkpoint(), dtype,
+        quantization: str | None = None, model_dir: str | None = None, device: str = "cpu",
+        graphs: str = "off") -> dict:
+    """``graphs``: the runner's setting ("auto" captures CUDA graphs per batch bucket)."""
+    model = Qwen3Model.from_pretrained(model_dir or checkpoint(), dtype, device,
                                        max_model_len=context + steps + 16, quantization=quantization)
     model.single_row_gemv = single_row_gemv
     c = model.config
@@ -49,7 +51,7 @@ def run(batches: list[int], context: int, steps: int, dtype: str, single_row_gem
     max_b = max(batches)
     per_seq = -(-(context + steps + 1) // bs)
     rc = RunnerConfig(max_batch=max_b, block_size=bs, num_blocks=max_b * per_seq, top_k=64,
-                      graphs="off")
+                      graphs=graphs)
     arena = HostArena.create(slot_tables(model.dtype), model_dims(model, rc), tag="bench")
     runner = ModelRunner(model, rc, arena)
     wbytes = weight_bytes(model)
@@ -77,12 +79,15 @@ def run(batches: list[int], context: int, steps: int, dtype: str, single_row_gem
                      "bytes_read": read, "h2d_bytes": rec.h2d_bytes, "d2h_bytes": rec.d2h_bytes,
                      "anchor_logits_d2h": b * c.vocab_size * 4})
     arena.close()
-    bw_read, bw_copy = read_bandwidth(), copy_bandwidth()
+    kernels = model.kernel_info()
+    del runner, model  # the bandwidth probe's buffers need the memory back (a GPU's too)
+    bw_read, bw_copy = read_bandwidth(device=device), copy_bandwidth(device=device)
     for r in rows:
         r["achieved_gbps"] = r["bytes_read"] / (r["step_ms"] / 1e3) / 1e9
         r["fraction_of_read_bw"] = r["achieved_gbps"] * 1e9 / bw_read
-    return {"machine": machine(), "dtype": dtype, "context": context, "weights_bytes": wbytes,
-            "quantization": quantization or "none", "kernels": model.kernel_info(),
+    return {"machine": machine(), "device": device, "graphs": graphs, "dtype": dtype, "context": context,
+            "weights_bytes": wbytes,
+            "quantization": quantization or "none", "kernels": kernels,
             "single_row_gemv": single_row_gemv,
             "read_bw_gbps": bw_read / 1e9, "copy_bw_gbps": bw_copy / 1e9, "rows": rows}
 

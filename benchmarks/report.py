@@ -14,6 +14,7 @@ from pathlib import Path
 from benchmarks import (
     chunked_prefill,
     cpu_peers,
+    cuda_peers,
     d2h,
     decode_step,
     latency,
@@ -25,6 +26,7 @@ from benchmarks.common import checkpoint
 from kernels.default_model import default_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
+CUDA_RESULTS = ROOT / "benchmarks" / "results" / "cuda_peers.json"
 
 
 def transformers_curve(batches: list[int], output_len: int, dtype: str, threads: int) -> dict[int, float]:
@@ -151,6 +153,30 @@ def engine_section(args, t: list) -> list[str]:
     return lines
 
 
+def cuda_section(t: list) -> list[str]:
+    """The stored CUDA run: this machine has no GPU, so the figures are those a GPU machine
+    measured with ``bash benchmarks/gpu_check.sh`` (its ``cuda_peers.json``), not re-run here."""
+    import json
+
+    if not CUDA_RESULTS.is_file():
+        return []
+    res = json.loads(CUDA_RESULTS.read_text())
+    lines = ["", f"## On a CUDA GPU ({res['gpu']}; stored run of {res['date']})", "",
+             "Not measured on this machine: `bash benchmarks/gpu_check.sh OUT` ran the CUDA tests and "
+             "`python -m benchmarks.cuda_peers` on a GPU machine, and its JSON is kept in "
+             f"`benchmarks/results/cuda_peers.json`. Machine there: {res['machine']}. Model: `{res['model']}` "
+             f"(bf16), {res['input_len']} in / {res['new_tokens']} out, greedy; fusedserve's `LLMEngine` "
+             "(decode graphs, async scheduling, device sampling) and transformers' `generate` on the same GPU "
+             "in the same run. Output tokens/s, prefill included:", ""]
+    lines += cuda_peers.table(res)
+    fs, hf = res["results"].get("fusedserve-bf16", {}), res["results"].get("transformers-bf16", {})
+    if fs and hf:
+        worst = min(fs[b] / hf[b] for b in fs if b in hf)
+        t.append(("ahead of transformers on the same CUDA GPU at every batch (stored GPU run)", worst > 1,
+                  f"lowest ratio {worst:.2f}x"))
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING)
     ap = argparse.ArgumentParser(description=__doc__)
@@ -243,6 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     ]
     lines += peer_section(args, t)
     lines += engine_section(args, t)
+    lines += cuda_section(t)
     lines += ["", "## Targets", "", "| target | met | figure |", "|---|---|---|"]
     lines += [f"| {name} | {'yes' if ok else 'no'} | {fig} |" for name, ok, fig in t]
     lines += ["", f"_Generated in {time.time() - t0:.0f} s._", ""]

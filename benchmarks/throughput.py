@@ -25,18 +25,21 @@ def prompts(n: int, input_len: int, vocab: int, seed: int = 0) -> list[list[int]
 
 
 def transformers_generate(batch: list[list[int]], output_len: int, dtype: str, threads: int,
-                          model_dir: Path | None = None) -> float:
+                          model_dir: Path | None = None, device: str = "cpu") -> float:
     """Output tokens/s of transformers' static-batch greedy generate (default: the benchmark model)."""
     from transformers import Qwen3ForCausalLM
 
     torch.set_num_threads(threads)
-    model = Qwen3ForCausalLM.from_pretrained(model_dir or checkpoint(), dtype=getattr(torch, dtype)).eval()
-    ids = torch.tensor(batch)
+    model = Qwen3ForCausalLM.from_pretrained(model_dir or checkpoint(), dtype=getattr(torch, dtype))
+    model = model.to(device).eval()
+    ids = torch.tensor(batch, device=device)
     with torch.no_grad():
         model.generate(ids[:, :8], max_new_tokens=2, do_sample=False)  # warm-up
         t0 = time.perf_counter()
         out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
                              attention_mask=torch.ones_like(ids))
+        if ids.is_cuda:
+            torch.cuda.synchronize()
         dt = time.perf_counter() - t0
     assert out.shape[1] == ids.shape[1] + output_len
     return len(batch) * output_len / dt

@@ -49,12 +49,12 @@ def load_model(model: str | Path, dtype: str | None = None, device: str = "cpu",
 class LLMEngine:
     def __init__(self, model: str | Path | Qwen3Model = "default", *, dtype: str | None = None,
                  max_model_len: int | None = None, runner: RunnerConfig | None = None,
-                 tokenizer: TextTokenizer | None = None, quantization: str | None = None):
+                 tokenizer: TextTokenizer | None = None, quantization: str | None = None,
+                 device: str = "cpu"):
         if isinstance(model, Qwen3Model):
             self.model, self.tokenizer = model, tokenizer
         else:
-            self.model, tok = load_model(model, dtype, max_model_len=max_model_len,
-                                         quantization=quantization)
+            self.model, tok = load_model(model, dtype, device, max_model_len, quantization)
             self.tokenizer = tokenizer or tok
         self.rc = runner or RunnerConfig()
         self.rc.check()

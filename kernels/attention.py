@@ -46,7 +46,6 @@ class AttentionScratch:
         self.v = torch.empty(n * num_kv_heads * head_dim, dtype=dtype, **kw)
         self.scores = torch.empty(n * num_heads, dtype=dtype, **kw)
         self.row = torch.empty(max_batch * num_heads, dtype=dtype, **kw)
-        self.neg_inf = torch.tensor(float("-inf"), dtype=dtype, **kw)
         self.scale = torch.tensor(head_dim**-0.5, dtype=dtype, **kw)
 
     def prepare(
@@ -99,7 +98,9 @@ def paged_decode_attention(
     scores = s.scores[: b * s.h * ctx].view(b, s.kvh, g, ctx)
     torch.matmul(q.view(b, s.kvh, g, s.hd), k.transpose(-1, -2), out=scores)
     scores.mul_(s.scale if scale is None else scale)
-    scores.masked_fill_(mask.view(b, 1, 1, ctx), s.neg_inf)
+    # A Python scalar, not a 0-dim tensor: CUDA's masked_fill_ reads a tensor value with
+    # .item(), a host sync that graph capture forbids.
+    scores.masked_fill_(mask.view(b, 1, 1, ctx), float("-inf"))
     row = s.row[: b * s.h].view(b, s.kvh, g, 1)
     torch.amax(scores, dim=-1, keepdim=True, out=row)
     scores.sub_(row).exp_()

@@ -37,15 +37,14 @@ def test_padded_bucketed_decode_equals_exact_decode():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graph_decode_equals_eager():  # pragma: no cover - runs on GPU machines only
-    from kernels.default_model import default_model_dir
-    from kernels.model import Qwen3Model
+    from coordinator.llm_engine import load_model
 
-    model = Qwen3Model.from_pretrained(default_model_dir(), "float32", "cuda", 128)
+    model, tok = load_model("default", "float32", "cuda", 128)
     rc = RunnerConfig(max_batch=8, block_size=8, num_blocks=64, top_k=16, graphs="auto")
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    with LLMEngine(model, runner=rc) as eng:
+    with LLMEngine(model, runner=rc, tokenizer=tok) as eng:
         assert set(eng.runner.graphs.graphs) == set(batch_buckets(8))
         graphed = [o.token_ids for o in eng.generate(PROMPTS, params)]
-    with LLMEngine(model, runner=RunnerConfig(**{**vars(rc), "graphs": "off"})) as eng:
+    with LLMEngine(model, runner=RunnerConfig(**{**vars(rc), "graphs": "off"}), tokenizer=tok) as eng:
         eager = [o.token_ids for o in eng.generate(PROMPTS, params)]
     assert graphed == eager

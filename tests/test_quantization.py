@@ -11,7 +11,6 @@ import torch
 from coordinator.client import Client
 from coordinator.config import ServerConfig
 from coordinator.llm_engine import LLMEngine
-from coordinator.server import Server
 from kernels import native
 from kernels.default_model import TRAINED_DIR
 from kernels.linear import Int8Weight, PackedWeight
@@ -136,6 +135,8 @@ PROMPTS = [f"prompt {i}: the capital of France is" for i in range(5)] + ["Hello"
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_served_bf16_equals_offline_alone(ray_session, quantization):
     """Served with strangers in bf16 (and int8), each request equals the offline run of it alone."""
+    from coordinator.server import Server  # Ray: imported here so GPU images without it run the rest
+
     params = {"max_tokens": 10, "ignore_eos": True}
     with LLMEngine("default", dtype="bfloat16", quantization=quantization, runner=RC) as eng:
         want = [eng.generate([p], SamplingParams(**params))[0].token_ids for p in PROMPTS]
