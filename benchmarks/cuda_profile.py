@@ -12,10 +12,9 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.decode_step import greedy_batch
 from coordinator.batch_io import write_batch
-from coordinator.scheduler import StepBatch
 from kernels.model import Qwen3Model
-from kernels.sampling import RowKind
 from shared_memory.arena import HostArena
 from shared_memory.contract import RunnerConfig, slot_tables
 from worker.model_runner import ModelRunner, model_dims
@@ -55,13 +54,8 @@ def run(model_dir: str, batches: list[int], context: int = 128, calls: int = 50)
         rows = []
         for b in batches:
             tables = np.arange(b * per_seq, dtype=np.int32).reshape(b, per_seq)
-            batch = StepBatch(
-                kind="decode", seqs=[None] * b, token_ids=np.full(b, 7, dtype=np.int32),
-                positions=np.full(b, context, dtype=np.int32),
-                slot_mapping=(tables[:, context // bs] * bs + context % bs).astype(np.int64),
-                row_kinds=[RowKind.GREEDY] * b, block_tables=tables,
-                seq_lens=np.full(b, context + 1, dtype=np.int32), ctx_len=per_seq * bs)
-            desc = write_batch(arena, batch, 0, rc.top_k, c.vocab_size, c.hidden_size)
+            desc = write_batch(arena, greedy_batch(tables, context, bs), 0, rc.top_k, c.vocab_size,
+                               c.hidden_size)
             replay = graphs.graphs[graphs.bucket(b)].replay
             for _ in range(5):
                 runner.execute(desc)

@@ -39,6 +39,18 @@ def _nbytes(w: torch.Tensor | Int8Weight | PackedWeight) -> int:
     return w.q.nbytes + w.scale.nbytes if isinstance(w, Int8Weight) else w.nbytes
 
 
+def greedy_batch(tables: np.ndarray, pos: int, block_size: int) -> StepBatch:
+    """A synthetic greedy decode step: every row at position ``pos`` of its block table."""
+    b = tables.shape[0]
+    return StepBatch(
+        kind="decode", seqs=[None] * b,
+        token_ids=np.full(b, 7, dtype=np.int32), positions=np.full(b, pos, dtype=np.int32),
+        slot_mapping=(tables[:, pos // block_size] * block_size + pos % block_size).astype(np.int64),
+        row_kinds=[RowKind.GREEDY] * b, block_tables=tables,
+        seq_lens=np.full(b, pos + 1, dtype=np.int32),
+        ctx_len=-(-(pos + 1) // block_size) * block_size)
+
+
 def run(batches: list[int], context: int, steps: int, dtype: str, single_row_gemv: bool = False,
         quantization: str | None = None, model_dir: str | None = None, device: str = "cpu",
         graphs: str = "off") -> dict:
@@ -62,14 +74,7 @@ def run(batches: list[int], context: int, steps: int, dtype: str, single_row_gem
         times, rec = [], None
         for s in range(steps):
             pos = context + s
-            batch = StepBatch(
-                kind="decode", seqs=[None] * b,
-                token_ids=np.full(b, 7, dtype=np.int32), positions=np.full(b, pos, dtype=np.int32),
-                slot_mapping=(tables[:, pos // bs] * bs + pos % bs).astype(np.int64),
-                row_kinds=[RowKind.GREEDY] * b, block_tables=tables,
-                seq_lens=np.full(b, pos + 1, dtype=np.int32),
-                ctx_len=-(-(pos + 1) // bs) * bs)
-            desc = write_batch(arena, batch, s, rc.top_k, c.vocab_size, c.hidden_size)
+            desc = write_batch(arena, greedy_batch(tables, pos, bs), s, rc.top_k, c.vocab_size, c.hidden_size)
             t0 = time.perf_counter()
             rec = runner.execute(desc)
             times.append(time.perf_counter() - t0)
