@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.default_model import default_model_dir
+from kernels.model.default_model import default_model_dir
 
 PRESET = "benchmark"
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import machine, read_bandwidth
-from kernels.default_model import cache_root, default_model_dir
+from kernels.model.default_model import cache_root, default_model_dir
 
 PRESET = "qwen3-0.6b"
 ENGINES = ("fusedserve-bf16", "fusedserve-int8", "transformers-bf16", "openvino-fp16", "openvino-int8")
@@ -46,8 +46,8 @@ def prompts(n: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
 def fusedserve_generate(model_dir: Path, batch: list[list[int]], new: int, quantization: str | None,
                         device: str = "cpu") -> float:
     """Output tokens/s of ``LLMEngine.generate`` over ``batch`` (a short warm-up first)."""
-    from coordinator.llm_engine import LLMEngine
-    from kernels.sampling import SamplingParams
+    from coordinator.engine.llm_engine import LLMEngine
+    from coordinator.sampling_params import SamplingParams
     from shared_memory.contract import RunnerConfig
 
     total = len(batch[0]) + new + 1
@@ -121,7 +121,7 @@ def export_openvino(python: str, model_dir: Path, ov_root: Path) -> None:
 
 def weight_bytes_per_token(model_dir: Path, quantization: str | None) -> int:
     """Bytes of weights a decode step streams (lm_head included, the embedding gather not)."""
-    from kernels.config import Qwen3Config
+    from kernels.model.config import Qwen3Config
 
     c = Qwen3Config.from_dir(model_dir)
     per_layer = (c.q_size + 2 * c.kv_size) * c.hidden_size + c.hidden_size * c.q_size \

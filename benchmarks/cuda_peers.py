@@ -26,7 +26,7 @@ from benchmarks import cuda_profile, decode_step
 from benchmarks.common import machine
 from benchmarks.cpu_peers import PRESET, fusedserve_generate, prompts
 from benchmarks.throughput import transformers_generate
-from kernels.default_model import default_model_dir
+from kernels.model.default_model import default_model_dir
 
 
 def _free() -> None:

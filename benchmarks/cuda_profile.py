@@ -13,8 +13,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.decode_step import greedy_batch
-from coordinator.batch_io import write_batch
-from kernels.model import Qwen3Model
+from coordinator.engine.batch_io import write_batch
+from kernels.model.qwen3 import Qwen3Model
 from shared_memory.arena import HostArena
 from shared_memory.contract import RunnerConfig, slot_tables
 from worker.model_runner import ModelRunner, model_dims

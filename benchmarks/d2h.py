@@ -13,9 +13,9 @@ import json
 import numpy as np
 
 from benchmarks.common import machine
-from coordinator.llm_engine import LLMEngine
-from kernels.default_model import resolve_model
-from kernels.sampling import SamplingParams
+from coordinator.engine.llm_engine import LLMEngine
+from coordinator.sampling_params import SamplingParams
+from kernels.model.default_model import resolve_model
 from shared_memory.contract import RunnerConfig
 
 

@@ -16,11 +16,11 @@ import numpy as np
 import torch
 
 from benchmarks.common import checkpoint, copy_bandwidth, machine, read_bandwidth
-from coordinator.batch_io import write_batch
-from coordinator.scheduler import StepBatch
+from coordinator.engine.batch_io import write_batch
+from coordinator.engine.scheduler import StepBatch
+from coordinator.sampling_params import RowKind
 from kernels.linear import Int8Weight, PackedWeight
-from kernels.model import Qwen3Model
-from kernels.sampling import RowKind
+from kernels.model.qwen3 import Qwen3Model
 from shared_memory.arena import HostArena
 from shared_memory.contract import RunnerConfig, slot_tables
 from worker.model_runner import ModelRunner, model_dims

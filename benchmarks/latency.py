@@ -17,8 +17,8 @@ from benchmarks.throughput import prompts
 def _server(transport: str, max_batch: int, threads: int, dtype: str, async_scheduling: bool = True):
     import ray
 
-    from coordinator.config import ServerConfig
-    from coordinator.server import Server
+    from coordinator.server.config import ServerConfig
+    from coordinator.server.server import Server
     from shared_memory.contract import RunnerConfig
 
     if not ray.is_initialized():

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from kernels.default_model import resolve_model
+from kernels.model.default_model import resolve_model
+from kernels.model.tokenizer import TextTokenizer
+from kernels.model.train_default import perplexity
 from kernels.quantize import dequantize_int8, quantize_int8
-from kernels.tokenizer import TextTokenizer
-from kernels.train_default import perplexity
 
 
 def load(model_dir: Path, weights: str):

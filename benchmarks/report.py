@@ -23,7 +23,7 @@ from benchmarks import (
     throughput,
 )
 from benchmarks.common import checkpoint
-from kernels.default_model import default_model_dir
+from kernels.model.default_model import default_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_RESULTS = ROOT / "benchmarks" / "results" / "cuda_peers.json"

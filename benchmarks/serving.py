@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 from benchmarks.common import checkpoint, machine
-from coordinator.bench_serve import BenchConfig, run
+from coordinator.openai.bench_serve import BenchConfig, run
 
 HTTP = re.compile(r"OpenAI API on (http://\S+)")
 

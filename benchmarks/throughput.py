@@ -50,8 +50,8 @@ def server_generate(batch: list[list[int]], output_len: int, dtype: str, threads
     import ray
 
     from coordinator.client import Client
-    from coordinator.config import ServerConfig
-    from coordinator.server import Server
+    from coordinator.server.config import ServerConfig
+    from coordinator.server.server import Server
     from shared_memory.contract import RunnerConfig
 
     if not ray.is_initialized():

@@ -14,10 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from coordinator.client import DEFAULT_ADDRESS, TOKEN_ENV, Client, ServerError
-from coordinator.ray_cluster import EmbeddedHead, RayPorts, connect
+from coordinator.server.ray_cluster import EmbeddedHead, RayPorts, connect
 
 if TYPE_CHECKING:
-    from coordinator.server import Server
+    from coordinator.server.server import Server
 from shared_memory.contract import RunnerConfig
 
 DEMO_PROMPTS = [
@@ -52,7 +52,7 @@ def _read_token(args: argparse.Namespace) -> str | None:
 
 
 def _server_config(args: argparse.Namespace, token: str | None = None):
-    from coordinator.config import Limits, ServerConfig
+    from coordinator.server.config import Limits, ServerConfig
 
     rc = RunnerConfig(max_batch=args.max_batch, block_size=args.block_size, num_blocks=args.num_blocks,
                       enable_prefix_caching=not args.no_prefix_caching,
@@ -87,8 +87,8 @@ def _leave_ray(head: EmbeddedHead | None) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from coordinator.config import LOOPBACK, MIN_TOKEN_CHARS
-    from coordinator.server import Server
+    from coordinator.server.config import LOOPBACK, MIN_TOKEN_CHARS
+    from coordinator.server.server import Server
 
     token = _read_token(args)
     if args.host not in LOOPBACK and token is None:
@@ -119,7 +119,7 @@ def _serve(coord: Server, args: argparse.Namespace, token: str | None) -> int:
         auth = "token auth on every frame" if token else "no auth (loopback only)"
         print(f"fusedserve: serving on {coord.address} with {len(coord.workers)} workers; {auth}", flush=True)
         if args.http_port is not None:
-            from coordinator.openai_api import Gateway, HttpServer
+            from coordinator.openai.api import Gateway, HttpServer
 
             local = coord.address.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")
             gw = Gateway(local, coord.model_dir, args.served_model_name or args.model, coord.max_model_len,
@@ -184,7 +184,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from coordinator.server import Server
+    from coordinator.server.server import Server
 
     args.port = 0
     coord = Server(_server_config(args))
@@ -273,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stream", action="store_true")
     bench = sub.add_parser("bench", help="benchmarks against a running server")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from coordinator import bench_serve
+    from coordinator.openai import bench_serve
 
     bench_serve.add_arguments(bench_sub.add_parser("serve", help="load the OpenAI API; print TTFT/TPOT"))
     s = sub.add_parser("stats")
@@ -288,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("FUSEDSERVE_LOG", "WARNING"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from coordinator import bench_serve
+    from coordinator.openai import bench_serve
 
     args = build_parser().parse_args(argv)
     commands = {"serve": cmd_serve, "generate": cmd_generate, "stats": cmd_stats, "demo": cmd_demo,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.config import Qwen3Config
+from kernels.model.config import Qwen3Config
 
 
 class PagedKVCache:

@@ -15,7 +15,7 @@ import torch
 from shared_memory.runtime import LaunchRecord
 from shared_memory.slots import SlotTable, decode_table, prefill_table
 
-MAX_TOP_LOGPROBS = 20  # kernels.sampling refuses more (this package imports no kernels)
+MAX_TOP_LOGPROBS = 20  # coordinator.sampling_params refuses more (this package imports no kernels)
 
 
 @dataclass(frozen=True)

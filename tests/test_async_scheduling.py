@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.block_manager import BlockManager
-from coordinator.llm_engine import LLMEngine
-from coordinator.scheduler import Scheduler
-from kernels.sampling import SamplingParams
+from coordinator.engine.block_manager import BlockManager
+from coordinator.engine.llm_engine import LLMEngine
+from coordinator.engine.scheduler import Scheduler
+from coordinator.engine.step_outputs import DecodeResult
+from coordinator.sampling_params import SamplingParams
 from shared_memory.contract import RunnerConfig
-from shared_memory.result import DecodeResult
 
 PROMPTS = ["The history of", "In the beginning", "Python is a", "Once upon a time there",
            "The function returns", "A list of"]

@@ -7,12 +7,12 @@ import shutil
 
 import pytest
 
+from coordinator.engine.llm_engine import LLMEngine
 from coordinator.errors import RequestError
-from coordinator.llm_engine import LLMEngine
-from kernels.config import ConfigError, Qwen3Config
-from kernels.loader import WeightError
-from kernels.model import Qwen3Model
-from kernels.sampling import SamplingParams
+from coordinator.sampling_params import SamplingParams
+from kernels.model.config import ConfigError, Qwen3Config
+from kernels.model.loader import WeightError
+from kernels.model.qwen3 import Qwen3Model
 from shared_memory.contract import RunnerConfig
 
 
@@ -82,7 +82,7 @@ def test_missing_weight_tensor(tmp_path, hf_checkpoints):
 
 
 def test_default_model_is_deterministic(tmp_path):
-    from kernels.default_model import write_checkpoint
+    from kernels.model.default_model import write_checkpoint
 
     write_checkpoint(tmp_path / "a")
     write_checkpoint(tmp_path / "b")

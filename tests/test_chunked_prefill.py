@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.config import ServerConfig
-from coordinator.llm_engine import LLMEngine
-from kernels.sampling import SamplingParams
+from coordinator.engine.llm_engine import LLMEngine
+from coordinator.sampling_params import SamplingParams
+from coordinator.server.config import ServerConfig
 from shared_memory.contract import RunnerConfig
 
 LONG = " ".join(f"item {i} is the number {i * 7 % 13}." for i in range(60))

@@ -9,8 +9,8 @@ import pytest
 import zmq
 
 from coordinator.client import Client
-from coordinator.config import ServerConfig
-from coordinator.server import Server
+from coordinator.server.config import ServerConfig
+from coordinator.server.server import Server
 from shared_memory.contract import RunnerConfig
 from tests.support import dealer, settled
 

@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 
-from coordinator.batch_io import read_result, write_batch
-from coordinator.llm_engine import LLMEngine
-from kernels.sampling import SamplingParams
+from coordinator.engine.batch_io import read_result, write_batch
+from coordinator.engine.llm_engine import LLMEngine
+from coordinator.sampling_params import SamplingParams
 from shared_memory.contract import RunnerConfig
 from shared_memory.runtime import DeviceScratchPool, LaunchRuntime
 from shared_memory.slots import Placement, SlotError, decode_table
@@ -101,7 +101,7 @@ def test_runtime_outputs_equal_direct_kernel_call(engine):
 
 
 def test_row_without_ids_or_logits_names_request_and_step():
-    from shared_memory.result import DecodeResult, MissingRowError
+    from coordinator.engine.step_outputs import DecodeResult, MissingRowError
 
     res = DecodeResult(step=12, sampled_ids=None)
     with pytest.raises(MissingRowError, match="request 'req-9', step 12"):

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.llm_engine import LLMEngine, load_model
-from kernels.sampling import SamplingParams
+from coordinator.engine.llm_engine import LLMEngine, load_model
+from coordinator.sampling_params import SamplingParams
 from shared_memory.contract import RunnerConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from kernels.attention import AttentionScratch, paged_decode_attention
-from kernels.model import Qwen3Model
+from kernels.attention.torch_gather import AttentionScratch, paged_decode_attention
+from kernels.model.qwen3 import Qwen3Model
 
 
 def test_paged_attention_over_scattered_blocks_equals_dense():

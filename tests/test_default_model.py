@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from coordinator.cli import DEMO_PROMPTS
-from coordinator.llm_engine import LLMEngine
-from kernels.config import Qwen3Config
-from kernels.default_model import TRAINED_DIR, resolve_model
+from coordinator.engine.llm_engine import LLMEngine
+from coordinator.sampling_params import SamplingParams
+from kernels.model.config import Qwen3Config
+from kernels.model.default_model import TRAINED_DIR, resolve_model
 from kernels.quantize import dequantize_int8, quantize_int8
-from kernels.sampling import SamplingParams
 
 
 def test_default_is_the_shipped_checkpoint_and_presets_stay_random():

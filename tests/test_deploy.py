@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from coordinator.client import Client
-from coordinator.config import ServerConfig
-from coordinator.llm_engine import LLMEngine
-from coordinator.ray_cluster import free_port, stop_head
-from coordinator.server import Server
-from kernels.sampling import SamplingParams
+from coordinator.engine.llm_engine import LLMEngine
+from coordinator.sampling_params import SamplingParams
+from coordinator.server.config import ServerConfig
+from coordinator.server.ray_cluster import free_port, stop_head
+from coordinator.server.server import Server
 from shared_memory.arena import list_segments
 from shared_memory.contract import RunnerConfig
 from tests.support import wait_for

@@ -8,9 +8,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from coordinator.detokenizer import Detokenizer
-from kernels.default_model import resolve_model
-from kernels.tokenizer import ByteStream, TextTokenizer, WindowStream
+from coordinator.engine.detokenizer import Detokenizer
+from kernels.model.default_model import resolve_model
+from kernels.model.tokenizer import ByteStream, TextTokenizer, WindowStream
 
 PROPS = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 CORPUS = ["naïve café déjà vu — 東京 and 北京 are cities 🙂🚀", "the quick brown fox jumps over it",

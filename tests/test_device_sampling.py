@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.llm_engine import LLMEngine
-from kernels.device_sampling import RowParams, sample
-from kernels.sampling import SamplingParams
+from coordinator.engine.llm_engine import LLMEngine
+from coordinator.sampling_params import SamplingParams
+from kernels.sampler import RowParams, sample
 from shared_memory.contract import RunnerConfig
 
 

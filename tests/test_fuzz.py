@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coordinator.client import Client
-from coordinator.config import Limits, ServerConfig
-from coordinator.protocol import MAX_FRAME_BYTES, REQUEST_TYPES
-from coordinator.server import Server
+from coordinator.server.config import Limits, ServerConfig
+from coordinator.server.protocol import MAX_FRAME_BYTES, REQUEST_TYPES
+from coordinator.server.server import Server
 from shared_memory.contract import RunnerConfig
 from tests.support import dealer
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.llm_engine import LLMEngine
-from kernels.sampling import SamplingParams
+from coordinator.engine.llm_engine import LLMEngine
+from coordinator.sampling_params import SamplingParams
 from shared_memory.contract import RunnerConfig
 from worker.graphs import batch_buckets
 
@@ -37,7 +37,7 @@ def test_padded_bucketed_decode_equals_exact_decode():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graph_decode_equals_eager():  # pragma: no cover - runs on GPU machines only
-    from coordinator.llm_engine import load_model
+    from coordinator.engine.llm_engine import load_model
 
     model, tok = load_model("default", "float32", "cuda", 128)
     rc = RunnerConfig(max_batch=8, block_size=8, num_blocks=64, top_k=16, graphs="auto")

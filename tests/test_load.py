@@ -15,8 +15,8 @@ import pytest
 import zmq
 
 from coordinator.client import Client
-from coordinator.llm_engine import LLMEngine
-from kernels.sampling import SamplingParams
+from coordinator.engine.llm_engine import LLMEngine
+from coordinator.sampling_params import SamplingParams
 from shared_memory.contract import RunnerConfig
 from tests.serve_proc import ServeProcess
 from tests.support import settled

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.llm_engine import LLMEngine
-from kernels.model import Qwen3Model
-from kernels.sampling import SamplingParams
+from coordinator.engine.llm_engine import LLMEngine
+from coordinator.sampling_params import SamplingParams
+from kernels.model.qwen3 import Qwen3Model
 from shared_memory.contract import RunnerConfig
 
 BLOCK = 4

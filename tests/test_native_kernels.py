@@ -147,7 +147,7 @@ def test_without_a_compiler_the_model_falls_back_to_aten_with_one_warning(tmp_pa
     code = textwrap.dedent(f"""
         import logging, torch
         logging.basicConfig(level=logging.WARNING)
-        from kernels.model import Qwen3Model
+        from kernels.model.qwen3 import Qwen3Model
         m = Qwen3Model.from_pretrained({str(hf_checkpoints["gqa2_untied"])!r}, dtype="bfloat16")
         Qwen3Model.from_pretrained({str(hf_checkpoints["gqa2_untied"])!r}, dtype="float32")
         print("KERNELS", m.kernel_info())
@@ -175,7 +175,7 @@ def test_an_isa_the_cpu_lacks_is_refused_clearly(monkeypatch):
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_norms_and_rotary_match_the_aten_ops(dtype):
-    from kernels.ops import rms_norm, rope_tables, rotary
+    from kernels.norms import rms_norm, rope_tables, rotary
 
     m = _module(ISAS[0])
     g = torch.Generator().manual_seed(4)

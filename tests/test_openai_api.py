@@ -11,11 +11,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.chat_template import ChatTemplate
 from coordinator.client import Client
-from coordinator.llm_engine import LLMEngine
-from kernels.default_model import resolve_model
-from kernels.sampling import SamplingParams
+from coordinator.engine.llm_engine import LLMEngine
+from coordinator.openai.chat_template import ChatTemplate
+from coordinator.sampling_params import SamplingParams
+from kernels.model.default_model import resolve_model
 from shared_memory.contract import RunnerConfig
 from tests.serve_proc import ServeProcess
 from tests.support import settled, wait_for
@@ -276,7 +276,7 @@ def test_a_non_streaming_client_that_leaves_has_its_request_aborted(server):
     ("sampling_error", 500),
 ])
 def test_coordinator_codes_map_to_http_statuses(code, status):
-    from coordinator.openai_protocol import ApiError
+    from coordinator.openai.protocol import ApiError
 
     err = ApiError.from_reply({"type": "error", "code": code, "message": "m"})
     assert err.status == status and err.body()["error"]["code"] == code

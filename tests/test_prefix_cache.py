@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.block_manager import BlockManager, OutOfBlocks
-from coordinator.llm_engine import LLMEngine
-from kernels.sampling import SamplingParams
+from coordinator.engine.block_manager import BlockManager, OutOfBlocks
+from coordinator.engine.llm_engine import LLMEngine
+from coordinator.sampling_params import SamplingParams
 from shared_memory.contract import RunnerConfig
 
 SYSTEM = ("You are a helpful assistant. Answer in one short sentence and never repeat the question. "

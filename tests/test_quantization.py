@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from coordinator.client import Client
-from coordinator.config import ServerConfig
-from coordinator.llm_engine import LLMEngine
+from coordinator.engine.llm_engine import LLMEngine
+from coordinator.sampling_params import SamplingParams
+from coordinator.server.config import ServerConfig
 from kernels import native
-from kernels.default_model import TRAINED_DIR
 from kernels.linear import Int8Weight, PackedWeight
-from kernels.model import Qwen3Model, resolve_dtype
-from kernels.sampling import SamplingParams
-from kernels.tokenizer import TextTokenizer
+from kernels.model.default_model import TRAINED_DIR
+from kernels.model.qwen3 import Qwen3Model, resolve_dtype
+from kernels.model.tokenizer import TextTokenizer
 from shared_memory.contract import RunnerConfig
 
 needs_native = pytest.mark.skipif(native.kernels() is None, reason="native kernels unavailable here")
@@ -135,7 +135,7 @@ PROMPTS = [f"prompt {i}: the capital of France is" for i in range(5)] + ["Hello"
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_served_bf16_equals_offline_alone(ray_session, quantization):
     """Served with strangers in bf16 (and int8), each request equals the offline run of it alone."""
-    from coordinator.server import Server  # Ray: imported here so GPU images without it run the rest
+    from coordinator.server.server import Server  # Ray: imported here so GPU images without it run the rest
 
     params = {"max_tokens": 10, "ignore_eos": True}
     with LLMEngine("default", dtype="bfloat16", quantization=quantization, runner=RC) as eng:

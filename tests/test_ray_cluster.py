@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.client import Client
-from coordinator.ray_cluster import EmbeddedHead, RayPorts
+from coordinator.server.ray_cluster import EmbeddedHead, RayPorts
 from tests.serve_proc import ServeProcess
 from tests.support import wait_for
 

@@ -11,15 +11,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.block_manager import BlockManager
 from coordinator.client import Client, ServerError
-from coordinator.config import ServerConfig
-from coordinator.llm_engine import LLMEngine
-from coordinator.scheduler import Scheduler
-from coordinator.server import Server
-from kernels.sampling import SamplingError, SamplingParams, sample
+from coordinator.engine.block_manager import BlockManager
+from coordinator.engine.llm_engine import LLMEngine
+from coordinator.engine.scheduler import Scheduler
+from coordinator.engine.step_outputs import DecodeResult
+from coordinator.sampling_params import SamplingError, SamplingParams, sample
+from coordinator.server.config import ServerConfig
+from coordinator.server.server import Server
 from shared_memory.contract import RunnerConfig
-from shared_memory.result import DecodeResult
 from tests.support import settled, wait_for
 
 RC = RunnerConfig(max_batch=8, block_size=8, num_blocks=96, top_k=16)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.llm_engine import LLMEngine
-from kernels.sampling import RowKind, SamplingError, SamplingParams, row_kind, sample
+from coordinator.engine.llm_engine import LLMEngine
+from coordinator.sampling_params import RowKind, SamplingError, SamplingParams, row_kind, sample
 from shared_memory.contract import RunnerConfig
 
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from coordinator.block_manager import BlockManager
-from coordinator.llm_engine import LLMEngine
-from coordinator.scheduler import Scheduler
-from kernels.sampling import SamplingParams
+from coordinator.engine.block_manager import BlockManager
+from coordinator.engine.llm_engine import LLMEngine
+from coordinator.engine.scheduler import Scheduler
+from coordinator.sampling_params import SamplingParams
 from shared_memory.contract import RunnerConfig
 
 PROMPTS = [f"request {i}: once upon a time" for i in range(6)]

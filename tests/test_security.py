@@ -10,8 +10,8 @@ import msgpack
 import pytest
 
 from coordinator.client import TOKEN_ENV, Client, ServerError
-from coordinator.config import Limits, ServerConfig
-from coordinator.server import Server
+from coordinator.server.config import Limits, ServerConfig
+from coordinator.server.server import Server
 from shared_memory.contract import RunnerConfig
 from tests.support import dealer
 

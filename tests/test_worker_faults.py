@@ -11,10 +11,10 @@ import pytest
 import ray
 
 from coordinator.client import Client
-from coordinator.config import ServerConfig
-from coordinator.llm_engine import LLMEngine
-from coordinator.server import Server
-from kernels.sampling import SamplingParams
+from coordinator.engine.llm_engine import LLMEngine
+from coordinator.sampling_params import SamplingParams
+from coordinator.server.config import ServerConfig
+from coordinator.server.server import Server
 from shared_memory.arena import list_segments, pid_alive
 from shared_memory.contract import RunnerConfig
 from tests.support import wait_for

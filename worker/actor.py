@@ -17,7 +17,7 @@ import ray
 import torch
 import zmq
 
-from kernels.model import Qwen3Model
+from kernels.model.qwen3 import Qwen3Model
 from shared_memory import transport
 from shared_memory.arena import HostArena
 from shared_memory.contract import LaunchDescriptor, LaunchReply, RunnerConfig, slot_tables

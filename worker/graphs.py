@@ -14,7 +14,7 @@ import logging
 import torch
 
 from kernels.kv_cache import PagedKVCache
-from kernels.model import DecodeWorkspace, Qwen3Model, SampleOutputs
+from kernels.model.qwen3 import DecodeWorkspace, Qwen3Model, SampleOutputs
 
 log = logging.getLogger(__name__)
 

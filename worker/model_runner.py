@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import device_sampling
-from kernels.device_sampling import RowParams
-from kernels.model import Qwen3Model, SampleOutputs
+from kernels import sampler
+from kernels.model.qwen3 import Qwen3Model, SampleOutputs
+from kernels.sampler import RowParams
 from shared_memory.arena import HostArena
 from shared_memory.contract import LaunchDescriptor, RunnerConfig, slot_tables
 from shared_memory.runtime import DeviceScratchPool, LaunchRecord, LaunchRuntime
@@ -115,9 +115,9 @@ class ModelRunner:
         b = dims["B"]
         if self.rc.device_sampling:
             logits = self.outputs.logits[:b]
-            device_sampling.sample(logits, RowParams(v["sampling_params"], v["sampling_seeds"]),
+            sampler.sample(logits, RowParams(v["sampling_params"], v["sampling_seeds"]),
                                    v["sampled_ids"], argmax_done=True)
-            device_sampling.logprobs(logits, v["logprob_rows"], v["sampled_ids"], dims["N"],
+            sampler.logprobs(logits, v["logprob_rows"], v["sampled_ids"], dims["N"],
                                      v["sampled_logprobs"], v["top_logprob_ids"], v["top_logprob_values"])
         if dims["NT"]:
             torch.index_select(v["all_topk_values"], 0, v["topk_rows"], out=v["topk_values"])

@@ -14,8 +14,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.chat_template import ChatTemplate, ChatTemplateError
-from kernels.tokenizer import TextTokenizer
+from coordinator.openai.chat_template import ChatTemplate, ChatTemplateError
+from kernels.model.tokenizer import TextTokenizer
 
 MAX_BODY_BYTES = 4 << 20  # the ZeroMQ front end's frame limit
 # Coordinator error codes that are not a 400 (a bad request).

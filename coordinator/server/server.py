@@ -22,23 +22,23 @@ import time
 
 import zmq
 
-from coordinator import protocol
-from coordinator.admission import Admission
-from coordinator.config import ServerConfig
-from coordinator.engine_core import EngineCore
+from coordinator.engine.engine_core import EngineCore
+from coordinator.engine.executor import SocketExecutor, WorkerGone
+from coordinator.engine.scheduler import Scheduler
+from coordinator.engine.sequence import TokenEvent
 from coordinator.errors import RequestError
-from coordinator.executor import SocketExecutor, WorkerGone
-from coordinator.frontend import Delivery, Frontend
-from coordinator.protocol import ControlRequest, GenerateRequest
-from coordinator.request_table import ClientRequest, RequestTable
-from coordinator.router import Router
-from coordinator.scheduler import Scheduler
-from coordinator.sequence import TokenEvent
-from coordinator.stats import FaultCounters, ServerCounters, server_stats
-from coordinator.worker_pool import PoolConfig, WorkerHandle, WorkerPool
-from kernels.config import Qwen3Config
-from kernels.default_model import resolve_model
-from kernels.tokenizer import TextTokenizer
+from coordinator.server import protocol
+from coordinator.server.admission import Admission
+from coordinator.server.config import ServerConfig
+from coordinator.server.frontend import Delivery, Frontend
+from coordinator.server.protocol import ControlRequest, GenerateRequest
+from coordinator.server.request_table import ClientRequest, RequestTable
+from coordinator.server.router import Router
+from coordinator.server.stats import FaultCounters, ServerCounters, server_stats
+from coordinator.server.worker_pool import PoolConfig, WorkerHandle, WorkerPool
+from kernels.model.config import Qwen3Config
+from kernels.model.default_model import resolve_model
+from kernels.model.tokenizer import TextTokenizer
 from shared_memory.arena import HostArena, remove_stale
 
 log = logging.getLogger(__name__)

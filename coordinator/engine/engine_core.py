@@ -18,12 +18,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from coordinator.batch_io import read_result, write_batch
+from coordinator.engine.batch_io import read_result, write_batch
+from coordinator.engine.executor import Executor
+from coordinator.engine.scheduler import Scheduler, StepBatch
+from coordinator.engine.sequence import Sequence, TokenEvent
 from coordinator.errors import RequestError
-from coordinator.executor import Executor
-from coordinator.scheduler import Scheduler, StepBatch
-from coordinator.sequence import Sequence, TokenEvent
-from kernels.sampling import RowKind
+from coordinator.sampling_params import RowKind
 from shared_memory.arena import HostArena
 from shared_memory.contract import LaunchDescriptor, LaunchReply
 

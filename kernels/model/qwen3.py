@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 
 from kernels import native
-from kernels.attention import AttentionScratch, paged_decode_attention, prefill_attention
-from kernels.config import ConfigError, Qwen3Config, parse_dtype
+from kernels.attention.torch_gather import AttentionScratch, paged_decode_attention, prefill_attention
 from kernels.kv_cache import PagedKVCache
 from kernels.linear import Int8Weight, LinearOp
-from kernels.loader import Qwen3Weights, load_weights
-from kernels.ops import linear_gemv, rms_norm, rope_tables, rotary
+from kernels.model.config import ConfigError, Qwen3Config, parse_dtype
+from kernels.model.loader import Qwen3Weights, load_weights
+from kernels.norms import linear_gemv, rms_norm, rope_tables, rotary
 
 QUANTIZATIONS = (None, "none", "int8")
 

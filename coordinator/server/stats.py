@@ -7,10 +7,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from coordinator.worker_pool import WorkerHandle
+from coordinator.server.worker_pool import WorkerHandle
 
 if TYPE_CHECKING:
-    from coordinator.server import Server
+    from coordinator.server.server import Server
 
 
 @dataclass

@@ -23,11 +23,11 @@ import ray
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from coordinator.engine_core import EngineCore
-from coordinator.executor import SocketExecutor
-from coordinator.scheduler import Scheduler
-from coordinator.sequence import Sequence
-from kernels.config import Qwen3Config
+from coordinator.engine.engine_core import EngineCore
+from coordinator.engine.executor import SocketExecutor
+from coordinator.engine.scheduler import Scheduler
+from coordinator.engine.sequence import Sequence
+from kernels.model.config import Qwen3Config
 from shared_memory.arena import HostArena
 from shared_memory.contract import RunnerConfig, slot_tables
 from worker.actor import WorkerActor

@@ -6,15 +6,15 @@ server nothing and names the limit that was hit.
 
 from __future__ import annotations
 
-from coordinator.config import ServerConfig
-from coordinator.detokenizer import Detokenizer
+from coordinator.engine.detokenizer import Detokenizer
+from coordinator.engine.scheduler import Scheduler
+from coordinator.engine.sequence import Sequence
 from coordinator.errors import RequestError
-from coordinator.protocol import GenerateRequest
-from coordinator.request_table import RequestTable
-from coordinator.scheduler import Scheduler
-from coordinator.sequence import Sequence
-from kernels.config import Qwen3Config
-from kernels.tokenizer import TextTokenizer
+from coordinator.server.config import ServerConfig
+from coordinator.server.protocol import GenerateRequest
+from coordinator.server.request_table import RequestTable
+from kernels.model.config import Qwen3Config
+from kernels.model.tokenizer import TextTokenizer
 
 
 class Admission:

@@ -11,15 +11,15 @@ import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coordinator.detokenizer import Detokenizer
-from coordinator.engine_core import EngineCore
-from coordinator.executor import InProcessExecutor
-from coordinator.scheduler import Scheduler
-from coordinator.sequence import Sequence
-from kernels.default_model import resolve_model
-from kernels.model import Qwen3Model
-from kernels.sampling import SamplingParams
-from kernels.tokenizer import TextTokenizer
+from coordinator.engine.detokenizer import Detokenizer
+from coordinator.engine.engine_core import EngineCore
+from coordinator.engine.executor import InProcessExecutor
+from coordinator.engine.scheduler import Scheduler
+from coordinator.engine.sequence import Sequence
+from coordinator.sampling_params import SamplingParams
+from kernels.model.default_model import resolve_model
+from kernels.model.qwen3 import Qwen3Model
+from kernels.model.tokenizer import TextTokenizer
 from shared_memory.arena import HostArena
 from shared_memory.contract import RunnerConfig, slot_tables
 from shared_memory.runtime import LaunchRuntime

@@ -24,11 +24,11 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from coordinator import openai_protocol as oa
-from coordinator.chat_template import ChatTemplate
 from coordinator.client import AsyncClient, ServerError
-from coordinator.metrics import Metrics
-from kernels.tokenizer import TextTokenizer
+from coordinator.openai import protocol as oa
+from coordinator.openai.chat_template import ChatTemplate
+from coordinator.openai.metrics import Metrics
+from kernels.model.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coordinator.detokenizer import Detokenizer
+from coordinator.engine.detokenizer import Detokenizer
 from coordinator.errors import RequestError
-from kernels.sampling import SamplingParams
+from coordinator.sampling_params import SamplingParams
 
 
 @dataclass(eq=False)

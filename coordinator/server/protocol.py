@@ -18,9 +18,9 @@ from typing import Any
 
 import msgpack
 
+from coordinator.engine.sequence import Sequence, TokenEvent
 from coordinator.errors import RequestError
-from coordinator.sequence import Sequence, TokenEvent
-from kernels.sampling import SamplingError, SamplingParams
+from coordinator.sampling_params import SamplingError, SamplingParams
 
 MAX_FRAME_BYTES = 4 << 20
 REQUEST_TYPES = ("generate", "abort", "stats", "health", "workers", "scale")

@@ -23,14 +23,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from coordinator.block_manager import BlockManager, OutOfBlocks
-from coordinator.detokenizer import Detokenizer
+from coordinator.engine.block_manager import BlockManager, OutOfBlocks
+from coordinator.engine.detokenizer import Detokenizer
+from coordinator.engine.sequence import Sequence, TokenEvent
+from coordinator.engine.step_outputs import DecodeResult
 from coordinator.errors import RequestError
-from coordinator.sequence import Sequence, TokenEvent
-from kernels.config import Qwen3Config
-from kernels.sampling import RowKind, SamplingError, SamplingParams, logprob, row_kind, sample, top_logprobs
+from coordinator.sampling_params import (
+    RowKind,
+    SamplingError,
+    SamplingParams,
+    logprob,
+    row_kind,
+    sample,
+    top_logprobs,
+)
+from kernels.model.config import Qwen3Config
 from shared_memory.contract import RunnerConfig
-from shared_memory.result import DecodeResult
 
 log = logging.getLogger(__name__)
 

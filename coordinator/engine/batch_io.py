@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from coordinator.scheduler import StepBatch
-from kernels.sampling import RowKind
+from coordinator.engine.scheduler import StepBatch
+from coordinator.engine.step_outputs import DecodeResult
+from coordinator.sampling_params import RowKind
 from shared_memory.arena import HostArena
 from shared_memory.contract import LaunchDescriptor
-from shared_memory.result import DecodeResult
 
 
 def _put(arena: HostArena, name: str, values: np.ndarray) -> None:

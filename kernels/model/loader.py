@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kernels.config import Qwen3Config
+from kernels.model.config import Qwen3Config
 
 
 class WeightError(ValueError):

@@ -8,7 +8,7 @@ never reaches a client, even when it spans two tokens.
 
 from __future__ import annotations
 
-from kernels.tokenizer import TextTokenizer
+from kernels.model.tokenizer import TextTokenizer
 
 
 class Detokenizer:

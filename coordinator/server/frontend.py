@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from coordinator import protocol
+from coordinator.server import protocol
 
 log = logging.getLogger(__name__)
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from coordinator.engine.sequence import Sequence
 from coordinator.errors import RequestError
-from coordinator.request_table import ClientRequest, RequestTable
-from coordinator.sequence import Sequence
-from coordinator.worker_pool import WorkerHandle, WorkerPool
+from coordinator.server.request_table import ClientRequest, RequestTable
+from coordinator.server.worker_pool import WorkerHandle, WorkerPool
 
 
 class Router:
