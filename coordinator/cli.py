@@ -122,8 +122,8 @@ def _serve(coord: Server, args: argparse.Namespace, token: str | None) -> int:
             from coordinator.openai.api import Gateway, HttpServer
 
             local = coord.address.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")
-            gw = Gateway(local, coord.model_dir, args.served_model_name or args.model, coord.max_model_len,
-                         coord.admission.max_tokens, token)
+            gw = Gateway(local, coord.tokenizer, coord.model_dir, args.served_model_name or args.model,
+                         coord.max_model_len, coord.admission.max_tokens, token)
             http = HttpServer(gw, args.host, args.http_port)
             http.start()
             print(f"fusedserve: OpenAI API on {http.url} (model {gw.model_name!r})", flush=True)

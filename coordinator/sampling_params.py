@@ -1,11 +1,7 @@
-"""Sampling parameters and host-side sampling from device-produced candidates.
+"""Sampling parameters: what a request asks of the sampler, checked once, here.
 
-The device returns the top-K (values, ids) of each stochastic row; the host applies
-temperature, top-k and top-p to them and draws. Candidates serve a request exactly
-when its top_k is in 1..K (top-p is then taken over the renormalised top-k set, as
-transformers and vLLM do); any other stochastic setting needs the full logits row.
-Draws are seeded from (seed, step) so a request recomputed after preemption or a
-worker failure draws the same tokens.
+Every front end (ZeroMQ, HTTP, the offline engine) builds a ``SamplingParams``, so they all
+refuse the same values. Sampling itself runs on the device (``kernels/sampler.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +11,7 @@ import random
 import sys
 from dataclasses import dataclass, field
 
-import numpy as np
+from shared_memory.contract import MAX_TOP_LOGPROBS
 
 
 class SamplingError(ValueError):
@@ -23,7 +19,6 @@ class SamplingError(ValueError):
 
 
 MAX_TEMPERATURE = 100.0
-MAX_TOP_LOGPROBS = 20
 
 
 def _check_float(name: str, value: object, lo: float, hi: float, lo_open: bool) -> None:
@@ -53,6 +48,9 @@ class SamplingParams:
     logprobs: bool = False  # full-vocabulary logprob of each sampled token
     top_logprobs: int = 0  # and the n most likely tokens' logprobs at each step (implies logprobs)
     min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one
+    # Each prompt token's logprob given the ones before it, and the n most likely tokens'
+    # there (None: not asked). A request asking for them computes its whole prompt: no cache.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -70,87 +68,17 @@ class SamplingParams:
                                 f"got {self.top_logprobs!r}")
         if self.top_logprobs:
             self.logprobs = True
+        if self.prompt_logprobs is not None and (
+                isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
+                or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise SamplingError(f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
+                                f"got {self.prompt_logprobs!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or self.seed < 0):
-            raise SamplingError(f"seed must be a non-negative integer, got {self.seed!r}")
+                                      or not 0 <= self.seed < 1 << 64):
+            raise SamplingError(f"seed must be an integer in [0, 2^64), got {self.seed!r}")
         if self.seed is None:
             self.seed = random.getrandbits(63)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-
-class RowKind:
-    """What a row needs back from the device after a launch."""
-
-    GREEDY = "greedy"  # the argmax id
-    TOPK = "topk"  # the top-K candidates
-    FULL = "full"  # the whole logits row
-    DEVICE = "device"  # sampled on the device: the id (and asked-for logprobs)
-    INVALID = "invalid"  # its settings could not be sent to the device: the row fails alone
-
-
-def row_kind(params: SamplingParams, k: int, device_sampling: bool = False) -> str:
-    """Classify a request: which device output its next token is drawn from."""
-    if device_sampling:
-        return RowKind.DEVICE
-    if params.logprobs:
-        return RowKind.FULL
-    if params.greedy:
-        return RowKind.GREEDY
-    if 1 <= params.top_k <= k:
-        return RowKind.TOPK
-    return RowKind.FULL
-
-
-def sample(values: np.ndarray, ids: np.ndarray, params: SamplingParams, step: int) -> int:
-    """Draw one token from candidate logits ``values`` (any order) with ids ``ids``.
-
-    Works for top-K candidates and for a full logits row alike (``ids`` = arange).
-    """
-    if params.greedy:
-        best = values.max()
-        return int(ids[values == best].min())
-    # Ties (common with bf16 logits) break by token id, so candidates and a full
-    # logits row order the same tokens the same way.
-    order = np.lexsort((ids, -values.astype(np.float64)))
-    if params.top_k:
-        order = order[: params.top_k]
-    # Subtract the max before dividing: (v - max) / t is <= 0 for any t > 0, so a tiny t
-    # gives -inf (probability 0), never inf - inf; the max itself keeps probability 1 > 0.
-    top = values[order].astype(np.float64)
-    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-        scaled = (top - top[0]) / float(params.temperature)
-    scaled[~np.isfinite(scaled)] = -np.inf  # -inf logits (masked tokens) stay impossible
-    scaled[0] = 0.0
-    probs = np.exp(scaled)
-    probs /= probs.sum()
-    if params.top_p < 1.0:
-        cum = np.cumsum(probs)
-        keep = int(np.searchsorted(cum, params.top_p, side="left")) + 1
-        probs = probs[:keep] / probs[:keep].sum()
-        order = order[:keep]
-    if params.min_p > 0.0:  # probs are in descending order: keep a prefix
-        keep = int(np.count_nonzero(probs >= params.min_p * probs[0]))
-        probs = probs[:keep] / probs[:keep].sum()
-        order = order[:keep]
-    rng = np.random.default_rng([params.seed, step])
-    return int(ids[order[int(rng.choice(len(probs), p=probs))]])
-
-
-def logprob(logits_row: np.ndarray, token: int) -> float:
-    """Full-vocabulary log-probability of ``token`` under ``logits_row``."""
-    row = logits_row.astype(np.float64)
-    m = row.max()
-    return float(row[token] - m - np.log(np.exp(row - m).sum()))
-
-
-def top_logprobs(logits_row: np.ndarray, n: int) -> list[tuple[int, float]]:
-    """The ``n`` most likely tokens and their full-vocabulary log-probabilities, best first
-    (ties by token id, as sampling breaks them)."""
-    row = logits_row.astype(np.float64)
-    m = row.max()
-    norm = m + np.log(np.exp(row - m).sum())
-    ids = np.lexsort((np.arange(row.shape[0]), -row))[:n]
-    return [(int(i), float(row[i] - norm)) for i in ids]

@@ -1,13 +1,46 @@
-"""Allocation-free building blocks of the decode step.
+"""RMSNorm and rotary embedding: the native CPU pass, or ATen's ops elsewhere.
 
-Every function writes into tensors the caller owns (``out=`` or in place), so a
-decode step built from them allocates nothing once its workspace exists. The math
-follows transformers' Qwen3 (RMSNorm in float32, rotate-half rotary embedding).
+``NativeNorms`` and ``TorchNorms`` are the two implementations of one interface, chosen
+once per model (``kernels/backend.py``): a fused residual add + RMSNorm, and the per-head
+q/k RMSNorm + rotary that Qwen3 applies before attention. Both write into tensors the
+caller owns, so a decode step allocates nothing. The math follows transformers' Qwen3
+(RMSNorm in float32, rotate-half rotary embedding).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from types import ModuleType
+
 import torch
+
+
+@dataclass
+class NormScratch:
+    """float32 scratch of ``TorchNorms`` for n rows (the native pass needs none)."""
+
+    f32_h: torch.Tensor  # [n, D]
+    var_h: torch.Tensor  # [n, 1]
+    f32_q: torch.Tensor  # [n, heads, hd]
+    var_q: torch.Tensor  # [n, heads, 1]
+    f32_k: torch.Tensor  # [n, kv_heads, hd]
+    var_k: torch.Tensor  # [n, kv_heads, 1]
+    rot_q: torch.Tensor  # [n, heads, hd], activation dtype
+    rot_k: torch.Tensor  # [n, kv_heads, hd]
+
+    @classmethod
+    def allocate(cls, n: int, hidden: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> NormScratch:
+        f32 = {"dtype": torch.float32, "device": device}
+        act = {"dtype": dtype, "device": device}
+        return cls(torch.empty(n, hidden, **f32), torch.empty(n, 1, **f32),
+                   torch.empty(n, heads, head_dim, **f32), torch.empty(n, heads, 1, **f32),
+                   torch.empty(n, kv_heads, head_dim, **f32), torch.empty(n, kv_heads, 1, **f32),
+                   torch.empty(n, heads, head_dim, **act), torch.empty(n, kv_heads, head_dim, **act))
+
+    def rows(self, n: int) -> NormScratch:
+        return NormScratch(self.f32_h[:n], self.var_h[:n], self.f32_q[:n], self.var_q[:n], self.f32_k[:n],
+                           self.var_k[:n], self.rot_q[:n], self.rot_k[:n])
 
 
 def rms_norm(
@@ -60,19 +93,50 @@ def rope_tables(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out = x @ weight.T`` for a [out_features, in_features] weight."""
-    return torch.mm(x, weight.t(), out=out)
+class NativeNorms:
+    """One pass per row (add + norm) and per head (norm + rotary): ``kernels/csrc/norm.cpp``."""
+
+    def __init__(self, native: ModuleType, eps: float, heads: int, kv_heads: int):
+        self.native, self.eps, self.heads, self.kv_heads = native, eps, heads, kv_heads
+
+    def add_rms_norm(self, x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor,
+                     out: torch.Tensor, buf: NormScratch) -> None:
+        """``x += add`` (if given), then ``out = rms_norm(x) * weight``."""
+        self.native.add_rms_norm(x, add, weight, self.eps, out)
+
+    def qk_norm_rope(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor, buf: NormScratch) -> None:
+        """q heads of ``qkv`` normed and rotated into ``q_out`` [n, heads, hd]; k heads in place."""
+        self.native.qk_norm_rope(qkv, q_weight, k_weight, cos, sin, self.eps, q_out, self.heads,
+                                 self.kv_heads)
 
 
-def linear_gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``linear`` through ATen's native kernel rather than oneDNN (faster for one bf16 row).
+class TorchNorms:
+    """ATen's ops over the layer buffers' float32 scratch (eight ops a norm)."""
 
-    The oneDNN switch is process-global: it is restored before returning.
-    """
-    previous = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)
-    try:
-        return torch.mm(x, weight.t(), out=out)
-    finally:
-        torch._C._set_mkldnn_enabled(previous)
+    def __init__(self, eps: float, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                 device: torch.device):
+        f32 = {"dtype": torch.float32, "device": device}
+        # 0-dim constants: a Python scalar operand would be boxed into a new tensor per op.
+        self.eps = torch.tensor(eps, **f32)
+        self.inv_hidden = torch.tensor(1.0 / hidden, **f32)
+        self.inv_head = torch.tensor(1.0 / head_dim, **f32)
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+
+    def add_rms_norm(self, x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor,
+                     out: torch.Tensor, buf: NormScratch) -> None:
+        if add is not None:
+            x.add_(add)
+        n = x.shape[0]
+        rms_norm(x, weight, self.eps, out, buf.f32_h[:n], buf.var_h[:n], self.inv_hidden)
+
+    def qk_norm_rope(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor, buf: NormScratch) -> None:
+        n, nh, nkv, hd = qkv.shape[0], self.heads, self.kv_heads, self.head_dim
+        q = qkv[:, : nh * hd].view(n, nh, hd)
+        k = qkv[:, nh * hd : (nh + nkv) * hd].view(n, nkv, hd)
+        rms_norm(q, q_weight, self.eps, q_out, buf.f32_q[:n], buf.var_q[:n], self.inv_head)
+        rms_norm(k, k_weight, self.eps, k, buf.f32_k[:n], buf.var_k[:n], self.inv_head)
+        cos3, sin3 = cos.unsqueeze(1), sin.unsqueeze(1)
+        rotary(q_out, cos3, sin3, buf.rot_q[:n])
+        rotary(k, cos3, sin3, buf.rot_k[:n])

@@ -1,23 +1,72 @@
-"""Sampling of every kind on the device: each row hands back only its token id.
+"""The sampler: every kind of sampling on the device, each row handing back only its token id.
 
-Per row: temperature, top-k, top-p (over the renormalised top-k set), min-p, then one
-draw by inverse CDF over the kept tokens in id order, from a uniform number hashed from
-(seed, step). The draw depends only on the row's logits and (seed, step): not on the
-batch a request lands in, and a re-run (preemption, a lost worker) draws the same token.
-Logprobs are the model's full-vocabulary log-softmax, as OpenAI reports them.
-Ties at the k-th value (top-k) or at the top-p cut-off are all kept.
+Per row: temperature, top-k, top-p (over the renormalised top-k set), min-p, then one draw
+by inverse CDF over the kept tokens in id order, from a uniform number hashed from
+(seed, step). Temperature 0 is greedy (the argmax). A draw depends only on the row's logits
+and (seed, step): not on the batch a request lands in, and a re-run (preemption, a lost
+worker) draws the same token. Ties at the k-th value (top-k) or at the top-p cut-off are
+all kept. Logprobs are the model's full-vocabulary log-softmax, as OpenAI reports them.
+
+Nothing here reads a device value on the host (no ``nonzero``, ``item``, ``tolist``,
+``bool(tensor)`` or loop over rows): every op has a shape fixed by the batch, so a CUDA
+graph can capture it. Which stages run is the launch's ``SamplingPlan``, known on the host
+from the requests' settings. The top-k and top-p thresholds are found exactly by a radix
+select over the whole row (four passes of 256-bin histograms), never by sorting it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 # splitmix64's constants as signed int64 (torch has no uint64 arithmetic).
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _M2 = 0x94D049BB133111EB - (1 << 64)
+# Probabilities as fixed-point integers (units of 2^-40): sums are exact, so a threshold never
+# depends on the order a device adds them in (CUDA's scatter_add is unordered).
+_FIXED = float(1 << 40)
+# Columns of the per-row float parameters.
+TEMPERATURE, TOP_P, MIN_P, TOP_K = range(4)
+
+
+@dataclass(frozen=True)
+class SamplingPlan:
+    """Which stages a launch runs, from its rows' settings: known on the host when the launch
+    is written, never read back. Each row takes the same path whatever the plan, so a draw
+    does not depend on the other rows of its batch."""
+
+    candidates: bool = False  # a row with temperature > 0 and 1 <= top_k <= the candidate count
+    full: bool = False  # a row with temperature > 0 and any other top_k (0: the whole vocabulary)
+    wide_top_k: bool = False  # ... among them, a top_k beyond the candidates (below the vocabulary)
+    top_p: bool = False  # a full-path row with top_p < 1
+    min_p: bool = False  # a full-path row with min_p > 0
+
+    @property
+    def random(self) -> bool:
+        return self.candidates or self.full
+
+    @classmethod
+    def of(cls, stages: list[str]) -> SamplingPlan:
+        """From ``stages()`` (a launch descriptor carries the names)."""
+        return cls(**{name: True for name in stages})
+
+    def stages(self) -> list[str]:
+        return [f.name for f in fields(self) if getattr(self, f.name)]
+
+    @classmethod
+    def for_rows(cls, params: np.ndarray, candidates: int, vocab: int) -> SamplingPlan:
+        """The plan of rows whose ``params`` [B, 4] are (temperature, top_p, min_p, top_k)."""
+        t, top_p, min_p, k = (params[:, c] for c in (TEMPERATURE, TOP_P, MIN_P, TOP_K))
+        n = min(candidates, vocab)
+        random = t > 0
+        cand = random & (k >= 1) & (k <= n)
+        full = random & ~cand
+        return cls(candidates=bool(cand.any()), full=bool(full.any()),
+                   wide_top_k=bool((full & (k > n) & (k < vocab)).any()),
+                   top_p=bool((full & (top_p < 1)).any()), min_p=bool((full & (min_p > 0)).any()))
 
 
 def _lsr(z: torch.Tensor, s: int) -> torch.Tensor:
@@ -37,59 +86,130 @@ def uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     return (_lsr(z, 11).to(torch.float64) + 0.5) / float(1 << 53)
 
 
-@dataclass
-class RowParams:
-    """Per-row sampling settings on the device: ``f32`` [B, 4] = (temperature, top_p, min_p,
-    top_k); ``seeds`` [B, 2] int64 = (seed, step)."""
-
-    f32: torch.Tensor
-    seeds: torch.Tensor
+def _order_keys(x: torch.Tensor) -> torch.Tensor:
+    """float32 values as int32 keys that sort (signed) as the values do."""
+    bits = x.contiguous().view(torch.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
-def sample(logits: torch.Tensor, p: RowParams, out: torch.Tensor, argmax_done: bool = False) -> torch.Tensor:
-    """Write each row's token into ``out`` [B] int32; greedy rows take the argmax (already
-    there when ``argmax_done``: the fused step wrote it)."""
-    b, vocab = logits.shape
-    t, top_p, min_p = p.f32[:, 0], p.f32[:, 1], p.f32[:, 2]
-    top_k = p.f32[:, 3].to(torch.int64)
-    if not argmax_done:
-        out.copy_(torch.argmax(logits, dim=-1))
-    rows = torch.nonzero(t > 0).flatten()
-    if rows.numel() == 0:
-        return out
-    x = logits.index_select(0, rows).double() / t[rows, None].double()
-    k = top_k[rows]
-    if bool(((k > 0) & (k < vocab)).any()):
-        kk = torch.where((k > 0) & (k < vocab), k, torch.full_like(k, vocab))
-        kth = torch.topk(x, int(kk.max()), dim=-1).values.gather(1, (kk - 1)[:, None])
-        x = torch.where(x < kth, torch.full_like(x, float("-inf")), x)
+def _radix_select(keys: torch.Tensor, weights: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per row, the largest key ``c`` with ``sum(weights[keys >= c]) >= target``.
+
+    keys: [B, V] int32; weights: [B, V] int64 >= 0; target: [B] int64. Four passes of eight
+    bits each (a 256-bin histogram per row): the weight of each next digit among the keys that
+    share the digits chosen so far, then the highest digit that still reaches the target.
+    Returns [B] int32.
+    """
+    b, dev = keys.shape[0], keys.device
+    u = keys.to(torch.int64) + (1 << 31)  # unsigned order, in [0, 2^32)
+    in_range = torch.ones_like(u, dtype=torch.bool)
+    answer = torch.zeros(b, dtype=torch.int64, device=dev)
+    above = torch.zeros(b, dtype=torch.int64, device=dev)  # weight of keys above the answer's range
+    pad = torch.zeros(b, 1, dtype=torch.int64, device=dev)
+    for shift in (24, 16, 8, 0):
+        digit = (u >> shift) & 255
+        w = weights if shift == 24 else torch.where(in_range, weights, 0)
+        hist = torch.zeros(b, 256, dtype=torch.int64, device=dev).scatter_add_(1, digit, w)
+        at_least = torch.cat([hist.flip(1).cumsum(1).flip(1), pad], 1) + above[:, None]
+        d = (at_least[:, :256] >= target[:, None]).sum(1).sub_(1).clamp_(min=0)
+        above = at_least.gather(1, (d + 1)[:, None]).squeeze(1)
+        answer = (answer << 8) | d
+        if shift:
+            in_range &= digit == d[:, None]
+    return (answer - (1 << 31)).to(torch.int32)
+
+
+def _full_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """True where a token is among its row's ``top_k`` largest (ties kept; 0 or >= vocab: all)."""
+    vocab = logits.shape[1]
+    keys = _order_keys(logits)
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    kth = _radix_select(keys, torch.ones_like(keys, dtype=torch.int64), k)
+    return keys >= kth[:, None]
+
+
+def _full_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """True where a token is in its row's smallest most-likely set holding ``top_p`` of the mass
+    (every token tied with the last one kept); rows with ``top_p >= 1`` keep every token."""
+    keys = probs.view(torch.int32)  # float32 probabilities are >= 0: their bits sort
+    w = (probs * _FIXED).to(torch.int64)  # exact above 2^-17; the rest truncated to 2^-40
+    target = torch.ceil(top_p.double() * w.sum(1).double()).to(torch.int64)
+    cut = _radix_select(keys, w, target)
+    return (keys >= cut[:, None]) | (top_p >= 1.0)[:, None]
+
+
+def _draw(probs: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF over each row's probabilities (in the order given) at its hashed uniform."""
+    cum = torch.cumsum(probs.double(), dim=-1)
+    u = uniform(seeds[:, 0], seeds[:, 1])[:, None] * cum[:, -1:]
+    return torch.searchsorted(cum, u, right=True).clamp_(max=probs.shape[1] - 1).squeeze(1)
+
+
+def _min_p(probs: torch.Tensor, min_p: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    return torch.where(probs >= min_p[:, None] * top, probs, 0.0)
+
+
+def _candidate_draw(logits: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, n: int) -> torch.Tensor:
+    """Rows whose top_k is within the ``n`` candidates: every stage over the candidates alone."""
+    t = params[:, TEMPERATURE]
+    vals, ids = torch.topk(logits, n, dim=-1)  # descending
+    k = params[:, TOP_K].to(torch.int64).clamp(1, n)
+    vals = torch.where(vals >= vals.gather(1, (k - 1)[:, None]), vals, float("-inf"))
+    probs = torch.softmax(vals / torch.where(t > 0, t, 1.0)[:, None], dim=-1)
+    cum = torch.cumsum(probs.double(), dim=-1)  # most likely first: top-p keeps a prefix
+    top_p = params[:, TOP_P]
+    keep = ((cum - probs.double()) < top_p.double()[:, None]) | (top_p >= 1.0)[:, None]
+    cut = torch.where(keep, probs, float("inf")).amin(dim=-1, keepdim=True)
+    probs = torch.where(probs >= cut, probs, 0.0)
+    probs = _min_p(probs, params[:, MIN_P], probs[:, :1])
+    order = torch.argsort(ids, dim=-1)  # the draw runs over token ids in ascending order
+    pick = _draw(probs.gather(1, order), seeds)
+    return ids.gather(1, order.gather(1, pick[:, None])).squeeze(1)
+
+
+def _full_draw(logits: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor,
+               plan: SamplingPlan) -> torch.Tensor:
+    """Rows sampled over the whole vocabulary."""
+    t = params[:, TEMPERATURE]
+    x = logits / torch.where(t > 0, t, 1.0)[:, None]
+    if plan.wide_top_k:
+        x = torch.where(_full_top_k(logits, params[:, TOP_K].to(torch.int64)), x, float("-inf"))
     probs = torch.softmax(x, dim=-1)
-    tp = top_p[rows].double()
-    for i in torch.nonzero(tp < 1.0).flatten().tolist():  # rows asking for top-p
-        srt = torch.sort(probs[i], descending=True).values
-        keep = int(torch.searchsorted(torch.cumsum(srt, 0), tp[i:i + 1]).item()) + 1
-        cut = srt[min(keep, vocab) - 1]
-        probs[i] = torch.where(probs[i] < cut, torch.zeros_like(probs[i]), probs[i])
-    mp = min_p[rows].double()
-    if bool((mp > 0).any()):
-        floor = mp[:, None] * probs.max(dim=-1, keepdim=True).values
-        probs = torch.where(probs < floor, torch.zeros_like(probs), probs)
-    cum = torch.cumsum(probs, dim=-1)
-    u = uniform(p.seeds[rows, 0], p.seeds[rows, 1])[:, None] * cum[:, -1:]
-    ids = torch.searchsorted(cum, u, right=True).clamp_(max=vocab - 1).flatten()
-    out.index_copy_(0, rows, ids.to(out.dtype))
+    if plan.top_p:
+        probs = torch.where(_full_top_p(probs, params[:, TOP_P]), probs, 0.0)
+    if plan.min_p:
+        probs = _min_p(probs, params[:, MIN_P], probs.amax(dim=-1, keepdim=True))
+    return _draw(probs, seeds)
+
+
+def sample(logits: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, out: torch.Tensor,
+           plan: SamplingPlan, candidates: int) -> torch.Tensor:
+    """Write each row's token into ``out`` [B] int32.
+
+    logits: [B, V] float32; params: [B, 4] float32 (temperature, top_p, min_p, top_k);
+    seeds: [B, 2] int64 (seed, step). A row with temperature > 0 and ``1 <= top_k <=
+    candidates`` is sampled among its ``candidates`` most likely tokens (which hold its
+    whole top-k set); any other stochastic row over the whole vocabulary.
+    """
+    token = torch.argmax(logits, dim=-1)
+    t, k = params[:, TEMPERATURE], params[:, TOP_K]
+    n = min(candidates, logits.shape[1])
+    if plan.candidates:
+        in_candidates = (t > 0) & (k >= 1) & (k <= n)
+        token = torch.where(in_candidates, _candidate_draw(logits, params, seeds, n), token)
+    if plan.full:
+        in_full = (t > 0) & ((k < 1) | (k > n))
+        token = torch.where(in_full, _full_draw(logits, params, seeds, plan), token)
+    out.copy_(token)
     return out
-
-
-def logprobs(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, n: int,
-             sampled: torch.Tensor, top_ids: torch.Tensor, top_values: torch.Tensor) -> None:
-    """For ``rows``: the sampled token's full-vocabulary logprob into ``sampled`` [R], and the
-    ``n`` most likely tokens' into ``top_ids``/``top_values`` [R, n]."""
-    if rows.numel() == 0:
-        return
-    lsm = torch.log_softmax(logits.index_select(0, rows).double(), dim=-1)
-    sampled.copy_(lsm.gather(1, tokens.index_select(0, rows).to(torch.int64)[:, None]).flatten())
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, lp_out: torch.Tensor,
+                   top_ids_out: torch.Tensor, top_values_out: torch.Tensor) -> None:
+    """For each row of ``logits`` [R, V]: the full-vocabulary logprob of ``tokens`` [R] into
+    ``lp_out`` [R], and the ``n`` most likely tokens' into ``top_*_out`` [R, n] (n may be 0)."""
+    lsm = torch.log_softmax(logits.double(), dim=-1)
+    lp_out.copy_(lsm.gather(1, tokens.to(torch.int64)[:, None]).squeeze(1))
+    n = top_ids_out.shape[1]
     if n:
         v, i = torch.topk(lsm, n, dim=-1)
-        top_values.copy_(v)
-        top_ids.copy_(i)
+        top_values_out.copy_(v)
+        top_ids_out.copy_(i)

@@ -38,27 +38,16 @@ class SlotLayout:
     dtype: torch.dtype
 
 
-def plan_layout(tables: list[SlotTable], max_dims: dict[str, int]) -> tuple[dict[str, SlotLayout], int]:
-    """Byte offsets for every HOST_SHARED slot of ``tables`` at ``max_dims``.
-
-    A slot name shared by several tables (the sampling outputs) gets one region; its
-    declarations must agree.
-    """
+def plan_layout(table: SlotTable, max_dims: dict[str, int]) -> tuple[dict[str, SlotLayout], int]:
+    """Byte offsets for every HOST_SHARED slot of ``table`` at ``max_dims``, 64-byte aligned."""
     layout: dict[str, SlotLayout] = {}
-    seen = {}
     offset = 0
-    for table in tables:
-        for slot in table:
-            if not slot.host_shared:
-                continue
-            if slot.name in seen:
-                if seen[slot.name] != slot:
-                    raise SlotError(f"slot {slot.name!r} is declared differently in two tables")
-                continue
-            seen[slot.name] = slot
-            nbytes = slot.nbytes(max_dims)
-            layout[slot.name] = SlotLayout(offset, nbytes, slot.concrete(max_dims), slot.dtype)
-            offset += -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+    for slot in table:
+        if not slot.host_shared:
+            continue
+        nbytes = slot.nbytes(max_dims)
+        layout[slot.name] = SlotLayout(offset, nbytes, slot.concrete(max_dims), slot.dtype)
+        offset += -(-max(nbytes, 1) // _ALIGN) * _ALIGN
     return layout, max(offset, _ALIGN)
 
 
@@ -137,9 +126,8 @@ class HostArena:
             _register_owned(self)
 
     @classmethod
-    def create(cls, tables: list[SlotTable], max_dims: dict[str, int],
-               tag: str = "w") -> HostArena:
-        layout, size = plan_layout(tables, max_dims)
+    def create(cls, table: SlotTable, max_dims: dict[str, int], tag: str = "w") -> HostArena:
+        layout, size = plan_layout(table, max_dims)
         name = f"{PREFIX}_{os.getpid()}_{tag}_{secrets.token_hex(4)}"
         shm = shared_memory.SharedMemory(name=name, create=True, size=size)
         _untrack(shm)
@@ -147,14 +135,14 @@ class HostArena:
         return cls(shm, layout, owner=True)
 
     @classmethod
-    def attach(cls, name: str, tables: list[SlotTable], max_dims: dict[str, int]) -> HostArena:
+    def attach(cls, name: str, table: SlotTable, max_dims: dict[str, int]) -> HostArena:
         """Map an existing arena; the layout is recomputed from the same declarations."""
-        layout, size = plan_layout(tables, max_dims)
+        layout, size = plan_layout(table, max_dims)
         shm = shared_memory.SharedMemory(name=name, create=False)
         _untrack(shm)
         if shm.size < size:
             shm.close()
-            raise SlotError(f"arena {name}: {shm.size} bytes, the slot tables need {size}")
+            raise SlotError(f"arena {name}: {shm.size} bytes, the slot table needs {size}")
         return cls(shm, layout, owner=False)
 
     def full(self, name: str) -> torch.Tensor:

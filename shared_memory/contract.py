@@ -10,36 +10,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
+from shared_memory.runtime import LaunchRecord, launch_kind
 
-from shared_memory.runtime import LaunchRecord
-from shared_memory.slots import SlotTable, decode_table, prefill_table
-
-MAX_TOP_LOGPROBS = 20  # coordinator.sampling_params refuses more (this package imports no kernels)
+MAX_TOP_LOGPROBS = 20  # coordinator.sampling_params refuses more (this package imports no coordinator)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 @dataclass(frozen=True)
 class RunnerConfig:
-    max_batch: int = 16
+    max_batch: int = 16  # rows (sequences) a launch may carry
     block_size: int = 16
     num_blocks: int = 256
-    top_k: int = 64  # device-side candidates per stochastic row
-    max_prefill_tokens: int = 4096
+    # Candidates the sampler sorts per row: a stochastic row whose top_k is 1..this is sampled
+    # among them (its whole top-k set); other stochastic rows over the whole vocabulary.
+    top_k: int = 64
+    # The token budget of one launch: every running stream's decode row first, then prompt
+    # chunks in what is left, so a long prompt is split across launches and never stalls the
+    # streams. It sizes the arena's token slots.
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     # "auto": capture decode graphs per batch bucket where the device has graphs (CUDA, NPU);
     # "padded": the same bucketed, padded decode run eagerly (any device); "off": exact shapes.
     graphs: str = "auto"
     # Keep full KV blocks after their sequence ends, content-hashed, and reuse them as prompt
-    # prefixes (coordinator/block_manager.py).
+    # prefixes (coordinator/engine/block_manager.py).
     enable_prefix_caching: bool = True
-    # Chunked prefill: the most tokens one launch runs (decode rows count one each); prompts
-    # are split to fit and share launches with the running decodes. 0: whole-prompt prefills.
-    max_num_batched_tokens: int = 0
-    # Sample every row on the device (only ids, and asked-for logprobs, come back); False keeps
-    # the host fallback (top-K candidates or the logits row of stochastic rows come back).
-    device_sampling: bool = True
     # Two launches in flight: the next is scheduled and sent while one runs, fed the ids it
     # leaves on the device; the coordinator reads ids one launch behind. Needs one arena
-    # bank per launch in flight (``banks``). Rows sampled on the host never launch ahead.
+    # bank per launch in flight (``banks``).
     async_scheduling: bool = True
 
     @property
@@ -49,67 +46,68 @@ class RunnerConfig:
 
     def check(self) -> None:
         """Refuse, at start, settings no launch could honour."""
-        for name in ("max_batch", "block_size", "num_blocks", "top_k", "max_prefill_tokens"):
+        for name in ("max_batch", "block_size", "num_blocks", "top_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         n = self.max_num_batched_tokens
-        if n and not self.max_batch < n <= self.max_prefill_tokens:
-            raise ValueError(f"max_num_batched_tokens must be 0 (off) or in ({self.max_batch}, "
-                             f"{self.max_prefill_tokens}] (more than max_batch decode rows, at most "
-                             f"max_prefill_tokens), got {n}")
+        if isinstance(n, bool) or not isinstance(n, int) or n <= self.max_batch:
+            raise ValueError(f"max_num_batched_tokens must be more than max_batch ({self.max_batch}): "
+                             f"room for every decode row and a prompt token; got {n}")
+        if self.graphs not in ("auto", "padded", "off"):
+            raise ValueError(f"graphs must be auto, padded or off, got {self.graphs!r}")
 
     @property
     def pad_slot(self) -> int:
         """The KV slot past every allocatable block: padding and warm-up rows write there."""
         return self.num_blocks * self.block_size
 
-    def max_dims(self, vocab: int, hidden: int, max_model_len: int) -> dict[str, int]:
+    def max_dims(self, vocab: int, max_model_len: int) -> dict[str, int]:
         """The largest dims any launch may use; arena and pool are sized from these."""
         return {
             "B": self.max_batch,
+            "B1": self.max_batch + 1,
+            "T": self.max_num_batched_tokens,
             "W": -(-max_model_len // self.block_size),
-            "T": max(self.max_prefill_tokens, max_model_len),
-            "TP": self.max_batch * max_model_len,  # cached prefix tokens of one prefill
-            "BD": self.max_batch,  # decode rows riding in a prefill launch (chunked prefill)
-            "NT": self.max_batch,
-            "NF": self.max_batch,
-            "NL": self.max_batch,  # rows asking for logprobs (device sampling)
+            "NL": self.max_batch,  # rows asking for logprobs
             "N": MAX_TOP_LOGPROBS,  # top logprobs per row
-            "K": self.top_k,
+            "TL": self.max_num_batched_tokens,  # prompt tokens asking for their logprob
+            "NP": MAX_TOP_LOGPROBS,
             "V": vocab,
-            "D": hidden,
         }
-
-
-def slot_tables(hidden_dtype: torch.dtype = torch.float32) -> list[SlotTable]:
-    """Both launch tables. HOST_SHARED layout does not depend on the dtype; only the
-    DEVICE_RESIDENT ``next_hidden`` does, so the coordinator may use the default."""
-    return [prefill_table(hidden_dtype), decode_table(hidden_dtype)]
 
 
 @dataclass
 class LaunchDescriptor:
-    """The per-step control message: small, msgpack-able; tensors stay in the arena."""
+    """The per-launch control message: small, msgpack-able; tensors stay in the arena.
 
-    table: str  # "prefill" | "decode"
+    ``prompt_query_lens`` and ``prompt_seq_lens`` are host copies of the prompt chunks' new
+    tokens and contexts (rows ``num_decode``..B-1), so the worker plans their attention without
+    reading the device. ``sampling`` names the sampler stages the launch's rows need
+    (``kernels.sampler.SamplingPlan``), known here from their settings.
+    """
+
     dims: dict[str, int]
     step: int
-    ctx_len: int = 0
-    cu_seqlens: list[int] = field(default_factory=list)  # prefill: the new tokens' boundaries
-    prefix_lens: list[int] = field(default_factory=list)  # prefill: cached tokens before them
-    num_decode: int = 0  # prefill: its first rows are decode rows (one token, paged attention)
+    num_decode: int = 0  # leading rows of one token each
+    prompt_query_lens: list[int] = field(default_factory=list)
+    prompt_seq_lens: list[int] = field(default_factory=list)
+    sampling: list[str] = field(default_factory=list)
     bank: int = 0  # the arena bank holding its inputs and outputs (async scheduling alternates)
 
+    @property
+    def kind(self) -> str:
+        """``decode`` (decode rows only), ``prefill`` (prompt chunks only) or ``mixed``."""
+        return launch_kind(self.num_decode, self.dims["B"])
+
     def to_wire(self) -> dict:
-        return {"table": self.table, "dims": self.dims, "step": self.step,
-                "ctx_len": self.ctx_len, "cu_seqlens": self.cu_seqlens, "prefix_lens": self.prefix_lens,
-                "num_decode": self.num_decode, "bank": self.bank}
+        return {"dims": self.dims, "step": self.step, "num_decode": self.num_decode,
+                "prompt_query_lens": self.prompt_query_lens, "prompt_seq_lens": self.prompt_seq_lens,
+                "sampling": self.sampling, "bank": self.bank}
 
     @classmethod
     def from_wire(cls, d: dict) -> LaunchDescriptor:
-        return cls(d["table"], dict(d["dims"]), d["step"], d.get("ctx_len", 0),
-                   list(d.get("cu_seqlens", [])), list(d.get("prefix_lens", [])), d.get("num_decode", 0),
-                   d.get("bank", 0))
+        return cls(dict(d["dims"]), d["step"], d.get("num_decode", 0), list(d.get("prompt_query_lens", [])),
+                   list(d.get("prompt_seq_lens", [])), list(d.get("sampling", [])), d.get("bank", 0))
 
 
 @dataclass

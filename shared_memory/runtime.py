@@ -19,30 +19,15 @@ from shared_memory.slots import SlotError, SlotTable, front_view
 
 
 class DeviceScratchPool:
-    """Persistent device tensors for every slot of ``tables`` at ``max_dims``.
+    """Persistent device tensors for every slot of ``table`` at ``max_dims``."""
 
-    ``adopt`` hands in tensors another owner already allocated (e.g. the model's
-    residual stream as ``next_hidden``); they are checked against their slot.
-    """
-
-    def __init__(self, tables: list[SlotTable], max_dims: dict[str, int],
-                 device: torch.device | str = "cpu",
-                 adopt: dict[str, torch.Tensor] | None = None):
+    def __init__(self, table: SlotTable, max_dims: dict[str, int], device: torch.device | str = "cpu"):
         self.max_dims = dict(max_dims)
         self.device = torch.device(device)
-        self._tensors: dict[str, torch.Tensor] = {}
-        adopt = adopt or {}
-        for table in tables:
-            for slot in table:
-                if slot.name in self._tensors:
-                    continue
-                if slot.name in adopt:
-                    slot.check(adopt[slot.name], max_dims)
-                    self._tensors[slot.name] = adopt[slot.name]
-                else:
-                    self._tensors[slot.name] = torch.zeros(
-                        slot.concrete(max_dims), dtype=slot.dtype, device=self.device
-                    )
+        self._tensors: dict[str, torch.Tensor] = {
+            slot.name: torch.zeros(slot.concrete(max_dims), dtype=slot.dtype, device=self.device)
+            for slot in table
+        }
 
     def full(self, name: str) -> torch.Tensor:
         try:
@@ -60,17 +45,32 @@ class DeviceScratchPool:
 
 @dataclass
 class LaunchRecord:
-    table: str
     dims: dict[str, int]
+    num_decode: int  # leading rows of one token each; the rest are prompt chunks
     h2d_bytes: int
     d2h_bytes: int
     seconds: float
     idle_s: float = 0.0  # since the previous launch ended: time the device had nothing to run
 
+    @property
+    def kind(self) -> str:
+        """``decode`` (decode rows only), ``prefill`` (prompt chunks only) or ``mixed``."""
+        return launch_kind(self.num_decode, self.dims["B"])
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.dims["T"] - self.num_decode
+
+
+def launch_kind(num_decode: int, rows: int) -> str:
+    if num_decode == rows:
+        return "decode"
+    return "mixed" if num_decode else "prefill"
+
 
 @dataclass
 class TrafficCounters:
-    """Per-table totals of launches and bytes moved; ``last`` is the latest launch."""
+    """Per-kind totals of launches and bytes moved; ``last`` is the latest launch."""
 
     launches: dict[str, int] = field(default_factory=dict)
     h2d_bytes: dict[str, int] = field(default_factory=dict)
@@ -79,7 +79,7 @@ class TrafficCounters:
     last: LaunchRecord | None = None
 
     def record(self, rec: LaunchRecord) -> None:
-        t = rec.table
+        t = rec.kind
         self.launches[t] = self.launches.get(t, 0) + 1
         self.h2d_bytes[t] = self.h2d_bytes.get(t, 0) + rec.h2d_bytes
         self.d2h_bytes[t] = self.d2h_bytes.get(t, 0) + rec.d2h_bytes
@@ -96,52 +96,50 @@ class TrafficCounters:
         }
 
 
-StepFn = Callable[[dict[str, torch.Tensor], dict[str, int]], None]
+StepFn = Callable[[dict[str, torch.Tensor]], None]
 
 
 class LaunchRuntime:
-    """Runs launches against declared slot tables, moving and counting HOST_SHARED bytes.
+    """Runs launches against the declared slot table, moving and counting HOST_SHARED bytes.
 
     ``arenas`` are the banks a launch may name (one per launch the coordinator keeps in
     flight); each has every HOST_SHARED slot.
     """
 
-    def __init__(self, tables: list[SlotTable], arenas: HostArena | list[HostArena],
-                 pool: DeviceScratchPool):
-        self.tables = {t.name: t for t in tables}
+    def __init__(self, table: SlotTable, arenas: HostArena | list[HostArena], pool: DeviceScratchPool):
+        self.table = table
         self.arenas = arenas if isinstance(arenas, list) else [arenas]
         self.pool = pool
         self.counters = TrafficCounters()
         self.history: list[LaunchRecord] = []
         self.keep_history = 0  # > 0 keeps the latest N records (tests, benchmarks)
         self._last_end: float | None = None
-        for table in tables:  # declarations vs. what was allocated, before any launch
-            for slot in table:
-                slot.check(pool.full(slot.name), pool.max_dims)
-                for arena in self.arenas:
-                    if slot.host_shared:
-                        slot.check(arena.full(slot.name), pool.max_dims)
+        for slot in table:  # declarations vs. what was allocated, before any launch
+            slot.check(pool.full(slot.name), pool.max_dims)
+            for arena in self.arenas:
+                if slot.host_shared:
+                    slot.check(arena.full(slot.name), pool.max_dims)
 
     @property
     def arena(self) -> HostArena:
         return self.arenas[0]
 
-    def check_dims(self, table: SlotTable, dims: dict[str, int]) -> None:
-        for slot in table:
+    def check_dims(self, dims: dict[str, int]) -> None:
+        for slot in self.table:
             for d, m in zip(slot.concrete(dims), slot.concrete(self.pool.max_dims)):
                 if d > m or d < 0:
                     raise SlotError(
-                        f"{table.name} launch: slot {slot.name!r} shape {slot.concrete(dims)} "
+                        f"launch: slot {slot.name!r} shape {slot.concrete(dims)} "
                         f"outside the allocated {slot.concrete(self.pool.max_dims)}"
                     )
 
-    def launch(self, table_name: str, dims: dict[str, int], step: StepFn, bank: int = 0) -> LaunchRecord:
-        """Copy inputs in from arena ``bank``, run ``step(views, dims)``, copy HOST_SHARED
-        outputs out to the same bank."""
-        table = self.tables[table_name]
-        self.check_dims(table, dims)
+    def launch(self, dims: dict[str, int], step: StepFn, bank: int = 0, num_decode: int = 0) -> LaunchRecord:
+        """Copy inputs in from arena ``bank``, run ``step(views)``, copy HOST_SHARED outputs out
+        to the same bank. ``num_decode`` is recorded (``LaunchRecord.kind``)."""
+        table = self.table
+        self.check_dims(dims)
         if not 0 <= bank < len(self.arenas):
-            raise SlotError(f"{table_name} launch: arena bank {bank} of {len(self.arenas)}")
+            raise SlotError(f"launch: arena bank {bank} of {len(self.arenas)}")
         arena = self.arenas[bank]
         t0 = time.perf_counter()
         idle = t0 - self._last_end if self._last_end is not None else 0.0
@@ -151,7 +149,7 @@ class LaunchRuntime:
             shape = slot.concrete(dims)
             views[slot.name].copy_(arena.view(slot.name, shape), non_blocking=True)
             h2d += slot.nbytes(dims)
-        step(views, dims)
+        step(views)
         d2h = 0
         for slot in table.host_outputs():
             shape = slot.concrete(dims)
@@ -159,7 +157,7 @@ class LaunchRuntime:
             d2h += slot.nbytes(dims)
         _synchronize(self.pool.device)
         self._last_end = time.perf_counter()
-        rec = LaunchRecord(table_name, dict(dims), h2d, d2h, self._last_end - t0, idle)
+        rec = LaunchRecord(dict(dims), num_decode, h2d, d2h, self._last_end - t0, idle)
         self.counters.record(rec)
         if self.keep_history:
             self.history.append(rec)

@@ -1,13 +1,13 @@
 """Declared launch arguments: the single source of truth for what a launch touches.
 
-Every tensor a prefill or decode launch reads or writes is a ``Slot`` with a
-symbolic shape, a dtype, a direction and a placement. ``HOST_SHARED`` slots live in
-the coordinator's shared-memory arena and cross host<->device around each launch;
-``DEVICE_RESIDENT`` slots live in the worker's scratch pool and never move.
+Every tensor a launch reads or writes is a ``Slot`` with a symbolic shape, a dtype, a
+direction and a placement. ``HOST_SHARED`` slots live in the coordinator's shared-memory
+arena and cross host<->device around each launch; ``DEVICE_RESIDENT`` slots live in the
+worker's scratch pool and never move. There is one launch shape (``step_table``).
 
-Dimensions: B rows, W block-table width, T packed prefill tokens, NT rows sampled
-from top-K candidates, NF rows on the full-logits fallback, K candidates, V vocab,
-D hidden size.
+Dimensions: B rows (sequences), B1 = B + 1, T packed tokens, W block-table width, NL rows
+asking for logprobs, N top logprobs per such row, TL prompt tokens asking for their
+logprob, NP top logprobs per such token, V vocabulary.
 """
 
 from __future__ import annotations
@@ -128,58 +128,35 @@ IN, OUT = Direction.IN, Direction.OUT
 i32, i64, f32 = torch.int32, torch.int64, torch.float32
 
 
-def _sampling_slots(hidden_dtype: torch.dtype) -> list[Slot]:
-    """Outputs shared by prefill and decode: ids for every row, candidates and
-    logits only for the rows that asked for them (gathered on the device)."""
-    return [
-        Slot("topk_rows", ("NT",), i64, IN, HS),
-        Slot("full_rows", ("NF",), i64, IN, HS),
-        # Device sampling: (temperature, top_p, min_p, top_k) and (seed, step) per row.
-        Slot("sampling_params", ("B", 4), f32, IN, HS),
-        Slot("sampling_seeds", ("B", 2), i64, IN, HS),
-        Slot("logprob_rows", ("NL",), i64, IN, HS),
-        Slot("sampled_ids", ("B",), i32, OUT, HS),
-        Slot("sampled_logprobs", ("NL",), f32, OUT, HS),
-        Slot("top_logprob_ids", ("NL", "N"), i32, OUT, HS),
-        Slot("top_logprob_values", ("NL", "N"), f32, OUT, HS),
-        Slot("topk_values", ("NT", "K"), f32, OUT, HS),
-        Slot("topk_ids", ("NT", "K"), i32, OUT, HS),
-        Slot("logits_rows", ("NF", "V"), f32, OUT, HS),
-        Slot("logits", ("B", "V"), f32, OUT, DR),
-        Slot("all_topk_values", ("B", "K"), f32, OUT, DR),
-        Slot("all_topk_ids", ("B", "K"), i32, OUT, DR),
-        Slot("next_hidden", ("B", "D"), hidden_dtype, OUT, DR),
-    ]
-
-
-def decode_table(hidden_dtype: torch.dtype = torch.float32) -> SlotTable:
+def step_table() -> SlotTable:
+    """Every launch: packed tokens with decode rows first, then prompt chunks (vLLM V1's
+    phase-less batch), and what the sampler hands back."""
     return SlotTable(
-        "decode",
+        "step",
         [
-            Slot("token_ids", ("B",), i32, IN, HS),
-            # Row of the previous launch whose sampled id (still on the device) is the
-            # input, or -1: ``token_ids`` holds it (async scheduling).
-            Slot("feed_rows", ("B",), i32, IN, HS),
-            Slot("positions", ("B",), i32, IN, HS),
-            Slot("seq_lens", ("B",), i32, IN, HS),
-            Slot("slot_mapping", ("B",), i64, IN, HS),
+            Slot("token_ids", ("T",), i32, IN, HS),
+            Slot("positions", ("T",), i32, IN, HS),
+            Slot("slot_mapping", ("T",), i64, IN, HS),  # where each token's K/V is written
+            Slot("query_start_loc", ("B1",), i32, IN, HS),  # row r's tokens: [qsl[r], qsl[r + 1])
+            Slot("seq_lens", ("B",), i32, IN, HS),  # each row's context after the launch
             Slot("block_tables", ("B", "W"), i32, IN, HS),
-            *_sampling_slots(hidden_dtype),
-        ],
-    )
-
-
-def prefill_table(hidden_dtype: torch.dtype = torch.float32) -> SlotTable:
-    return SlotTable(
-        "prefill",
-        [
-            Slot("prefill_token_ids", ("T",), i32, IN, HS),
-            Slot("prefill_positions", ("T",), i32, IN, HS),
-            Slot("prefill_slot_mapping", ("T",), i64, IN, HS),
-            Slot("prefill_prefix_slots", ("TP",), i64, IN, HS),  # cached prefixes' K/V slots
-            Slot("prefill_block_tables", ("BD", "W"), i32, IN, HS),  # decode rows (chunked prefill)
-            Slot("prefill_seq_lens", ("BD",), i32, IN, HS),
-            Slot("prefill_feed_rows", ("BD",), i32, IN, HS),  # like feed_rows, for the decode rows
-            *_sampling_slots(hidden_dtype),
+            # Row of the previous launch whose sampled id (still on the device) is this decode
+            # row's input, or -1: ``token_ids`` holds it (async scheduling).
+            Slot("feed_rows", ("B",), i32, IN, HS),
+            # (temperature, top_p, min_p, top_k) and (seed, step) per row.
+            Slot("sampling_params", ("B", 4), f32, IN, HS),
+            Slot("sampling_seeds", ("B", 2), i64, IN, HS),
+            Slot("logprob_rows", ("NL",), i64, IN, HS),
+            # Prompt logprobs: the tokens whose next prompt token's logprob is asked, and it.
+            Slot("prompt_logprob_index", ("TL",), i64, IN, HS),
+            Slot("prompt_logprob_targets", ("TL",), i64, IN, HS),
+            Slot("sampled_ids", ("B",), i32, OUT, HS),
+            Slot("sampled_logprobs", ("NL",), f32, OUT, HS),
+            Slot("top_logprob_ids", ("NL", "N"), i32, OUT, HS),
+            Slot("top_logprob_values", ("NL", "N"), f32, OUT, HS),
+            Slot("prompt_logprobs", ("TL",), f32, OUT, HS),
+            Slot("prompt_top_ids", ("TL", "NP"), i32, OUT, HS),
+            Slot("prompt_top_values", ("TL", "NP"), f32, OUT, HS),
+            Slot("logits", ("B", "V"), f32, OUT, DR),  # each row's last token's, for the sampler
         ],
     )

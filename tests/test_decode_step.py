@@ -8,6 +8,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from kernels.attention.torch_gather import AttentionScratch, paged_decode_attention
 from kernels.model.qwen3 import Qwen3Model
+from tests.model_batches import decode_batch, prompt_batch
 
 
 def test_paged_attention_over_scattered_blocks_equals_dense():
@@ -35,23 +36,9 @@ def test_paged_attention_over_scattered_blocks_equals_dense():
         torch.testing.assert_close(out[i], ref.squeeze(1), atol=1e-5, rtol=1e-5)
 
 
-def _prefill_one(model, kv, ws, out, ids, table, bs):
-    slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(len(ids))])
-    model.prefill(torch.tensor(ids, dtype=torch.int32), torch.arange(len(ids), dtype=torch.int32),
-                  [0, len(ids)], slots, kv, ws, out)
-    return out.greedy_ids[0].item()
-
-
-def _decode_inputs(seqs, bs):
-    """seqs: list of (last_token, position, table)."""
-    width = max(len(t) for _, _, t in seqs)
-    bt = torch.zeros(len(seqs), width, dtype=torch.int32)
-    for i, (_, _, t) in enumerate(seqs):
-        bt[i, : len(t)] = torch.tensor(t)
-    return (torch.tensor([s[0] for s in seqs], dtype=torch.int32),
-            torch.tensor([s[1] for s in seqs], dtype=torch.int32), bt,
-            torch.tensor([s[1] + 1 for s in seqs], dtype=torch.int32),
-            torch.tensor([t[s // bs] * bs + s % bs for _, s, t in seqs]))
+def _prefill_one(model, kv, ws, logits, ids, table, bs):
+    model.forward(prompt_batch([ids], [table], bs), kv, ws, logits)
+    return logits[0].argmax().item()
 
 
 def test_batched_decode_equals_each_alone(hf_checkpoints):
@@ -62,18 +49,18 @@ def test_batched_decode_equals_each_alone(hf_checkpoints):
 
     def run(indices):
         kv = model.new_kv_cache(16, bs)
-        ws = model.new_workspace(4, bs, 8)
-        out = model.new_outputs(4, 8)
+        ws = model.new_workspace(4, bs)
+        out = torch.empty(4, model.config.vocab_size)
         state = []
         for i in indices:
             state.append([_prefill_one(model, kv, ws, out, prompts[i], tables[i], bs), len(prompts[i])])
         logits = []
         for _ in range(6):
-            args = _decode_inputs([(t, p, tables[i]) for (t, p), i in zip(state, indices)], bs)
-            model.decode_step(*args, kv, ws, out)
-            logits.append(out.logits[: len(indices)].clone())
+            batch = decode_batch([(t, p, tables[i]) for (t, p), i in zip(state, indices)], bs)
+            model.forward(batch, kv, ws, out[: len(indices)])
+            logits.append(out[: len(indices)].clone())
             for r, st in enumerate(state):
-                st[0], st[1] = out.greedy_ids[r].item(), st[1] + 1
+                st[0], st[1] = out[r].argmax().item(), st[1] + 1
         return torch.stack(logits, 1)  # [rows, steps, vocab]
 
     batched = run([0, 1, 2])
@@ -86,16 +73,16 @@ def test_decode_step_allocates_nothing_after_warmup(hf_checkpoints):
         model = Qwen3Model.from_pretrained(hf_checkpoints["gqa2_untied"], dtype=dtype)
         bs = 4
         kv = model.new_kv_cache(16, bs)
-        ws = model.new_workspace(4, bs, 8)
-        out = model.new_outputs(4, 8)
+        ws = model.new_workspace(4, bs)
+        out = torch.empty(4, model.config.vocab_size)
         table = [3, 1, 7]
         _prefill_one(model, kv, ws, out, [4, 5, 6, 7, 8], table, bs)
-        args = _decode_inputs([(9, 5, table), (9, 5, table)], bs)
-        model.decode_step(*args, kv, ws, out)  # warm-up
+        batch = decode_batch([(9, 5, table), (9, 5, table)], bs)
+        model.forward(batch, kv, ws, out[:2])  # warm-up
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            model.decode_step(*args, kv, ws, out)
+            model.forward(batch, kv, ws, out[:2])
         allocs = [(e.name, e.cpu_memory_usage) for e in prof.events() if e.cpu_memory_usage > 0]
-        assert allocs == [], f"{dtype}: decode_step allocated {allocs[:10]}"
+        assert allocs == [], f"{dtype}: a decode forward allocated {allocs[:10]}"
         # The profiler sees allocations at all (guards against a check that cannot fail).
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             torch.empty(1000)

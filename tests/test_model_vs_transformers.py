@@ -9,6 +9,7 @@ from coordinator.engine.llm_engine import LLMEngine
 from coordinator.sampling_params import SamplingParams
 from kernels.model.qwen3 import Qwen3Model
 from shared_memory.contract import RunnerConfig
+from tests.model_batches import decode_batch, prompt_batch
 
 BLOCK = 4
 
@@ -29,24 +30,17 @@ def test_prefill_and_decode_logits_match(hf_checkpoints, name):
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
     kv = model.new_kv_cache(num_blocks=12, block_size=BLOCK)
-    ws = model.new_workspace(max_batch=2, block_size=BLOCK, top_k=8)
-    out = model.new_outputs(2, 8)
+    ws = model.new_workspace(max_rows=2, block_size=BLOCK)
+    logits = torch.empty(2, model.config.vocab_size)
     table = [7, 2, 9, 0, 11, 4]  # scattered, out of order
 
-    def slot(p):
-        return table[p // BLOCK] * BLOCK + p % BLOCK
-
     n = 9
-    model.prefill(ids[:n].int(), torch.arange(n, dtype=torch.int32), [0, n],
-                  torch.tensor([slot(p) for p in range(n)]), kv, ws, out)
-    torch.testing.assert_close(out.logits[0], ref[n - 1], atol=2e-4, rtol=1e-4)
-    bt = torch.tensor([table], dtype=torch.int32)
+    model.forward(prompt_batch([ids[:n].tolist()], [table], BLOCK), kv, ws, logits[:1])
+    torch.testing.assert_close(logits[0], ref[n - 1], atol=2e-4, rtol=1e-4)
     for p in range(n, len(ids)):
-        model.decode_step(ids[p:p + 1].int(), torch.tensor([p], dtype=torch.int32), bt,
-                          torch.tensor([p + 1], dtype=torch.int32), torch.tensor([slot(p)]),
-                          kv, ws, out)
-        torch.testing.assert_close(out.logits[0], ref[p], atol=2e-4, rtol=1e-4)
-        assert out.greedy_ids[0].item() == ref[p].argmax().item()
+        model.forward(decode_batch([(int(ids[p]), p, table)], BLOCK), kv, ws, logits[:1])
+        torch.testing.assert_close(logits[0], ref[p], atol=2e-4, rtol=1e-4)
+        assert logits[0].argmax().item() == ref[p].argmax().item()
 
 
 @pytest.mark.parametrize("name", ["gqa2_untied", "gqa4_tied"])
@@ -76,8 +70,8 @@ def test_bf16_logits_close_to_transformers(hf_checkpoints):
     with torch.no_grad():
         ref = hf(ids[None]).logits[0].float()
     kv = model.new_kv_cache(8, BLOCK)
-    ws = model.new_workspace(1, BLOCK, 8)
-    out = model.new_outputs(1, 8)
-    model.prefill(ids.int(), torch.arange(12, dtype=torch.int32), [0, 12], torch.arange(12), kv, ws, out)
-    err = (out.logits[0] - ref[-1]).abs().max().item()
+    ws = model.new_workspace(1, BLOCK)
+    logits = torch.empty(1, model.config.vocab_size)
+    model.forward(prompt_batch([ids.tolist()], [[0, 1, 2]], BLOCK), kv, ws, logits)
+    err = (logits[0] - ref[-1]).abs().max().item()
     assert err < 0.1 * ref[-1].abs().max().item(), err

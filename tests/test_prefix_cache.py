@@ -83,7 +83,7 @@ def test_outputs_equal_with_and_without_the_cache_and_prefill_skips_the_prefix()
         cached = eng.generate(prompts, params)  # every prompt reuses the system prompt's blocks
         system = len(eng.encode(SYSTEM)) // 8 * 8  # its whole blocks
         assert blocks.stats.hits == len(prompts) and blocks.stats.hit_tokens >= len(prompts) * system
-        prefilled = sum(r.dims["T"] for r in eng.runtime.history if r.table == "prefill")
+        prefilled = sum(r.prompt_tokens for r in eng.runtime.history)
         assert prefilled == sum(len(p) for p in prompts) - blocks.stats.hit_tokens
         assert prefilled < sum(len(p) for p in prompts) // 3, "prefill ran on the uncached rest only"
         assert blocks.num_used == 0 and blocks.num_cached > 0

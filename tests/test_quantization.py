@@ -18,6 +18,7 @@ from kernels.model.default_model import TRAINED_DIR
 from kernels.model.qwen3 import Qwen3Model, resolve_dtype
 from kernels.model.tokenizer import TextTokenizer
 from shared_memory.contract import RunnerConfig
+from tests.model_batches import decode_batch, prompt_batch
 
 needs_native = pytest.mark.skipif(native.kernels() is None, reason="native kernels unavailable here")
 
@@ -26,17 +27,13 @@ def _last_logits(model: Qwen3Model, prompts: list[list[int]]) -> torch.Tensor:
     """Each prompt's next-token logits from one packed prefill."""
     bs = 16
     kv = model.new_kv_cache(sum(-(-len(p) // bs) for p in prompts) + 1, bs)
-    ws, out = model.new_workspace(len(prompts), bs, 8), model.new_outputs(len(prompts), 8)
-    ids, pos, slots, cu, block = [], [], [], [0], 0
+    ws, logits = model.new_workspace(len(prompts), bs), torch.empty(len(prompts), model.config.vocab_size)
+    tables, block = [], 0
     for p in prompts:
-        ids += p
-        pos += list(range(len(p)))
-        slots += [block * bs + i for i in range(len(p))]
-        block += -(-len(p) // bs)
-        cu.append(len(ids))
-    model.prefill(torch.tensor(ids, dtype=torch.int32), torch.tensor(pos, dtype=torch.int32), cu,
-                  torch.tensor(slots), kv, ws, out)
-    return out.logits[: len(prompts)].clone()
+        tables.append(list(range(block, block + -(-len(p) // bs))))
+        block += len(tables[-1])
+    model.forward(prompt_batch(prompts, tables, bs), kv, ws, logits)
+    return logits
 
 
 def test_int8_next_token_logits_agree_with_transformers_fp32():
@@ -95,24 +92,18 @@ def test_auto_dtype_follows_the_documented_rule(monkeypatch):
 def _decode_all(model, prompts, steps, bs=4):
     """Greedy prefill each prompt alone, then decode all of them together; per-row logits."""
     kv = model.new_kv_cache(64, bs)
-    ws, out = model.new_workspace(len(prompts), bs, 8), model.new_outputs(len(prompts), 8)
+    ws, logits = model.new_workspace(len(prompts), bs), torch.empty(len(prompts), model.config.vocab_size)
     tables = [list(range(16 * i, 16 * i + 16)) for i in range(len(prompts))]
     state = []
     for p, t in zip(prompts, tables):
-        slots = torch.tensor([t[i // bs] * bs + i % bs for i in range(len(p))])
-        model.prefill(torch.tensor(p, dtype=torch.int32), torch.arange(len(p), dtype=torch.int32),
-                      [0, len(p)], slots, kv, ws, out)
-        state.append([int(out.greedy_ids[0]), len(p)])
+        model.forward(prompt_batch([p], [t], bs), kv, ws, logits)
+        state.append([int(logits[0].argmax()), len(p)])
     rows = []
     for _ in range(steps):
-        bt = torch.tensor(tables, dtype=torch.int32)
-        pos = torch.tensor([s[1] for s in state], dtype=torch.int32)
-        model.decode_step(torch.tensor([s[0] for s in state], dtype=torch.int32), pos, bt, pos + 1,
-                          torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, pos.tolist())]),
-                          kv, ws, out)
-        rows.append(out.logits[: len(prompts)].clone())
+        model.forward(decode_batch([(s[0], s[1], t) for s, t in zip(state, tables)], bs), kv, ws, logits)
+        rows.append(logits[: len(prompts)].clone())
         for r, s in enumerate(state):
-            s[0], s[1] = int(out.greedy_ids[r]), s[1] + 1
+            s[0], s[1] = int(logits[r].argmax()), s[1] + 1
     return torch.stack(rows, 1)
 
 

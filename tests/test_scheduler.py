@@ -31,20 +31,20 @@ def test_preempted_requests_recompute_to_the_same_output():
 
 def test_newest_request_is_preempted_and_blocks_return():
     blocks = BlockManager(num_blocks=6, block_size=2)
-    s = Scheduler(blocks, vocab_size=100, max_model_len=64, max_batch=4, top_k_candidates=4)
+    s = Scheduler(blocks, max_model_len=64, max_batch=4)
     a = s.add("a", [1, 2, 3], SamplingParams(max_tokens=8))
     b = s.add("b", [4, 5, 6], SamplingParams(max_tokens=8))
     batch = s.schedule()
-    assert batch.kind == "prefill" and [q.seq_id for q in batch.seqs] == ["a", "b"]
+    assert batch.num_decode == 0 and [q.seq_id for q in batch.seqs] == ["a", "b"]
     assert blocks.num_free == 2
     for seq in (a, b):
         seq.output_ids.extend([7, 7, 7, 7])  # pretend 4 tokens were sampled and read: 7 tokens each
         seq.num_pending = 0
         seq.num_computed = seq.num_tokens - 1  # ... and their K/V computed, as schedule() counts
     batch = s.schedule()  # each needs 4 blocks now: only "a" (the oldest) fits
-    assert batch.kind == "decode" and [q.seq_id for q in batch.seqs] == ["a"]
+    assert batch.num_decode == batch.batch_size and [q.seq_id for q in batch.seqs] == ["a"]
     assert [q.seq_id for q in s.waiting] == ["b"] and b.num_preemptions == 1
     s.abort("a")
     assert blocks.num_free == 6
     batch = s.schedule()  # "b" is recomputed from prompt + its tokens so far
-    assert batch.kind == "prefill" and batch.token_ids.tolist() == [4, 5, 6, 7, 7, 7, 7]
+    assert batch.num_decode == 0 and batch.token_ids.tolist() == [4, 5, 6, 7, 7, 7, 7]

@@ -20,7 +20,8 @@ import zmq
 from kernels.model.qwen3 import Qwen3Model
 from shared_memory import transport
 from shared_memory.arena import HostArena
-from shared_memory.contract import LaunchDescriptor, LaunchReply, RunnerConfig, slot_tables
+from shared_memory.contract import LaunchDescriptor, LaunchReply, RunnerConfig
+from shared_memory.slots import step_table
 from worker.device import torch_device
 from worker.model_runner import ModelRunner, model_dims
 
@@ -42,7 +43,7 @@ class WorkerActor:
         self._ctx = zmq.Context.instance()
         self.serial = False
 
-    def start(self, model_dir: str, dtype: str | None, max_model_len: int | None, runner: dict,
+    def start(self, model_dir: str, dtype: str | None, max_model_len: int | None, rc: RunnerConfig,
               arena_names: list[str | None], host: str = "127.0.0.1",
               quantization: str | None = None) -> dict:
         """Load the model, attach the arena banks, allocate everything, warm up, open the
@@ -53,11 +54,10 @@ class WorkerActor:
         """
         device = torch_device(self.device_kind)
         model = Qwen3Model.from_pretrained(model_dir, dtype, device, max_model_len, quantization)
-        rc = RunnerConfig(**runner)
-        tables, dims = slot_tables(model.dtype), model_dims(model, rc)
+        table, dims = step_table(), model_dims(model, rc)
         self.arenas = []
         try:
-            self.arenas = [HostArena.attach(name, tables, dims) for name in arena_names
+            self.arenas = [HostArena.attach(name, table, dims) for name in arena_names
                            if name is not None]
         except FileNotFoundError:  # another node: the coordinator's memory is not here
             log.info("arenas %s not on this node: serializing transport", arena_names)
@@ -66,7 +66,7 @@ class WorkerActor:
             self.arenas = []
         self.serial = len(self.arenas) < len(arena_names)
         if self.serial:
-            self.arenas = [HostArena.create(tables, dims, tag="remote") for _ in arena_names]
+            self.arenas = [HostArena.create(table, dims, tag="remote") for _ in arena_names]
             if any(arena_names):  # truly off-node (not forced): reachable on the node's address
                 host = ray.util.get_node_ip_address()
         self.runner = ModelRunner(model, rc, self.arenas)
@@ -100,7 +100,7 @@ class WorkerActor:
     def _execute(self, msg: dict) -> LaunchReply:
         try:
             desc = LaunchDescriptor.from_wire(msg)
-            table = self.runner.runtime.tables[desc.table]
+            table = self.runner.table
             if self.serial:
                 transport.unpack(self.arenas[desc.bank], table, desc.dims, msg["inputs"], outputs=False)
             reply = LaunchReply.from_record(self.runner.execute(desc))

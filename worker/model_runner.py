@@ -1,11 +1,12 @@
-"""Runs prefill/decode launches for one device through the argument contract.
+"""Runs launches for one device through the argument contract.
 
-The runner owns what lives on the device (weights, paged KV cache, decode
-workspace, scratch pool) and executes ``LaunchDescriptor``s against the host arena
-bank the coordinator wrote. It is used in-process by the offline engine and inside
-each Ray worker actor. Launches run in the order they arrive, so the ids one launch
-samples are still in the pool's ``sampled_ids`` when the next one starts: rows whose
-input the coordinator has not read yet are fed from there (``feed_rows``).
+The runner owns what lives on the device (weights, paged KV cache, workspace, scratch
+pool) and executes ``LaunchDescriptor``s against the host arena bank the coordinator
+wrote: feed, one model forward, the sampler, asked-for logprobs. It is used in-process
+by the offline engine and inside each Ray worker actor. Launches run in the order they
+arrive, so the ids one launch samples are still in the pool's ``sampled_ids`` when the
+next one starts: rows whose input the coordinator has not read yet are fed from there
+(``feed_rows``).
 """
 
 from __future__ import annotations
@@ -13,114 +14,99 @@ from __future__ import annotations
 import torch
 
 from kernels import sampler
-from kernels.model.qwen3 import Qwen3Model, SampleOutputs
-from kernels.sampler import RowParams
+from kernels.forward_batch import ForwardBatch
+from kernels.model.qwen3 import Qwen3Model
+from kernels.sampler import SamplingPlan
 from shared_memory.arena import HostArena
-from shared_memory.contract import LaunchDescriptor, RunnerConfig, slot_tables
+from shared_memory.contract import LaunchDescriptor, RunnerConfig
 from shared_memory.runtime import DeviceScratchPool, LaunchRecord, LaunchRuntime
+from shared_memory.slots import step_table
 from worker.graphs import DecodeGraphs
 
 
 def model_dims(model: Qwen3Model, rc: RunnerConfig) -> dict[str, int]:
     """``rc.max_dims`` for this model: what its arena and scratch pool are sized for."""
-    c = model.config
-    return rc.max_dims(c.vocab_size, c.hidden_size, model.max_model_len)
+    return rc.max_dims(model.config.vocab_size, model.max_model_len)
 
 
 class ModelRunner:
     def __init__(self, model: Qwen3Model, rc: RunnerConfig, arenas: HostArena | list[HostArena]):
+        rc.check()
         self.model = model
         self.rc = rc
-        self.tables = slot_tables(model.dtype)
+        self.table = step_table()
         self.max_dims = model_dims(model, rc)
         # One spare block beyond the allocatable ones: graph padding rows write there.
         self.kv = model.new_kv_cache(rc.num_blocks + 1, rc.block_size)
-        hidden = torch.empty(rc.max_batch, model.config.hidden_size, dtype=model.dtype,
-                             device=model.device)
-        self.ws = model.new_workspace(rc.max_batch, rc.block_size, rc.top_k, hidden=hidden)
-        self.pool = DeviceScratchPool(self.tables, self.max_dims, model.device,
-                                      adopt={"next_hidden": hidden})
-        self.runtime = LaunchRuntime(self.tables, arenas, self.pool)
+        self.ws = model.new_workspace(rc.max_batch, rc.block_size)
+        self.pool = DeviceScratchPool(self.table, self.max_dims, model.device)
+        self.runtime = LaunchRuntime(self.table, arenas, self.pool)
+        self.logits = self.pool.full("logits")
         dev = model.device  # the feed's scratch: no allocation per launch
         self._feed_idx = torch.zeros(rc.max_batch, dtype=torch.int32, device=dev)
         self._feed_ids = torch.zeros(rc.max_batch, dtype=torch.int32, device=dev)
         self._feed_mask = torch.zeros(rc.max_batch, dtype=torch.bool, device=dev)
-        self.outputs = SampleOutputs(
-            greedy_ids=self.pool.full("sampled_ids"),
-            topk_values=self.pool.full("all_topk_values"),
-            topk_ids=self.pool.full("all_topk_ids"),
-            logits=self.pool.full("logits"),
-        )
+        # Prompt logprobs: their logits, max_batch tokens at a time.
+        self._prompt_logits = torch.empty(rc.max_batch, model.config.vocab_size, dtype=torch.float32,
+                                          device=dev)
         self.graphs: DecodeGraphs | None = None
         has_graphs = model.device.type in ("cuda", "npu")
         if rc.graphs == "padded" or (rc.graphs == "auto" and has_graphs):
-            self.graphs = DecodeGraphs(model, self.kv, self.ws, self.outputs, rc.max_batch,
-                                       pad_slot=rc.pad_slot,
+            self.graphs = DecodeGraphs(model, self.kv, self.ws, self.logits, rc.max_batch, rc.pad_slot,
                                        capture=rc.graphs == "auto")
-        elif rc.graphs not in ("auto", "off"):
-            raise ValueError(f"graphs must be auto, padded or off, got {rc.graphs!r}")
         self.warmup()
 
     def warmup(self) -> None:
-        """One throwaway decode on the pool (K/V into the spare slot): first-call costs
-        (kernel selection, page faults in the workspace) happen before the first request."""
+        """One throwaway decode row (K/V into the spare slot): first-call costs (kernel
+        selection, page faults in the workspace) happen before the first request."""
         dev = self.model.device
-        one = torch.ones(1, dtype=torch.int32, device=dev)
         zero = torch.zeros(1, dtype=torch.int32, device=dev)
-        self.model.decode_step(zero, zero, zero.view(1, 1), one,
-                               torch.tensor([self.rc.pad_slot], device=dev), self.kv, self.ws,
-                               self.outputs, ctx_len=self.rc.block_size)
+        batch = ForwardBatch(zero, zero, torch.tensor([self.rc.pad_slot], device=dev),
+                             torch.tensor([0, 1], dtype=torch.int32, device=dev),
+                             torch.ones(1, dtype=torch.int32, device=dev), zero.view(1, 1), num_decode=1)
+        self.model.forward(batch, self.kv, self.ws, self.logits[:1])
 
     def execute(self, desc: LaunchDescriptor) -> LaunchRecord:
-        steps = {"decode": self._decode, "prefill": self._prefill}
-        if desc.table in steps:
-            run = steps[desc.table]
-            return self.runtime.launch(desc.table, desc.dims, lambda v, d: run(v, d, desc), desc.bank)
-        raise ValueError(f"unknown launch table {desc.table!r}")
+        return self.runtime.launch(desc.dims, lambda v: self._step(v, desc), desc.bank, desc.num_decode)
 
     def _feed(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """``ids[r] = previous launch's sampled_ids[rows[r]]`` where ``rows[r] >= 0``."""
+        """``ids[r] = previous launch's sampled_ids[rows[r]]`` where ``rows[r] >= 0`` (decode rows
+        come first, so row r's token is ``ids[r]``)."""
         n = rows.shape[0]
-        if n == 0:
-            return
         idx, vals, mask = self._feed_idx[:n], self._feed_ids[:n], self._feed_mask[:n]
         torch.clamp(rows, min=0, out=idx)
-        torch.index_select(self.outputs.greedy_ids, 0, idx, out=vals)
+        torch.index_select(self.pool.full("sampled_ids"), 0, idx, out=vals)
         torch.ge(rows, 0, out=mask)
         torch.where(mask, vals, ids[:n], out=ids[:n])
 
-    def _decode(self, v: dict[str, torch.Tensor], dims: dict[str, int], desc: LaunchDescriptor) -> None:
+    def _step(self, v: dict[str, torch.Tensor], desc: LaunchDescriptor) -> None:
+        dims, b = desc.dims, desc.dims["B"]
         self._feed(v["token_ids"], v["feed_rows"])
-        args = (v["token_ids"], v["positions"], v["block_tables"], v["seq_lens"], v["slot_mapping"])
-        if self.graphs is not None:
-            self.graphs.run(*args)
+        batch = ForwardBatch(v["token_ids"], v["positions"], v["slot_mapping"], v["query_start_loc"],
+                             v["seq_lens"], v["block_tables"], desc.num_decode, desc.prompt_query_lens,
+                             desc.prompt_seq_lens)
+        logits = self.logits[:b]
+        hidden = None
+        if self.graphs is not None and batch.decode_only:
+            self.graphs.run(batch)
         else:
-            self.model.decode_step(*args, self.kv, self.ws, self.outputs, ctx_len=desc.ctx_len,
-                                   want_topk=dims["NT"] > 0)
-        self._gather_rows(v, dims)
+            hidden = self.model.forward(batch, self.kv, self.ws, logits)
+        sampler.sample(logits, v["sampling_params"], v["sampling_seeds"], v["sampled_ids"],
+                       SamplingPlan.of(desc.sampling), self.rc.top_k)
+        if dims["NL"]:
+            rows = v["logprob_rows"]
+            sampler.token_logprobs(logits.index_select(0, rows), v["sampled_ids"].index_select(0, rows),
+                                   v["sampled_logprobs"], v["top_logprob_ids"], v["top_logprob_values"])
+        if dims["TL"]:
+            self._prompt_logprobs(hidden, v)
 
-    def _prefill(self, v: dict[str, torch.Tensor], dims: dict[str, int], desc: LaunchDescriptor) -> None:
-        self._feed(v["prefill_token_ids"], v["prefill_feed_rows"])  # decode rows come first
-        self.model.prefill(
-            v["prefill_token_ids"], v["prefill_positions"], desc.cu_seqlens,
-            v["prefill_slot_mapping"], self.kv, self.ws, self.outputs, want_topk=dims["NT"] > 0,
-            prefix_lens=desc.prefix_lens or None, prefix_slots=v["prefill_prefix_slots"],
-            num_decode=desc.num_decode, block_tables=v["prefill_block_tables"],
-            seq_lens=v["prefill_seq_lens"], ctx_len=desc.ctx_len,
-        )
-        self._gather_rows(v, dims)
-
-    def _gather_rows(self, v: dict[str, torch.Tensor], dims: dict[str, int]) -> None:
-        """Sample on the device, and compact the rows that need candidates or logits."""
-        b = dims["B"]
-        if self.rc.device_sampling:
-            logits = self.outputs.logits[:b]
-            sampler.sample(logits, RowParams(v["sampling_params"], v["sampling_seeds"]),
-                                   v["sampled_ids"], argmax_done=True)
-            sampler.logprobs(logits, v["logprob_rows"], v["sampled_ids"], dims["N"],
-                                     v["sampled_logprobs"], v["top_logprob_ids"], v["top_logprob_values"])
-        if dims["NT"]:
-            torch.index_select(v["all_topk_values"], 0, v["topk_rows"], out=v["topk_values"])
-            torch.index_select(v["all_topk_ids"], 0, v["topk_rows"], out=v["topk_ids"])
-        if dims["NF"]:
-            torch.index_select(self.outputs.logits[:b], 0, v["full_rows"], out=v["logits_rows"])
+    def _prompt_logprobs(self, hidden: torch.Tensor, v: dict[str, torch.Tensor]) -> None:
+        """The next prompt token's logprob at each asked token, ``max_batch`` tokens at a time."""
+        index, targets = v["prompt_logprob_index"], v["prompt_logprob_targets"]
+        step = self._prompt_logits.shape[0]
+        for s in range(0, index.shape[0], step):
+            e = min(s + step, index.shape[0])
+            logits = self._prompt_logits[: e - s]
+            self.model.compute_logits(hidden, index[s:e], logits, self.ws)
+            sampler.token_logprobs(logits, targets[s:e], v["prompt_logprobs"][s:e], v["prompt_top_ids"][s:e],
+                                   v["prompt_top_values"][s:e])

@@ -1,4 +1,4 @@
-"""One worker's step, written once: schedule -> write arena -> launch -> read -> sample.
+"""One worker's step, written once: schedule -> write arena -> launch -> read -> process.
 
 ``launch()`` starts the next step on the executor and returns at once; ``finish(reply)``
 turns the oldest launch's reply into token events. The offline engine calls them from
@@ -18,16 +18,14 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from coordinator.engine.batch_io import read_result, write_batch
+from coordinator.engine.batch_io import read_outputs, write_batch
 from coordinator.engine.executor import Executor
-from coordinator.engine.scheduler import Scheduler, StepBatch
+from coordinator.engine.scheduled_batch import ScheduledBatch
+from coordinator.engine.scheduler import Scheduler
 from coordinator.engine.sequence import Sequence, TokenEvent
 from coordinator.errors import RequestError
-from coordinator.sampling_params import RowKind
 from shared_memory.arena import HostArena
 from shared_memory.contract import LaunchDescriptor, LaunchReply
-
-DEVICE_KINDS = (RowKind.GREEDY, RowKind.DEVICE)  # rows whose token is drawn on the device
 
 
 @dataclass
@@ -49,18 +47,18 @@ class StepStats:
 
 @dataclass
 class Inflight:
-    batch: StepBatch
+    batch: ScheduledBatch
     desc: LaunchDescriptor
     started: float  # perf_counter when it was sent, or when the launch before it finished
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, arenas: list[HostArena], executor: Executor, top_k: int,
-                 vocab_size: int, hidden_size: int, async_scheduling: bool = False):
+    def __init__(self, scheduler: Scheduler, arenas: list[HostArena], executor: Executor, candidates: int,
+                 vocab_size: int, async_scheduling: bool = False):
         self.scheduler = scheduler
         self.arenas = arenas
         self.executor = executor
-        self._dims = (top_k, vocab_size, hidden_size)
+        self._sampling = (candidates, vocab_size)
         self.inflight: deque[Inflight] = deque()
         self.async_scheduling = async_scheduling and len(arenas) > 1
         self.stats = StepStats()
@@ -84,14 +82,11 @@ class EngineCore:
         return self.inflight[0].started if self.inflight else None
 
     def wants_launch(self) -> bool:
-        """Whether ``launch()`` may run now: nothing in flight, or one launch whose rows
-        are all sampled on the device (their ids can feed the next launch there)."""
+        """Whether ``launch()`` may run now: nothing in flight, or (async scheduling) one launch,
+        whose ids can feed the next launch on the device."""
         if not self.scheduler.has_work():
             return False
-        if not self.inflight:
-            return True
-        return (self.async_scheduling and len(self.inflight) == 1
-                and all(k in DEVICE_KINDS for k in self.inflight[0].batch.row_kinds))
+        return not self.inflight or (self.async_scheduling and len(self.inflight) == 1)
 
     def launch(self) -> bool:
         """Schedule the next step and start it; False when nothing could be scheduled.
@@ -104,12 +99,11 @@ class EngineCore:
         if batch is None:
             return False
         bank = self.scheduler.steps % len(self.arenas)
-        desc = write_batch(self.arenas[bank], batch, self.scheduler.steps, *self._dims)
+        desc = write_batch(self.arenas[bank], batch, self.scheduler.steps, *self._sampling)
         desc.bank = bank
         self.executor.submit(desc)
         self.stats.ahead += bool(self.inflight)
-        if batch.feed_rows is not None:
-            self.stats.fed_rows += int((batch.feed_rows >= 0).sum())
+        self.stats.fed_rows += int((batch.feed_rows >= 0).sum())
         self.inflight.append(Inflight(batch, desc, t0))
         return True
 
@@ -137,9 +131,9 @@ class EngineCore:
         s.launch_s += reply.seconds
         s.idle_s += reply.idle
         s.wait_s += reply.wait
-        events = self.scheduler.process(batch, read_result(self.arenas[desc.bank], desc))
+        events = self.scheduler.process(batch, read_outputs(self.arenas[desc.bank], desc, batch))
         s.tokens += sum(ev.token is not None for ev in events)
-        if desc.table == "decode":
+        if desc.kind == "decode":
             b = desc.dims["B"]
             s.last_decode = {"batch": b, "h2d": reply.h2d, "d2h": reply.d2h, "seconds": reply.seconds}
             s.recent.append((b, reply.idle, reply.wait, reply.seconds))

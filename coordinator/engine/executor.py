@@ -15,8 +15,9 @@ import zmq
 
 from shared_memory import transport
 from shared_memory.arena import HostArena
-from shared_memory.contract import LaunchDescriptor, LaunchReply, slot_tables
+from shared_memory.contract import LaunchDescriptor, LaunchReply
 from shared_memory.runtime import LaunchRecord
+from shared_memory.slots import step_table
 
 
 class WorkerGone(RuntimeError):
@@ -65,15 +66,14 @@ class SocketExecutor:
         self.sock = sock
         self.arenas = arenas
         self.serial = serial
-        self.tables = {t.name: t for t in slot_tables()}
+        self.table = step_table()
         self.wire_bytes = 0
         self._sent: deque[LaunchDescriptor] = deque()
 
     def submit(self, desc: LaunchDescriptor) -> None:
         msg = desc.to_wire()
         if self.serial:
-            msg["inputs"] = transport.pack_inputs(self.arenas[desc.bank], self.tables[desc.table],
-                                                  desc.dims)
+            msg["inputs"] = transport.pack_inputs(self.arenas[desc.bank], self.table, desc.dims)
         payload = msgpack.packb(msg)
         try:
             self.sock.send(payload, zmq.NOBLOCK)  # PAIR with no peer would block: the worker is gone
@@ -92,6 +92,6 @@ class SocketExecutor:
         reply = LaunchReply.from_wire(msgpack.unpackb(raw, raw=False))
         desc = self._sent.popleft() if self._sent else None
         if self.serial and reply.ok and desc is not None:
-            transport.unpack(self.arenas[desc.bank], self.tables[desc.table], desc.dims,
-                             reply.outputs or {}, outputs=True)
+            transport.unpack(self.arenas[desc.bank], self.table, desc.dims, reply.outputs or {},
+                             outputs=True)
         return reply

@@ -14,6 +14,7 @@ from pathlib import Path
 from coordinator.engine.detokenizer import Detokenizer
 from coordinator.engine.engine_core import EngineCore
 from coordinator.engine.executor import InProcessExecutor
+from coordinator.engine.request_limits import RequestLimits
 from coordinator.engine.scheduler import Scheduler
 from coordinator.engine.sequence import Sequence
 from coordinator.sampling_params import SamplingParams
@@ -21,8 +22,9 @@ from kernels.model.default_model import resolve_model
 from kernels.model.qwen3 import Qwen3Model
 from kernels.model.tokenizer import TextTokenizer
 from shared_memory.arena import HostArena
-from shared_memory.contract import RunnerConfig, slot_tables
+from shared_memory.contract import RunnerConfig
 from shared_memory.runtime import LaunchRuntime
+from shared_memory.slots import step_table
 from worker.model_runner import ModelRunner, model_dims
 
 
@@ -34,6 +36,7 @@ class GenerationOutput:
     text: str
     finish_reason: str
     logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[float | None] = field(default_factory=list)  # asked: None first
     num_preemptions: int = 0
     error: str = ""  # finish_reason "error": what failed
 
@@ -58,12 +61,13 @@ class LLMEngine:
             self.tokenizer = tokenizer or tok
         self.rc = runner or RunnerConfig()
         self.rc.check()
-        tables, dims = slot_tables(self.model.dtype), model_dims(self.model, self.rc)
-        self.arenas = [HostArena.create(tables, dims, tag="engine") for _ in range(self.rc.banks)]
+        dims = model_dims(self.model, self.rc)
+        self.arenas = [HostArena.create(step_table(), dims, tag="engine") for _ in range(self.rc.banks)]
         self.runner = ModelRunner(self.model, self.rc, self.arenas)
         c = self.model.config
+        self.limits = RequestLimits.for_worker(c, self.rc, self.model.max_model_len)
         self.core = EngineCore(self.new_scheduler(), self.arenas, InProcessExecutor(self.runner),
-                               self.rc.top_k, c.vocab_size, c.hidden_size, self.rc.async_scheduling)
+                               self.rc.top_k, c.vocab_size, self.rc.async_scheduling)
         self._ids = itertools.count(1)
 
     @property
@@ -101,8 +105,9 @@ class LLMEngine:
         errors: dict[str, str] = {}
         try:
             for prompt, p in zip(prompts, params):
-                seqs.append(sched.add(f"req-{next(self._ids)}", self.encode(prompt), p,
-                                      self.detokenizer(p)))
+                ids = self.encode(prompt)
+                self.limits.check(ids, p)
+                seqs.append(sched.add(f"req-{next(self._ids)}", ids, p, self.detokenizer(p)))
             while self.core.has_work():
                 for ev in self.core.step():
                     if ev.error is not None:
@@ -117,7 +122,8 @@ class LLMEngine:
     @staticmethod
     def _output(s: Sequence, error: str) -> GenerationOutput:
         return GenerationOutput(s.seq_id, s.prompt_ids, list(s.output_ids), s.text,
-                                s.finish_reason or "abort", list(s.logprobs), s.num_preemptions, error)
+                                s.finish_reason or "abort", list(s.logprobs), list(s.prompt_logprobs),
+                                s.num_preemptions, error)
 
     def close(self) -> None:
         for arena in self.arenas:

@@ -17,6 +17,10 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # Asked with ``params.prompt_logprobs``: each prompt token's logprob given the ones before it
+    # (None for the first), and the most likely tokens' there.
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     arrival: int = 0
     num_preemptions: int = 0

@@ -36,10 +36,10 @@ log = logging.getLogger(__name__)
 class Gateway:
     """What the HTTP handlers share: the coordinator client, tokenizer, template, metrics."""
 
-    def __init__(self, coordinator: str, model_dir: str | Path, model_name: str, max_model_len: int,
-                 max_tokens: int, token: str | None = None):
+    def __init__(self, coordinator: str, tokenizer: TextTokenizer | None, model_dir: str | Path,
+                 model_name: str, max_model_len: int, max_tokens: int, token: str | None = None):
         self.coordinator = coordinator
-        self.tokenizer = TextTokenizer.from_dir(model_dir)
+        self.tokenizer = tokenizer  # the server's: loaded once per process
         self.template = ChatTemplate.from_dir(model_dir)
         self.model_name = model_name
         self.max_model_len = max_model_len

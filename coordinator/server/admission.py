@@ -7,7 +7,7 @@ server nothing and names the limit that was hit.
 from __future__ import annotations
 
 from coordinator.engine.detokenizer import Detokenizer
-from coordinator.engine.scheduler import Scheduler
+from coordinator.engine.request_limits import RequestLimits
 from coordinator.engine.sequence import Sequence
 from coordinator.errors import RequestError
 from coordinator.server.config import ServerConfig
@@ -23,10 +23,10 @@ class Admission:
         self.limits = cfg.limits
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.max_prompt_tokens = min(self.limits.max_prompt_tokens or max_model_len - 1, max_model_len - 1)
         self.max_tokens = min(self.limits.max_tokens or max_model_len, max_model_len)
-        # Every worker's scheduler has the same shape: one answers "can this be served?".
-        self._validator = Scheduler.for_worker(config, cfg.runner, max_model_len)
+        # Every worker has the same shape: one check answers "can this be served?".
+        self.engine_limits = RequestLimits.for_worker(config, cfg.runner, max_model_len,
+                                                      self.limits.max_prompt_tokens)
 
     def check_limits(self, identity: bytes, req: GenerateRequest, requests: RequestTable) -> None:
         lim = self.limits
@@ -55,9 +55,6 @@ class Admission:
     def sequence(self, seq_id: str, arrival: int, req: GenerateRequest) -> Sequence:
         """The request as a sequence, or RequestError naming what it exceeds."""
         prompt_ids = self.prompt_ids(req)
-        if len(prompt_ids) > self.max_prompt_tokens:
-            raise RequestError("prompt_too_long", f"prompt has {len(prompt_ids)} tokens; this server "
-                               f"allows {self.max_prompt_tokens} (max_model_len {self.max_model_len})")
-        self._validator.validate(prompt_ids, req.params)
+        self.engine_limits.check(prompt_ids, req.params)
         detok = Detokenizer(self.tokenizer, req.params.stop) if self.tokenizer is not None else None
         return Sequence(seq_id, prompt_ids, req.params, arrival=arrival, detok=detok)

@@ -74,7 +74,7 @@ class Server:
         cfg.check()
         remove_stale()
         pcfg = PoolConfig(cfg.device, self.model_dir, cfg.dtype, cfg.quantization, self.max_model_len,
-                          vars(cfg.runner),
+                          cfg.runner,
                           cfg.cpus_per_worker, cfg.threads_per_worker, cfg.transport == "serial",
                           cfg.step_timeout_s, cfg.max_restarts)
         self.pool = WorkerPool(self.ctx, pcfg, self.config, self._new_core)
@@ -88,7 +88,7 @@ class Server:
     def _new_core(self, arenas: list[HostArena], executor: SocketExecutor) -> EngineCore:
         c, rc = self.config, self.cfg.runner
         return EngineCore(Scheduler.for_worker(c, rc, self.max_model_len), arenas, executor, rc.top_k,
-                          c.vocab_size, c.hidden_size, rc.async_scheduling)
+                          c.vocab_size, rc.async_scheduling)
 
     @property
     def workers(self) -> list[WorkerHandle]:
@@ -292,4 +292,4 @@ class Server:
         return False
 
     def stats(self) -> dict:
-        return server_stats(self)
+        return server_stats(self.counters, self.faults, self.requests, self.router, self.pool, self.frontend)

@@ -5,12 +5,11 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
 
-from coordinator.server.worker_pool import WorkerHandle
-
-if TYPE_CHECKING:
-    from coordinator.server.server import Server
+from coordinator.server.frontend import Frontend
+from coordinator.server.request_table import RequestTable
+from coordinator.server.router import Router
+from coordinator.server.worker_pool import WorkerHandle, WorkerPool
 
 
 @dataclass
@@ -55,18 +54,19 @@ def worker_stats(w: WorkerHandle) -> dict:
     }
 
 
-def server_stats(srv: Server) -> dict:
-    elapsed = max(time.time() - srv.counters.started_at, 1e-9)
-    workers, fe, pool = srv.workers, srv.frontend, srv.pool
+def server_stats(counters: ServerCounters, faults: FaultCounters, requests: RequestTable, router: Router,
+                 pool: WorkerPool, fe: Frontend) -> dict:
+    elapsed = max(time.time() - counters.started_at, 1e-9)
+    workers = pool.workers
     return {
-        "queue_length": srv.router.queue_length,
+        "queue_length": router.queue_length,
         "running": sum(len(w.scheduler.running) for w in workers),
-        "completed": srv.counters.completed, "tokens": srv.counters.tokens,
-        "tokens_per_s": srv.counters.tokens / elapsed, "uptime_s": elapsed,
+        "completed": counters.completed, "tokens": counters.tokens,
+        "tokens_per_s": counters.tokens / elapsed, "uptime_s": elapsed,
         "workers": [worker_stats(w) for w in workers], "starting": len(pool.starting),
-        "coordinator": {"pending": len(srv.requests), "clients": len(srv.requests.identities()),
-                        "orphans": len(srv.router.orphans), "owed_frames": fe.owed,
+        "coordinator": {"pending": len(requests), "clients": len(requests.identities()),
+                        "orphans": len(router.orphans), "owed_frames": fe.owed,
                         "rss_bytes": rss_bytes(), "pid": os.getpid()},
-        "faults": {**asdict(srv.faults), "client_disconnects": fe.disconnects,
+        "faults": {**asdict(faults), "client_disconnects": fe.disconnects,
                    "worker_failures": [asdict(f) for f in pool.failures]},
     }

@@ -29,7 +29,8 @@ from coordinator.engine.scheduler import Scheduler
 from coordinator.engine.sequence import Sequence
 from kernels.model.config import Qwen3Config
 from shared_memory.arena import HostArena
-from shared_memory.contract import RunnerConfig, slot_tables
+from shared_memory.contract import RunnerConfig
+from shared_memory.slots import step_table
 from worker.actor import WorkerActor
 from worker.device import DeviceInfo, probe
 
@@ -53,10 +54,6 @@ class WorkerHandle:
     @property
     def scheduler(self) -> Scheduler:
         return self.core.scheduler
-
-    @property
-    def arena(self) -> HostArena:
-        return self.core.arena
 
     @property
     def arenas(self) -> list[HostArena]:
@@ -108,7 +105,7 @@ class PoolConfig:
     dtype: str | None
     quantization: str | None
     max_model_len: int
-    runner: dict
+    runner: RunnerConfig
     cpus_per_worker: int
     threads_per_worker: int
     serial: bool
@@ -123,10 +120,9 @@ class WorkerPool:
         self.ctx = ctx
         self.cfg = cfg
         self.device: DeviceInfo = probe(cfg.device)
-        self.tables = slot_tables()
-        rc = RunnerConfig(**cfg.runner)
-        self.banks = rc.banks
-        self.max_dims = rc.max_dims(model.vocab_size, model.hidden_size, cfg.max_model_len)
+        self.table = step_table()
+        self.banks = cfg.runner.banks
+        self.max_dims = cfg.runner.max_dims(model.vocab_size, cfg.max_model_len)
         self.new_core = new_core
         self.workers: list[WorkerHandle] = []
         self.starting: list[Starting] = []
@@ -151,7 +147,7 @@ class WorkerPool:
         """Create a worker actor and its arena banks; the start call runs in the background."""
         wid = f"w{self._next_id}"
         self._next_id += 1
-        arenas = [HostArena.create(self.tables, self.max_dims, tag=wid) for _ in range(self.banks)]
+        arenas = [HostArena.create(self.table, self.max_dims, tag=wid) for _ in range(self.banks)]
         options = self.device.ray_resources(self.cfg.cpus_per_worker)
         actor = ray.remote(WorkerActor).options(max_concurrency=2, **options).remote(
             wid, self.device.kind, self.cfg.threads_per_worker)

@@ -1,15 +1,16 @@
-"""Attention over the paged KV cache.
+"""The ATen attention backend (CUDA, Ascend, and CPUs without the native build).
 
-Decode gathers each sequence's context slots from its block table into a scratch
-buffer once per layer and runs a masked grouped-query attention there; prefill
-attends densely within each prompt (the prompt's own K/V, causal) and only writes
-the pages. Both write into caller-owned buffers.
+Decode rows gather each sequence's context slots from its block table into a scratch
+buffer once per layer and run a masked grouped-query attention there: fixed shapes, so a
+captured graph replays it. Prompt chunks go through ``prompt_rows``.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from kernels.attention.prompt_rows import PromptChunk, attend_chunks, plan_chunks
+from kernels.forward_batch import ForwardBatch
 
 
 class AttentionScratch:
@@ -110,37 +111,24 @@ def paged_decode_attention(
     return out
 
 
-def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int], scale: float,
-    out: torch.Tensor | None = None,
-    prefix: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """Causal attention within each packed prompt, after its cached prefix if any.
+class TorchAttention:
+    def __init__(self, scratch: AttentionScratch, scale: float):
+        self.scratch, self.scale = scratch, scale
+        self.name = "aten-gather"
+        self._num_decode = 0
+        self._slots_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._chunks: list[PromptChunk] = []
 
-    q: [T, heads, head_dim], k/v: [T, kv_heads, head_dim] for all prompts' new tokens packed;
-    ``cu_seqlens`` are their boundaries. ``prefix`` = (prefix_lens, prefix_slots, k_cache,
-    v_cache): prompt i's first ``prefix_lens[i]`` tokens are already in the pages at the
-    next ``prefix_lens[i]`` of ``prefix_slots``; its new tokens attend to those too.
-    Writes and returns ``out`` [T, heads, head_dim].
-    """
-    out = torch.empty_like(q) if out is None else out
-    offset = 0
-    for i, (start, end) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
-        ks, vs, p = k[start:end], v[start:end], 0
-        if prefix is not None and prefix[0][i]:
-            lens, slots, k_cache, v_cache = prefix
-            p = lens[i]
-            idx = slots[offset : offset + p]
-            offset += p
-            ks = torch.cat([k_cache.index_select(0, idx), ks])
-            vs = torch.cat([v_cache.index_select(0, idx), vs])
-        qs = q[start:end].transpose(0, 1).unsqueeze(0)
-        ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
-        if p:  # query j sits at position p + j: it sees keys 0..p + j
-            n = end - start
-            mask = torch.ones(n, p + n, dtype=torch.bool, device=q.device).tril(diagonal=p)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
-        else:
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
-        out[start:end] = o.squeeze(0).transpose(0, 1)
-    return out
+    def begin(self, batch: ForwardBatch, block_size: int) -> None:
+        nd = self._num_decode = batch.num_decode
+        if nd:  # once per launch, shared by every layer
+            ctx = batch.block_tables.shape[1] * block_size
+            self._slots_mask = self.scratch.prepare(batch.block_tables[:nd], batch.seq_lens[:nd], ctx)
+        self._chunks = plan_chunks(batch, block_size) if batch.prompt_query_lens else []
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               out: torch.Tensor) -> None:
+        nd = self._num_decode
+        if nd:
+            paged_decode_attention(q[:nd], k_cache, v_cache, *self._slots_mask, None, self.scratch, out[:nd])
+        attend_chunks(self._chunks, q, k_cache, v_cache, out, self.scale)

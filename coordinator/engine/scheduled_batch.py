@@ -1,0 +1,61 @@
+"""One launch as the scheduler planned it: host-side arrays in the launch shape, and what each
+row will compute, so the next launch can be planned before this one's ids are read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from coordinator.engine.sequence import Sequence
+
+
+@dataclass
+class PromptSpan:
+    """A row's prompt-logprob tokens: ``count`` of them from ``offset`` in the launch's list,
+    the first at prompt position ``first`` (its logprob is that of token ``first + 1``)."""
+
+    row: int
+    offset: int
+    count: int
+    first: int
+
+
+@dataclass
+class ScheduledBatch:
+    """Rows are ``seqs`` in order: ``num_decode`` decode rows (one token each), then prompt
+    chunks. Token arrays are packed row after row ([T]); row arrays are [B]."""
+
+    seqs: list[Sequence]
+    num_decode: int
+    query_lens: list[int]  # new tokens per row
+    token_ids: np.ndarray  # int32 [T]
+    positions: np.ndarray  # int32 [T]
+    slot_mapping: np.ndarray  # int64 [T]
+    seq_lens: np.ndarray  # int32 [B]: each row's context after the launch
+    block_tables: np.ndarray  # int32 [B, W]
+    # The row of the launch in flight whose sampled id is this decode row's input (its token is
+    # not read yet), or -1 where ``token_ids`` holds it.
+    feed_rows: np.ndarray  # int32 [B]
+    samples: list[bool] = field(default_factory=list)  # the row samples a token
+    computed_to: list[int] = field(default_factory=list)  # the row's K/V reach after this launch
+    draw_steps: list[int] = field(default_factory=list)  # the sampled token's index in the output
+    prompt_spans: list[PromptSpan] = field(default_factory=list)  # rows asking prompt logprobs
+    invalid: dict[int, str] = field(default_factory=dict)  # rows whose settings could not be written
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def query_start_loc(self) -> np.ndarray:
+        """int32 [B + 1]: row r's tokens are ``[qsl[r], qsl[r + 1])``."""
+        return np.concatenate([[0], np.cumsum(self.query_lens)]).astype(np.int32)
+
+    def chunk_start(self, row: int) -> int:
+        """The position of the row's first new token."""
+        return int(self.seq_lens[row]) - self.query_lens[row]

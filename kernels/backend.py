@@ -1,0 +1,55 @@
+"""The kernels a model runs, chosen once at load: the model itself has no backend branches.
+
+On the CPU with the native build (``kernels/native.py``): the native linear, fused norms and
+paged decode attention. Elsewhere (CUDA, Ascend, a CPU without a compiler): ATen's ops
+with the vendors' int8 matmuls. Triton and Ascend kernels slot in here as further kinds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from kernels import native as native_build
+from kernels.attention import AttentionBackend
+from kernels.attention.native import NativeAttention
+from kernels.attention.torch_gather import AttentionScratch, TorchAttention
+from kernels.linear import LinearOp
+from kernels.model.config import Qwen3Config
+from kernels.norms import NativeNorms, TorchNorms
+
+
+@dataclass
+class Kernels:
+    config: Qwen3Config
+    dtype: torch.dtype
+    device: torch.device
+    linear: LinearOp
+    norms: NativeNorms | TorchNorms
+    native: ModuleType | None  # the native CPU build, where it runs
+
+    @property
+    def attention_name(self) -> str:
+        return f"native-{self.native.isa()}" if self.native is not None else "aten-gather"
+
+    def new_attention(self, max_batch: int, max_ctx: int, block_size: int) -> AttentionBackend:
+        """An attention backend with its own scratch (one per workspace)."""
+        c, scale = self.config, self.config.head_dim ** -0.5
+        if self.native is not None:
+            return NativeAttention(self.native, scale)
+        scratch = AttentionScratch(max_batch, max_ctx, c.num_attention_heads, c.num_key_value_heads,
+                                   c.head_dim, block_size, self.dtype, self.device)
+        return TorchAttention(scratch, scale)
+
+
+def select_kernels(config: Qwen3Config, dtype: torch.dtype, device: torch.device) -> Kernels:
+    native = native_build.kernels() if device.type == "cpu" else None
+    c = config
+    if native is not None:
+        norms = NativeNorms(native, c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads)
+    else:
+        norms = TorchNorms(c.rms_norm_eps, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                           c.head_dim, device)
+    return Kernels(config, dtype, device, LinearOp(device, native, dtype), norms, native)

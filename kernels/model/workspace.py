@@ -1,0 +1,75 @@
+"""Every intermediate of a launch, allocated once: a launch of up to ``max_rows`` tokens (every
+decode step) allocates nothing, which is also what lets a device graph capture it. A longer
+launch (prompt chunks) allocates its own layer buffers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention import AttentionBackend
+from kernels.model.config import Qwen3Config
+from kernels.norms import NormScratch
+
+
+@dataclass
+class LayerBuffers:
+    """One layer's intermediates for n rows."""
+
+    h: torch.Tensor  # [n, D] normed input of attention / MLP
+    qkv: torch.Tensor  # [n, q + 2 kv]
+    q: torch.Tensor  # [n, heads, hd]: normed, rotated q
+    attn: torch.Tensor  # [n, heads, hd]
+    o: torch.Tensor  # [n, D]: projection outputs added to the residual
+    gate_up: torch.Tensor  # [n, 2 I]
+    act: torch.Tensor  # [n, I]
+    norm: NormScratch
+
+    @classmethod
+    def allocate(cls, c: Qwen3Config, n: int, dtype: torch.dtype, device: torch.device) -> LayerBuffers:
+        kw = {"dtype": dtype, "device": device}
+        nh, hd = c.num_attention_heads, c.head_dim
+        return cls(
+            h=torch.empty(n, c.hidden_size, **kw), qkv=torch.empty(n, c.q_size + 2 * c.kv_size, **kw),
+            q=torch.empty(n, nh, hd, **kw), attn=torch.empty(n, nh, hd, **kw),
+            o=torch.empty(n, c.hidden_size, **kw), gate_up=torch.empty(n, 2 * c.intermediate_size, **kw),
+            act=torch.empty(n, c.intermediate_size, **kw),
+            norm=NormScratch.allocate(n, c.hidden_size, nh, c.num_key_value_heads, hd, dtype, device),
+        )
+
+    def rows(self, n: int) -> LayerBuffers:
+        """Views of the first n rows (no allocation)."""
+        return LayerBuffers(self.h[:n], self.qkv[:n], self.q[:n], self.attn[:n], self.o[:n], self.gate_up[:n],
+                            self.act[:n], self.norm.rows(n))
+
+
+class Workspace:
+    def __init__(self, c: Qwen3Config, max_rows: int, attention: AttentionBackend, dtype: torch.dtype,
+                 device: torch.device):
+        kw = {"dtype": dtype, "device": device}
+        self.config, self.dtype, self.device = c, dtype, device
+        self.max_rows = max_rows
+        self.attention = attention
+        self.hidden = torch.empty(max_rows, c.hidden_size, **kw)  # the residual stream
+        self.cos = torch.empty(max_rows, c.head_dim, **kw)
+        self.sin = torch.empty(max_rows, c.head_dim, **kw)
+        self.buffers = LayerBuffers.allocate(c, max_rows, dtype, device)
+        self.last = torch.empty(max_rows, dtype=torch.int32, device=device)  # rows' last tokens
+        self.one = torch.ones((), dtype=torch.int32, device=device)  # a Python 1 would be boxed
+        self.final = torch.empty(max_rows, c.hidden_size, **kw)  # final-normed rows for the lm_head
+        self.logits16 = None if dtype == torch.float32 else torch.empty(max_rows, c.vocab_size, **kw)
+
+    def residual(self, n: int) -> torch.Tensor:
+        return self.hidden[:n] if n <= self.max_rows else \
+            torch.empty(n, self.config.hidden_size, dtype=self.dtype, device=self.device)
+
+    def rope(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if n <= self.max_rows:
+            return self.cos[:n], self.sin[:n]
+        kw = {"dtype": self.dtype, "device": self.device}
+        return torch.empty(n, self.config.head_dim, **kw), torch.empty(n, self.config.head_dim, **kw)
+
+    def layer_buffers(self, n: int) -> LayerBuffers:
+        return self.buffers.rows(n) if n <= self.max_rows else \
+            LayerBuffers.allocate(self.config, n, self.dtype, self.device)
