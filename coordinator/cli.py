@@ -18,7 +18,7 @@ from coordinator.server.ray_cluster import EmbeddedHead, RayPorts, connect
 
 if TYPE_CHECKING:
     from coordinator.server.server import Server
-from shared_memory.contract import RunnerConfig
+from shared_memory.contract import DEFAULT_MAX_NUM_BATCHED_TOKENS, RunnerConfig
 
 DEMO_PROMPTS = [
     "The with statement",
@@ -246,9 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-batch", type=int, default=16)
         p.add_argument("--block-size", type=int, default=16)
         p.add_argument("--num-blocks", type=int, default=256)
-        p.add_argument("--max-num-batched-tokens", type=int, default=0,
-                       help="chunked prefill: the most tokens one launch runs (decode rows count one); "
-                       "long prompts are split and share launches with running decodes (0: off)")
+        p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                       help="the token budget of one launch: every running stream's decode row, then "
+                       "prompt chunks in the rest (a longer prompt is split across launches); more than "
+                       f"--max-batch (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
         p.add_argument("--no-prefix-caching", action="store_true",
                        help="free KV blocks when their sequence ends instead of keeping them as a "
                        "prefix cache")

@@ -133,9 +133,16 @@ def _full_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     (every token tied with the last one kept); rows with ``top_p >= 1`` keep every token."""
     keys = probs.view(torch.int32)  # float32 probabilities are >= 0: their bits sort
     w = (probs * _FIXED).to(torch.int64)  # exact above 2^-17; the rest truncated to 2^-40
-    target = torch.ceil(top_p.double() * w.sum(1).double()).to(torch.int64)
+    # At least the most likely token, also for a top_p that underflowed in float32.
+    target = torch.ceil(top_p.double() * w.sum(1).double()).to(torch.int64).clamp_(min=1)
     cut = _radix_select(keys, w, target)
     return (keys >= cut[:, None]) | (top_p >= 1.0)[:, None]
+
+
+def _scaled(logits: torch.Tensor, top: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``(logits - max) / t``: <= 0 for any t > 0, so a tiny t gives -inf (probability 0) and the
+    max keeps 0, never inf - inf."""
+    return (logits - top) / torch.where(t > 0, t, 1.0)[:, None]
 
 
 def _draw(probs: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
@@ -155,10 +162,11 @@ def _candidate_draw(logits: torch.Tensor, params: torch.Tensor, seeds: torch.Ten
     vals, ids = torch.topk(logits, n, dim=-1)  # descending
     k = params[:, TOP_K].to(torch.int64).clamp(1, n)
     vals = torch.where(vals >= vals.gather(1, (k - 1)[:, None]), vals, float("-inf"))
-    probs = torch.softmax(vals / torch.where(t > 0, t, 1.0)[:, None], dim=-1)
+    probs = torch.softmax(_scaled(vals, vals[:, :1], t), dim=-1)
     cum = torch.cumsum(probs.double(), dim=-1)  # most likely first: top-p keeps a prefix
     top_p = params[:, TOP_P]
     keep = ((cum - probs.double()) < top_p.double()[:, None]) | (top_p >= 1.0)[:, None]
+    keep[:, 0] = True  # the most likely token, also for a top_p that underflowed in float32
     cut = torch.where(keep, probs, float("inf")).amin(dim=-1, keepdim=True)
     probs = torch.where(probs >= cut, probs, 0.0)
     probs = _min_p(probs, params[:, MIN_P], probs[:, :1])
@@ -170,8 +178,7 @@ def _candidate_draw(logits: torch.Tensor, params: torch.Tensor, seeds: torch.Ten
 def _full_draw(logits: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor,
                plan: SamplingPlan) -> torch.Tensor:
     """Rows sampled over the whole vocabulary."""
-    t = params[:, TEMPERATURE]
-    x = logits / torch.where(t > 0, t, 1.0)[:, None]
+    x = _scaled(logits, logits.amax(dim=-1, keepdim=True), params[:, TEMPERATURE])
     if plan.wide_top_k:
         x = torch.where(_full_top_k(logits, params[:, TOP_K].to(torch.int64)), x, float("-inf"))
     probs = torch.softmax(x, dim=-1)

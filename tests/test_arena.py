@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 
 from shared_memory.arena import SHM_DIR, HostArena, list_segments, remove_stale
-from shared_memory.slots import decode_table, prefill_table
+from shared_memory.slots import step_table
 
 ROOT = Path(__file__).resolve().parents[1]
-DIMS = {"B": 4, "W": 3, "T": 16, "TP": 8, "BD": 4, "NL": 4, "N": 2, "NT": 4, "NF": 4, "K": 8, "V": 32, "D": 8}
-TABLES = [prefill_table(), decode_table()]
+DIMS = {"B": 4, "B1": 5, "W": 3, "T": 16, "NL": 4, "N": 2, "TL": 16, "NP": 2, "V": 32}
+TABLE = step_table()
 
 
 def _python(code: str, **kw) -> subprocess.Popen:
@@ -27,13 +27,13 @@ def _python(code: str, **kw) -> subprocess.Popen:
 
 
 def test_second_process_attaches_writes_and_reads_without_copies():
-    with HostArena.create(TABLES, DIMS, tag="t") as arena:
+    with HostArena.create(TABLE, DIMS, tag="t") as arena:
         arena.view("sampled_ids", (4,)).copy_(torch.tensor([7, 8, 9, 10], dtype=torch.int32))
         child = _python(f"""
             import ctypes, torch
             from shared_memory.arena import HostArena
-            from shared_memory.slots import decode_table, prefill_table
-            a = HostArena.attach({arena.name!r}, [prefill_table(), decode_table()], {DIMS!r})
+            from shared_memory.slots import step_table
+            a = HostArena.attach({arena.name!r}, step_table(), {DIMS!r})
             ids = a.view("sampled_ids", (4,))
             print("read", ids.tolist())
             a.view("token_ids", (4,)).copy_(ids * 2)
@@ -57,8 +57,8 @@ def _creator(extra: str = "") -> tuple[subprocess.Popen, str]:
     proc = _python(f"""
         import sys, time
         from shared_memory.arena import HostArena
-        from shared_memory.slots import decode_table, prefill_table
-        a = HostArena.create([prefill_table(), decode_table()], {DIMS!r}, tag="kill")
+        from shared_memory.slots import step_table
+        a = HostArena.create(step_table(), {DIMS!r}, tag="kill")
         print(a.name, flush=True)
         {extra}
         time.sleep(120)
@@ -90,6 +90,6 @@ def test_sigkill_leftovers_are_removed_by_the_next_start():
 
 
 def test_remove_stale_spares_live_owners():
-    with HostArena.create(TABLES, DIMS, tag="live") as arena:
+    with HostArena.create(TABLE, DIMS, tag="live") as arena:
         assert arena.name not in remove_stale()
         assert (SHM_DIR / arena.name).exists()

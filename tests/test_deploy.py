@@ -80,10 +80,11 @@ def test_scale_1_to_2_to_1_while_20_requests_stream(ray_session):
                     reason="the ray CLI is not installed beside this python")
 def test_ray_job_submit_serves_and_job_stop_cleans_up(tmp_path):
     bindir = Path(sys.executable).parent
-    # Ray's 3 s SIGTERM grace, explicit: with `exec` the job stops in about 0.5 s (measured).
+    # A SIGTERM grace far beyond what a stop takes on any machine (about 0.5 s measured here, with
+    # `exec`): a force-kill then means the job ignored SIGTERM, not that this machine was slow.
     env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", RAY_AUTH_MODE="disabled",
                RAY_USAGE_STATS_ENABLED="0", FUSEDSERVE_CACHE=os.environ["FUSEDSERVE_CACHE"],
-               RAY_JOB_STOP_WAIT_TIME_S="3")
+               RAY_JOB_STOP_WAIT_TIME_S="60")
     env.pop("RAY_ADDRESS", None)
     gcs, dash, port = free_port(), free_port(), free_port()
     ray_bin = str(bindir / "ray")

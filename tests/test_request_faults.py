@@ -15,12 +15,13 @@ from coordinator.client import Client, ServerError
 from coordinator.engine.block_manager import BlockManager
 from coordinator.engine.llm_engine import LLMEngine
 from coordinator.engine.scheduler import Scheduler
-from coordinator.engine.step_outputs import DecodeResult
-from coordinator.sampling_params import SamplingError, SamplingParams, sample
+from coordinator.engine.step_outputs import StepOutputs
+from coordinator.sampling_params import SamplingError, SamplingParams
 from coordinator.server.config import ServerConfig
 from coordinator.server.server import Server
 from shared_memory.contract import RunnerConfig
 from tests.support import settled, wait_for
+from tests.test_sampling import draw
 
 RC = RunnerConfig(max_batch=8, block_size=8, num_blocks=96, top_k=16)
 PROPS = settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), database=None)
@@ -56,19 +57,19 @@ def test_sample_is_total_over_the_float_range(fields, shape, step):
               "neg_inf": np.where(rng.random(64) < 0.9, -np.inf, rng.normal(0, 3, 64))}[shape]
     values[0] = max(values[0], 0.0)  # at least one finite logit, as a model always has
     ids = rng.permutation(1000)[:64]
-    token = sample(values.astype(np.float32), ids, p, step)
+    token = draw(values.astype(np.float32), ids, p, step)
     assert token in ids.tolist()
     assert np.isfinite(values[ids.tolist().index(token)]), "an impossible (-inf) token was drawn"
 
 
 def test_a_row_that_fails_while_sampling_fails_alone():
     blocks = BlockManager(num_blocks=16, block_size=4)
-    s = Scheduler(blocks, vocab_size=50, max_model_len=64, max_batch=4, top_k_candidates=4)
+    s = Scheduler(blocks, max_model_len=64, max_batch=4)
     ok = s.add("ok", [1, 2, 3], SamplingParams(max_tokens=4))
-    bad = s.add("bad", [4, 5], SamplingParams(max_tokens=4, temperature=0.5, top_k=4, seed=1))
+    bad = s.add("bad", [4, 5], SamplingParams(max_tokens=4, temperature=0.5, top_k=4, seed=1, logprobs=True))
     batch = s.schedule()
-    # The launch returned ids but no candidates for the top-k row: that row cannot be sampled.
-    events = s.process(batch, DecodeResult(step=1, sampled_ids=np.array([7, 9], dtype=np.int32)))
+    # The launch returned ids but no logprobs for the row that asked for them: it cannot be read.
+    events = s.process(batch, StepOutputs(step=1, sampled_ids=np.array([7, 9], dtype=np.int32)))
     by_id = {ev.seq.seq_id: ev for ev in events}
     assert by_id["ok"].token == 7 and by_id["ok"].error is None and ok.output_ids == [7]
     assert by_id["bad"].error is not None and by_id["bad"].error.code == "sampling_error"

@@ -1,13 +1,28 @@
-"""Host-side sampling from device candidates: reproducible, consistent with greedy."""
+"""Sampling through the engine and the sampler: reproducible, consistent with greedy, the
+top-k and top-p sets respected, and settings out of range refused."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from coordinator.engine.llm_engine import LLMEngine
-from coordinator.sampling_params import RowKind, SamplingError, SamplingParams, row_kind, sample
+from coordinator.sampling_params import SamplingError, SamplingParams
+from kernels.sampler import SamplingPlan, sample
 from shared_memory.contract import RunnerConfig
+
+
+def draw(values: np.ndarray, ids: np.ndarray, p: SamplingParams, step: int, vocab: int = 1000,
+         candidates: int = 64) -> int:
+    """One draw of the device sampler over a vocabulary where only ``ids`` are possible."""
+    logits = torch.full((1, vocab), float("-inf"))
+    logits[0, torch.from_numpy(ids.astype(np.int64))] = torch.from_numpy(values.astype(np.float32))
+    f32 = torch.tensor([[p.temperature, p.top_p, p.min_p, p.top_k]], dtype=torch.float32)
+    seeds = torch.tensor([[p.seed & 0x7FFF_FFFF_FFFF_FFFF, step]])
+    out = torch.empty(1, dtype=torch.int32)
+    sample(logits, f32, seeds, out, SamplingPlan.for_rows(f32.numpy(), candidates, vocab), candidates)
+    return int(out[0])
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +57,10 @@ def test_top_k_1_equals_greedy(engine):
     assert [o.token_ids for o in topk1] == [o.token_ids for o in greedy]
 
 
-def test_full_logits_path_matches_candidates_when_both_apply(engine):
-    # top_k within K uses candidates; logprobs forces full logits: same draws, same tokens.
+def test_asking_for_logprobs_does_not_change_the_draws(engine):
     p_topk = SamplingParams(max_tokens=12, temperature=0.9, top_k=10, seed=5, ignore_eos=True)
     p_full = SamplingParams(max_tokens=12, temperature=0.9, top_k=10, seed=5, ignore_eos=True,
                             logprobs=True)
-    assert row_kind(p_topk, 32) == RowKind.TOPK and row_kind(p_full, 32) == RowKind.FULL
     a, b = engine.generate(["Numbers: 1 2 3"] * 2, [p_topk, p_full])
     assert a.token_ids == b.token_ids
     assert len(b.logprobs) == 12 and all(lp <= 0.0 for lp in b.logprobs)
@@ -56,10 +69,12 @@ def test_full_logits_path_matches_candidates_when_both_apply(engine):
 def test_sample_respects_top_k_and_top_p():
     values = np.array([5.0, 4.0, 1.0, 0.0, -1.0], dtype=np.float32)
     ids = np.array([10, 11, 12, 13, 14])
-    seen = {sample(values, ids, SamplingParams(temperature=1.0, top_k=2, seed=s), 0) for s in range(200)}
-    assert seen == {10, 11}
+    for candidates in (64, 1):  # top_k within the sampler's candidates, and beyond them
+        seen = {draw(values, ids, SamplingParams(temperature=1.0, top_k=2, seed=s), 0, candidates=candidates)
+                for s in range(200)}
+        assert seen == {10, 11}
     # top_p=0.5: the first candidate alone holds > 50% of the mass.
-    seen = {sample(values, ids, SamplingParams(temperature=1.0, top_p=0.5, seed=s), 0) for s in range(50)}
+    seen = {draw(values, ids, SamplingParams(temperature=1.0, top_p=0.5, seed=s), 0) for s in range(50)}
     assert seen == {10}
 
 
