@@ -1,4 +1,4 @@
-"""Paged KV cache: fixed-size blocks on the device (the allocator is coordinator/block_manager.py).
+"""Paged KV cache: fixed-size blocks on the device (the allocator is coordinator/engine/block_manager.py).
 
 A sequence's tokens live in the blocks listed by its block table; token ``p`` of a
 sequence is in slot ``table[p // block_size] * block_size + p % block_size`` of the

@@ -42,10 +42,6 @@ class Int8Weight:
     def shape(self) -> torch.Size:
         return self.q.shape
 
-    def to(self, device: torch.device) -> Int8Weight:
-        return Int8Weight(self.q.to(device), self.scale.to(device), self.scale_act.to(device),
-                          None if self.q_t is None else self.q_t.to(device))
-
 
 @dataclass
 class PackedWeight:

@@ -5,7 +5,9 @@ for the best instruction set this CPU has: ``avx512bf16`` (AVX-512 with bf16 dot
 products), ``avx512``, ``avx2`` (with FMA and F16C), else plain C++. The build lands
 in torch's extension cache (``TORCH_EXTENSIONS_DIR``), so only the first process
 on a machine pays for it. Where no compiler or ninja is present the model keeps
-ATen's kernels, and says so in one warning.
+ATen's kernels, and says so in one warning. A build that fails with a compiler present
+is a bug in ``csrc/``: the model still falls back (logged as an error), but ``require``
+raises, so tests and CI fail on it instead of skipping.
 
 Configuration (environment, read at load): ``FUSEDSERVE_NATIVE=0`` turns the native
 kernels off; ``FUSEDSERVE_CPU_ISA=avx2|avx512|avx512bf16|scalar`` builds a lower
@@ -19,6 +21,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 from pathlib import Path
 from types import ModuleType
 
@@ -39,7 +42,26 @@ ISA_FLAGS: dict[str, tuple[set[str], list[str]]] = {
 
 
 class NativeUnavailable(RuntimeError):
-    """The native kernels cannot be built or loaded here."""
+    """The native kernels cannot be had here by design: no compiler or ninja, turned off, or an
+    instruction set this CPU lacks."""
+
+
+class NativeBuildError(NativeUnavailable):
+    """A compiler is present but the build failed: a bug to fix, never a machine to skip."""
+
+
+def missing_toolchain() -> str | None:
+    """What this machine lacks to build the kernels (a C++ compiler, ninja), or None."""
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} is not on PATH)"
+    try:
+        cpp_extension.verify_ninja_availability()
+    except RuntimeError as exc:
+        return f"ninja is not installed ({exc})"
+    return None
 
 
 def cpu_flags() -> set[str]:
@@ -81,29 +103,31 @@ def enabled() -> bool:
 
 
 @functools.cache
-def build(isa: str) -> ModuleType:
-    """Compile (or load from the cache) the kernels for ``isa``."""
+def build(isa: str, csrc: Path = CSRC, name: str = "fusedserve_cpu") -> ModuleType:
+    """Compile (or load from the cache) the kernels for ``isa`` from ``csrc``.
+
+    Raises NativeUnavailable where the toolchain is missing, NativeBuildError where it is
+    present and the build fails."""
     from torch.utils import cpp_extension
 
     _, mflags = ISA_FLAGS[isa]
-    try:
-        cpp_extension.verify_ninja_availability()
-    except RuntimeError as exc:
-        raise NativeUnavailable(f"ninja is not installed ({exc})") from None
+    missing = missing_toolchain()
+    if missing is not None:
+        raise NativeUnavailable(missing)
     log.info("loading native CPU kernels for %s (the first build takes about a minute)", isa)
-    sources = sorted(str(p) for p in CSRC.glob("*.cpp"))
+    sources = sorted(str(p) for p in csrc.glob("*.cpp"))
     # torch rebuilds when a source or a flag changes, not a header: the header's hash is a flag.
-    header = hashlib.sha1((CSRC / "kernels.h").read_bytes()).hexdigest()[:12]
+    header = hashlib.sha1((csrc / "kernels.h").read_bytes()).hexdigest()[:12]
     try:
         return cpp_extension.load(
-            name=f"fusedserve_cpu_{isa}",
+            name=f"{name}_{isa}",
             sources=sources,
             extra_cflags=["-O3", "-fopenmp", *mflags, f"-DFUSEDSERVE_HEADER={header}"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except (RuntimeError, OSError, ImportError) as exc:
-        raise NativeUnavailable(f"building the native kernels for {isa} failed: {exc}") from None
+        raise NativeBuildError(f"building the native kernels for {isa} failed: {exc}") from None
 
 
 @functools.cache
@@ -114,6 +138,17 @@ def kernels() -> ModuleType | None:
         return None
     try:
         return build(chosen_isa())
+    except NativeBuildError as exc:
+        log.error("native CPU kernels failed to build with a compiler present, using ATen's: %s", exc)
+        return None
     except NativeUnavailable as exc:
         log.warning("native CPU kernels unavailable, using ATen's: %s", exc)
         return None
+
+
+def require() -> ModuleType | None:
+    """The native build, or None only where it is off or the toolchain is missing by design; a
+    build that fails with a compiler present raises (tests and CI fail instead of skipping)."""
+    if not enabled() or missing_toolchain() is not None:
+        return None
+    return build(chosen_isa())

@@ -48,10 +48,11 @@ def hf_checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session", autouse=True)
 def _native_kernels():
-    """Build the native CPU kernels once, before any worker process would (they load the cache)."""
+    """Build the native CPU kernels once, before any worker process would (they load the cache).
+    Where a compiler is present a failed build fails every test: it is a bug, never a skip."""
     from kernels import native
 
-    native.kernels()
+    native.require()
     yield
 
 

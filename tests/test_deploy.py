@@ -76,6 +76,58 @@ def test_scale_1_to_2_to_1_while_20_requests_stream(ray_session):
         coord.shutdown()
 
 
+def test_draining_a_worker_that_holds_running_requests_drops_none(ray_session):
+    """Scale 2 -> 1 while both workers decode: the drained worker finishes what runs there, its
+    queue moves, every stream ends exactly once with the offline engine's tokens."""
+    n = 12
+    params = [{"max_tokens": 300, "ignore_eos": True} if i % 2 else
+              {"max_tokens": 300, "temperature": 0.8, "top_p": 0.9, "seed": i, "ignore_eos": True}
+              for i in range(n)]
+    with LLMEngine("default", dtype="float32", runner=RC) as eng:
+        want = [eng.generate([p], SamplingParams(**kw))[0].token_ids for p, kw in zip(PROMPTS, params)]
+    coord = Server(ServerConfig(workers=2, device="cpu", port=0, runner=RC, dtype="float32"))
+    coord.start()
+    coord.serve_in_thread()
+    try:
+        results: dict[int, list[int]] = {}
+        started = threading.Semaphore(0)
+
+        def one(i: int) -> None:
+            with Client(coord.address, timeout_s=600) as c:
+                got = []
+                for f in c.stream(PROMPTS[i], **params[i]):
+                    if f["type"] == "token":
+                        got.append(f["token"])
+                        if len(got) == 2:
+                            started.release()
+                    else:
+                        assert f["token_ids"] == got
+                results.setdefault(i, []).extend(got)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for _ in range(n):
+            assert started.acquire(timeout=120), "every stream is decoding before the drain"
+        with Client(coord.address) as c:
+            newest = c.stats()["workers"][-1]
+            assert newest["running"] > 0, "the worker to drain holds running requests"
+            assert c.scale(1)["draining"] == 1
+            drained = next(w for w in c.stats()["workers"] if w["id"] == newest["id"])
+            assert drained["draining"] and drained["running"] > 0, "running requests finish where they run"
+            wait_for(lambda: len(c.stats()["workers"]) == 1, 300, "the drained worker to stop", every_s=0.1)
+        for t in threads:
+            t.join(timeout=600)
+        assert sorted(results) == list(range(n)), "every request finished, exactly once"
+        assert [results[i] for i in range(n)] == want
+        with Client(coord.address) as c:
+            stats = c.stats()
+        assert stats["completed"] == n and stats["faults"]["reruns"] == 0
+        assert stats["running"] == 0 and all(w["kv_blocks_used"] == 0 for w in stats["workers"])
+    finally:
+        coord.shutdown()
+
+
 @pytest.mark.skipif(shutil.which("ray", path=str(Path(sys.executable).parent)) is None,
                     reason="the ray CLI is not installed beside this python")
 def test_ray_job_submit_serves_and_job_stop_cleans_up(tmp_path):

@@ -75,3 +75,19 @@ def test_bf16_logits_close_to_transformers(hf_checkpoints):
     model.forward(prompt_batch([ids.tolist()], [[0, 1, 2]], BLOCK), kv, ws, logits)
     err = (logits[0] - ref[-1]).abs().max().item()
     assert err < 0.1 * ref[-1].abs().max().item(), err
+
+
+@pytest.mark.parametrize("budget", [2048, 8], ids=["whole", "chunked"])
+def test_prompt_logprobs_equal_transformers_log_softmax(hf_checkpoints, budget):
+    path = hf_checkpoints["gqa4_tied"]
+    hf = _hf(path)
+    prompt = [5, 17, 42, 99, 3, 250, 1, 8, 77, 77, 12, 140, 7]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1)
+    rc = RunnerConfig(max_batch=4, block_size=BLOCK, num_blocks=64, top_k=8, max_num_batched_tokens=budget)
+    with LLMEngine(path, dtype="float32", runner=rc) as eng:
+        eng.generate([prompt], SamplingParams(max_tokens=2))  # its blocks are cached now: not reused
+        out = eng.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=3))[0]
+    want = [None] + [float(ref[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
+    assert out.prompt_logprobs[0] is None
+    assert out.prompt_logprobs[1:] == pytest.approx(want[1:], abs=2e-4)

@@ -30,14 +30,12 @@ def _isas() -> list[str]:
 
 
 def _module(isa: str):
-    try:
-        return native.build(isa)
-    except native.NativeUnavailable as exc:
-        pytest.skip(f"native kernels cannot be built here: {exc}")
+    """The build for ``isa``; a build error fails the test (only a missing toolchain skips)."""
+    return native.build(isa)
 
 
-ISAS = _isas() or ["none"]
-needs_native = pytest.mark.skipif(ISAS == ["none"], reason="no native build for this CPU")
+ISAS = (_isas() or ["none"]) if native.missing_toolchain() is None else ["none"]
+needs_native = pytest.mark.skipif(ISAS == ["none"], reason=f"no toolchain: {native.missing_toolchain()}")
 
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 
@@ -244,3 +242,27 @@ def test_packed_gemm_matches_reference_and_rows_do_not_depend_on_the_batch(wkind
             one = torch.empty(1, n, dtype=torch.bfloat16)
             m.linear_packed(x[lo : lo + 1], p.packed, p.scale, one)
             assert torch.equal(one, out[lo : lo + 1]), f"row {lo} of {rows} differs alone"
+
+
+@pytest.mark.skipif(native.missing_toolchain() is not None, reason="no toolchain: nothing is built here")
+def test_a_build_error_with_a_compiler_present_fails_instead_of_skipping(tmp_path, monkeypatch, caplog):
+    broken = tmp_path / "csrc"
+    broken.mkdir()
+    (broken / "kernels.h").write_bytes((native.CSRC / "kernels.h").read_bytes())
+    (broken / "module.cpp").write_text('#include "kernels.h"\nthis is not C++;\n')
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    with pytest.raises(native.NativeBuildError, match="failed"):
+        native.build.__wrapped__("scalar", broken, name="fusedserve_broken")
+
+    def failing(isa: str):
+        raise native.NativeBuildError(f"building the native kernels for {isa} failed: test")
+
+    monkeypatch.setattr(native, "build", failing)
+    with pytest.raises(native.NativeBuildError):
+        native.require()  # what the test session runs first: every test would fail
+    native.kernels.cache_clear()
+    try:
+        assert native.kernels() is None  # a served model still falls back, with an error logged
+        assert any(r.levelname == "ERROR" and "compiler present" in r.message for r in caplog.records)
+    finally:
+        native.kernels.cache_clear()

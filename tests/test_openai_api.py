@@ -157,6 +157,13 @@ def _post(server, path: str, body, headers: dict | None = None, raw: bytes | Non
     ({"prompt": "word " * 400}, None, 413, None),
     ({"prompt": "x", "max_tokens": 10**6}, None, 400, None),
     ({"prompt": [1, 10**7]}, None, 400, None),
+    # Integers beyond what a ZeroMQ frame can carry: refused, never a 500.
+    ({"prompt": "x", "seed": 1180591620717411303424}, None, 400, "seed"),
+    ({"prompt": "x", "seed": -(2**70)}, None, 400, "seed"),
+    ({"prompt": "x", "max_tokens": 2**64}, None, 400, "max_tokens"),
+    ({"prompt": "x", "top_k": 2**80}, None, 400, "top_k"),
+    ({"prompt": "x", "logprobs": 2**65}, None, 400, "logprobs"),
+    ({"prompt": [1, 2**70]}, None, 400, "prompt"),
 ])
 def test_bad_requests_get_openai_errors(server, body, raw, status, param):
     r = _post(server, "/v1/completions", body, raw=raw)

@@ -71,9 +71,6 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        return self.blocks_for(num_tokens) <= self.num_free
-
     # --------------------------------------------------------------- allocation
 
     def cached_prefix(self, token_ids: list[int]) -> list[int]:

@@ -39,6 +39,7 @@ class StepStats:
     wait_s: float = 0.0  # of those, its waits for the coordinator's next descriptor
     ahead: int = 0  # launches sent while the previous one was in flight
     fed_rows: int = 0  # rows whose input id the device took from the previous launch
+    max_launch_tokens: int = 0  # the most tokens one launch carried (<= max_num_batched_tokens)
     last_decode: dict | None = None
     # Recent decode steps as (batch, worker gap s before it, of which waiting for the coordinator,
     # worker launch s): the overhead figure.
@@ -104,6 +105,7 @@ class EngineCore:
         self.executor.submit(desc)
         self.stats.ahead += bool(self.inflight)
         self.stats.fed_rows += int((batch.feed_rows >= 0).sum())
+        self.stats.max_launch_tokens = max(self.stats.max_launch_tokens, batch.num_tokens)
         self.inflight.append(Inflight(batch, desc, t0))
         return True
 

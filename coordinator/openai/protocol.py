@@ -74,7 +74,14 @@ def _get(body: dict, key: str, kind: type | tuple, default: Any = None) -> Any:
                        code="bad_field")
     if numeric and not math.isfinite(value):
         raise ApiError(400, f"'{key}' must be finite", param=key, code="bad_field")
+    if isinstance(value, int) and not _wire_int(value):
+        raise ApiError(400, f"'{key}' is {value}: beyond any accepted value", param=key, code="bad_param")
     return value
+
+
+def _wire_int(value: int) -> bool:
+    """Whether an integer fits the coordinator's frames (msgpack: [-2^63, 2^64))."""
+    return -(1 << 63) <= value < 1 << 64
 
 
 @dataclass
@@ -128,6 +135,9 @@ def completion_request(body: dict, tok: TextTokenizer | None, default_max: int =
         ids = tok.encode(prompt)
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)
+        if not all(_wire_int(t) for t in ids):
+            raise ApiError(400, "a prompt token id is beyond any vocabulary", param="prompt",
+                           code="token_out_of_range")
     else:
         raise ApiError(400, "'prompt' must be a string or a list of token ids (one prompt)", param="prompt",
                        code="bad_field")

@@ -49,6 +49,7 @@ def worker_stats(w: WorkerHandle) -> dict:
         "d2h_bytes_per_step": s.d2h_bytes / s.steps if s.steps else 0.0,
         "last_decode": s.last_decode, "launch_s": s.launch_s, "idle_s": s.idle_s, "wait_s": s.wait_s,
         "async_scheduling": w.core.async_scheduling, "launches_ahead": s.ahead, "fed_rows": s.fed_rows,
+        "max_launch_tokens": s.max_launch_tokens,
         "transport": "serial" if w.serial else "shm", "wire_bytes": w.executor.wire_bytes,
         "kernels": w.info.get("kernels", {}),
     }

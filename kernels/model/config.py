@@ -62,10 +62,6 @@ class Qwen3Config:
     dtype: str = "bfloat16"
 
     @property
-    def num_kv_groups(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
-    @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
 

@@ -1,7 +1,7 @@
 """The embedded models: ``default``, a small trained Qwen3 shipped in the package, and the
 random-weight presets ``default:tiny`` and ``default:benchmark``, written on first use.
 
-``default`` lives in ``kernels/default_model/`` (trained by ``kernels/train_default.py``
+``default`` lives in ``kernels/model/default_model/`` (trained by ``kernels/model/train_default.py``
 on the Python documentation; see its ``training.json``). The presets' weights come from
 a fixed seed and their tokenizer is a byte-level BPE trained on a built-in text, so every
 machine writes the same files: tests that want a random model, and the benchmarks, use
