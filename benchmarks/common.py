@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -73,3 +75,29 @@ def percentile(values: list[float], q: float) -> float:
     s = sorted(values)
     i = min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))
     return s[i]
+
+
+RUNS = 3  # every figure: the median of at least this many runs, with their min and max
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, min and max of repeated measurements (at least ``RUNS``)."""
+    if len(values) < RUNS:
+        raise ValueError(f"{len(values)} runs: a figure needs at least {RUNS}")
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": len(values)}
+
+
+def repeat(fn: Callable[[], float], runs: int = RUNS) -> dict[str, float]:
+    """``spread`` of ``runs`` calls of ``fn``."""
+    return spread([fn() for _ in range(runs)])
+
+
+def fmt(s: dict[str, float] | float, spec: str = ".1f") -> str:
+    """``median (min-max)``, as the tables print a figure (a stored single figure as is)."""
+    if not isinstance(s, dict):
+        return f"{s:{spec}}"
+    return f"{s['median']:{spec}} ({s['min']:{spec}}-{s['max']:{spec}})"
+
+
+def median(s: dict[str, float] | float) -> float:
+    return s["median"] if isinstance(s, dict) else s

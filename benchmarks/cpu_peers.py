@@ -11,9 +11,10 @@ prompts as token ids (32 in, 64 out by default, greedy, EOS ignored), at batch
   ``openvino-genai`` is given (``--openvino-python``; the ``openvino`` extra), exported
   once with ``optimum-cli export openvino``; ``ContinuousBatchingPipeline`` for batches.
 
-Figures: output tokens/s, for batch 1 the share of the measured read bandwidth
-(weight bytes per token x tokens/s), and each engine against its peer of the same
-weight class.
+Figures: output tokens/s (the median, min and max of ``RUNS`` generate calls after a
+warm-up, the model loaded once), for batch 1 the share of the measured read bandwidth
+(weight bytes per token x tokens/s), and each engine against its peer of the same weight
+class (ratios of medians).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import machine, read_bandwidth
+from benchmarks.common import RUNS, fmt, machine, read_bandwidth, spread
 from kernels.model.default_model import cache_root, default_model_dir
 
 PRESET = "qwen3-0.6b"
@@ -44,8 +45,8 @@ def prompts(n: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
 # ------------------------------------------------------------------ engines (subprocess)
 
 def fusedserve_generate(model_dir: Path, batch: list[list[int]], new: int, quantization: str | None,
-                        device: str = "cpu") -> float:
-    """Output tokens/s of ``LLMEngine.generate`` over ``batch`` (a short warm-up first)."""
+                        device: str = "cpu", runs: int = RUNS, dtype: str = "bfloat16") -> list[float]:
+    """Output tokens/s of ``runs`` ``LLMEngine.generate`` calls over ``batch`` (a warm-up first)."""
     from coordinator.engine.llm_engine import LLMEngine
     from coordinator.sampling_params import SamplingParams
     from shared_memory.contract import RunnerConfig
@@ -53,17 +54,20 @@ def fusedserve_generate(model_dir: Path, batch: list[list[int]], new: int, quant
     total = len(batch[0]) + new + 1
     rc = RunnerConfig(max_batch=len(batch), block_size=16, num_blocks=len(batch) * -(-total // 16) + 4,
                       top_k=8)
-    with LLMEngine(str(model_dir), dtype="bfloat16", quantization=quantization, runner=rc,
+    figures = []
+    with LLMEngine(str(model_dir), dtype=dtype, quantization=quantization, runner=rc,
                    max_model_len=total + 16, device=device) as eng:
         eng.generate([batch[0][:8]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-        t0 = time.perf_counter()
-        outs = eng.generate(batch, SamplingParams(max_tokens=new, ignore_eos=True))
-        dt = time.perf_counter() - t0
-    assert all(len(o.token_ids) == new for o in outs)
-    return len(batch) * new / dt
+        for _ in range(runs):
+            eng.core.scheduler.blocks.flush()  # every run prefills its prompts
+            t0 = time.perf_counter()
+            outs = eng.generate(batch, SamplingParams(max_tokens=new, ignore_eos=True))
+            figures.append(len(batch) * new / (time.perf_counter() - t0))
+            assert all(len(o.token_ids) == new for o in outs)
+    return figures
 
 
-def _openvino(ov_dir: Path, batch: list[list[int]], new: int) -> float:
+def _openvino(ov_dir: Path, batch: list[list[int]], new: int, runs: int = RUNS) -> list[float]:
     import openvino as ov
     import openvino_genai as genai
 
@@ -79,14 +83,16 @@ def _openvino(ov_dir: Path, batch: list[list[int]], new: int) -> float:
     warm = genai.GenerationConfig()
     warm.max_new_tokens = 4
     pipe.generate([ov.Tensor(np.asarray([batch[0][:8]], dtype=np.int64))], [warm])
-    t0 = time.perf_counter()
-    res = pipe.generate(tensors, [cfg] * len(batch))
-    dt = time.perf_counter() - t0
-    assert all(len(r.m_generation_ids[0]) == new for r in res)
-    return len(batch) * new / dt
+    figures = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        res = pipe.generate(tensors, [cfg] * len(batch))
+        figures.append(len(batch) * new / (time.perf_counter() - t0))
+        assert all(len(r.m_generation_ids[0]) == new for r in res)
+    return figures
 
 
-def run_engine(engine: str, model_dir: Path, ov_root: Path, batch: list[list[int]], new: int) -> float:
+def run_engine(engine: str, model_dir: Path, ov_root: Path, batch: list[list[int]], new: int) -> list[float]:
     if engine == "fusedserve-bf16":
         return fusedserve_generate(model_dir, batch, new, None)
     if engine == "fusedserve-int8":
@@ -107,14 +113,14 @@ def run_engine(engine: str, model_dir: Path, ov_root: Path, batch: list[list[int
 def export_openvino(python: str, model_dir: Path, ov_root: Path) -> None:
     """``optimum-cli export openvino`` once per weight format (cached next to the model)."""
     cli = Path(python).parent / "optimum-cli"
-    for fmt in ("fp16", "int8"):
-        out = ov_root / fmt
+    for weights in ("fp16", "int8"):
+        out = ov_root / weights
         if (out / "openvino_model.xml").is_file():
             continue
-        tmp = ov_root / f".{fmt}-tmp"
+        tmp = ov_root / f".{weights}-tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         subprocess.run([str(cli), "export", "openvino", "-m", str(model_dir), "--task",
-                        "text-generation-with-past", "--weight-format", fmt, str(tmp)],
+                        "text-generation-with-past", "--weight-format", weights, str(tmp)],
                        check=True, stdout=subprocess.DEVNULL)
         tmp.rename(out)
 
@@ -138,7 +144,7 @@ def measure(engines: list[str], batches: list[int], input_len: int, new: int, th
         export_openvino(openvino_python, model_dir, ov_root)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
            "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    results: dict[str, dict[int, float]] = {}
+    results: dict[str, dict[int, dict]] = {}
     for engine in engines:
         python = sys.executable
         if engine.startswith("openvino-"):
@@ -152,8 +158,8 @@ def measure(engines: list[str], batches: list[int], input_len: int, new: int, th
             r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
             if r.returncode != 0:
                 raise RuntimeError(f"{engine} batch {b} failed:\n{r.stderr[-3000:]}")
-            results[engine][b] = json.loads(r.stdout.strip().splitlines()[-1])["tokens_per_s"]
-            print(f"  {engine:>18} batch {b:>3}: {results[engine][b]:8.1f} tok/s", flush=True)
+            results[engine][b] = spread(json.loads(r.stdout.strip().splitlines()[-1])["tokens_per_s"])
+            print(f"  {engine:>18} batch {b:>3}: {fmt(results[engine][b])} tok/s", flush=True)
     bw = read_bandwidth()
     return {"machine": machine(), "model": f"default:{PRESET}", "input_len": input_len, "new_tokens": new,
             "threads": threads, "read_bw_gbps": bw / 1e9, "results": results,
@@ -162,14 +168,17 @@ def measure(engines: list[str], batches: list[int], input_len: int, new: int, th
 
 
 def table(res: dict) -> list[str]:
-    """Markdown: tok/s per batch, batch-1 share of read bandwidth, ratios to the peers."""
-    r, batches = res["results"], sorted({b for v in res["results"].values() for b in v})
+    """Markdown: tok/s per batch as median (min-max), batch-1 share of read bandwidth, ratios of
+    medians to the peers."""
+    full = {e: {int(b): v for b, v in row.items()} for e, row in res["results"].items()}
+    r = {e: {b: v["median"] for b, v in row.items()} for e, row in full.items()}
+    batches = sorted({b for v in r.values() for b in v})
     lines = ["| engine | " + " | ".join(f"batch {b}" for b in batches) + " | batch 1 % of read bw |",
              "|---" * (len(batches) + 2) + "|"]
     for engine, row in r.items():
         wb = res["weight_bytes"]["int8" if engine.endswith("int8") else "16-bit"]
         bw = f"{100 * row[1] * wb / (res['read_bw_gbps'] * 1e9):.0f}%" if 1 in row else "-"
-        lines.append(f"| {engine} | " + " | ".join(f"{row.get(b, float('nan')):.1f}" for b in batches)
+        lines.append(f"| {engine} | " + " | ".join(fmt(full[engine][b]) if b in row else "-" for b in batches)
                      + f" | {bw} |")
     pairs = [("fusedserve-bf16", "openvino-fp16"), ("fusedserve-int8", "openvino-int8"),
              ("fusedserve-bf16", "transformers-bf16"), ("fusedserve-int8", "transformers-bf16")]
@@ -200,9 +209,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         torch.set_num_threads(args.threads)
         model_dir = default_model_dir(PRESET)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-        tps = run_engine(args.one, model_dir, cache_root() / f"openvino-{model_dir.name}",
+        figures = run_engine(args.one, model_dir, cache_root() / f"openvino-{model_dir.name}",
                          prompts(batches[0], args.input_len, vocab, seed=batches[0]), args.new_tokens)
-        print(json.dumps({"tokens_per_s": tps}))
+        print(json.dumps({"tokens_per_s": figures}))
         return None
     res = measure(args.engines.split(","), batches, args.input_len, args.new_tokens, args.threads,
                   args.openvino_python)

@@ -23,10 +23,15 @@ from pathlib import Path
 import torch
 
 from benchmarks import cuda_profile, decode_step
-from benchmarks.common import machine
+from benchmarks.common import fmt, machine, spread
 from benchmarks.cpu_peers import PRESET, fusedserve_generate, prompts
 from benchmarks.throughput import transformers_generate
 from kernels.model.default_model import default_model_dir
+
+
+def medians(row: dict) -> dict[int, float]:
+    """Per batch, the median tok/s (a stored run from before spreads holds plain numbers)."""
+    return {int(b): v["median"] if isinstance(v, dict) else v for b, v in row.items()}
 
 
 def _free() -> None:
@@ -46,8 +51,8 @@ def measure(batches: list[int], input_len: int, new: int) -> dict:
         res["results"][name] = {}
         for b in batches:
             try:
-                res["results"][name][b] = run(prompts(b, input_len, vocab, seed=b))
-                print(f"  {name:>18} batch {b:>3}: {res['results'][name][b]:9.1f} tok/s", flush=True)
+                res["results"][name][b] = spread(run(prompts(b, input_len, vocab, seed=b)))
+                print(f"  {name:>18} batch {b:>3}: {fmt(res['results'][name][b])} tok/s", flush=True)
             except Exception:  # noqa: BLE001 - one engine's failure is a figure, not the end of the run
                 res["errors"][f"{name} batch {b}"] = traceback.format_exc()[-3000:]
                 print(f"  {name} batch {b} failed:\n{res['errors'][f'{name} batch {b}']}", flush=True)
@@ -70,27 +75,28 @@ def measure(batches: list[int], input_len: int, new: int) -> dict:
 
 
 def table(res: dict) -> list[str]:
-    """Markdown: output tok/s and the ratio per batch; the decode step with and without graphs."""
-    r = res["results"]
-    fs, hf = r.get("fusedserve-bf16", {}), r.get("transformers-bf16", {})
-    batches = sorted({int(b) for v in r.values() for b in v})
+    """Markdown: output tok/s (median (min-max)) and the ratio of medians per batch; the decode step
+    with and without graphs."""
+    r = {name: {int(b): v for b, v in row.items()} for name, row in res["results"].items()}
+    batches = sorted({b for v in r.values() for b in v})
     lines = ["| engine | " + " | ".join(f"batch {b}" for b in batches) + " |",
              "|---" * (len(batches) + 1) + "|"]
     for name, row in r.items():
-        row = {int(k): v for k, v in row.items()}
-        lines.append(f"| {name} | " + " | ".join(f"{row.get(b, float('nan')):.1f}" for b in batches) + " |")
+        lines.append(f"| {name} | " + " | ".join(fmt(row[b]) if b in row else "-" for b in batches) + " |")
+    fs, hf = medians(r.get("fusedserve-bf16", {})), medians(r.get("transformers-bf16", {}))
     if fs and hf:
-        fs, hf = {int(k): v for k, v in fs.items()}, {int(k): v for k, v in hf.items()}
         lines.append("| fusedserve / transformers | " + " | ".join(
             f"{fs[b] / hf[b]:.2f}x" if b in fs and b in hf else "-" for b in batches) + " |")
     for graphs, step in res.get("steps", {}).items():
         lines += ["", f"Decode step alone, graphs `{graphs}` (context {step['context']}; read bandwidth "
-                      f"{step['read_bw_gbps']:.0f} GB/s, copy {step['copy_bw_gbps']:.0f} GB/s):", "",
+                      f"{step['read_bw_gbps']:.0f} GB/s, copy {step['copy_bw_gbps']:.0f} GB/s; ms/step: "
+                      "median (min-max) over the measured steps):", "",
                   "| batch | ms/step | tok/s | % of read bw | h2d B/step | d2h B/step "
                   "| anchor's logits d2h |",
                   "|---|---|---|---|---|---|---|"]
         for row in step["rows"]:
-            lines.append(f"| {row['batch']} | {row['step_ms']:.3f} | {row['tokens_per_s']:.0f} | "
+            ms = fmt(row["step_ms_spread"], ".3f") if "step_ms_spread" in row else f"{row['step_ms']:.3f}"
+            lines.append(f"| {row['batch']} | {ms} | {row['tokens_per_s']:.0f} | "
                          f"{100 * row['fraction_of_read_bw']:.0f}% | {row['h2d_bytes']} | "
                          f"{row['d2h_bytes']} | {row['anchor_logits_d2h']} |")
     if res.get("profile"):

@@ -16,7 +16,8 @@ from benchmarks.decode_step import greedy_batch
 from coordinator.engine.batch_io import write_batch
 from kernels.model.qwen3 import Qwen3Model
 from shared_memory.arena import HostArena
-from shared_memory.contract import RunnerConfig, slot_tables
+from shared_memory.contract import RunnerConfig
+from shared_memory.slots import step_table
 from worker.model_runner import ModelRunner, model_dims
 
 
@@ -47,15 +48,14 @@ def run(model_dir: str, batches: list[int], context: int = 128, calls: int = 50)
     c, bs = model.config, 16
     per_seq = -(-(context + 2) // bs)
     rc = RunnerConfig(max_batch=max(batches), block_size=bs, num_blocks=max(batches) * per_seq, top_k=64)
-    arena = HostArena.create(slot_tables(model.dtype), model_dims(model, rc), tag="profile")
+    arena = HostArena.create(step_table(), model_dims(model, rc), tag="profile")
     try:
         runner = ModelRunner(model, rc, arena)
         graphs = runner.graphs
         rows = []
         for b in batches:
             tables = np.arange(b * per_seq, dtype=np.int32).reshape(b, per_seq)
-            desc = write_batch(arena, greedy_batch(tables, context, bs), 0, rc.top_k, c.vocab_size,
-                               c.hidden_size)
+            desc = write_batch(arena, greedy_batch(tables, context, bs), 0, rc.top_k, c.vocab_size)
             replay = graphs.graphs[graphs.bucket(b)].replay
             for _ in range(5):
                 runner.execute(desc)

@@ -1,16 +1,14 @@
 """Device->host bytes per decode step for greedy, top-p-only and mixed batches.
 
-The offline engine's counted launch path, batch 16: device sampling (the default) against
-the host fallback (top-K candidates or a logits row per stochastic row) and the anchor's
-full-logits copy (B x vocab x 4 every step).
+The offline engine's counted launch path, batch 16: every kind is sampled on the device, so
+a step hands back the ids (and the asked-for logprobs), against the anchor's full-logits copy
+(B x vocab x 4 every step). The counts are exact (the same in every run).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-
-import numpy as np
 
 from benchmarks.common import machine
 from coordinator.engine.llm_engine import LLMEngine
@@ -36,17 +34,15 @@ def run(model: str, n: int, dtype: str) -> dict:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompts = [[11 + i, 12, 13, 14] for i in range(n)]
     rows = {}
-    for device in (True, False):
-        rc = RunnerConfig(max_batch=n, block_size=16, num_blocks=4 * n, device_sampling=device)
-        with LLMEngine(str(model_dir), dtype=dtype, runner=rc, max_model_len=64) as eng:
-            eng.runtime.keep_history = 10_000
-            for name, params in batches(n).items():
-                eng.runtime.history.clear()
-                eng.generate(prompts, params)
-                d2h = [r.d2h_bytes for r in eng.runtime.history if r.table == "decode" and r.dims["B"] == n]
-                rows.setdefault(name, {})["device" if device else "host"] = float(np.median(d2h))
-    for r in rows.values():
-        r["anchor_full_logits"] = n * vocab * 4
+    rc = RunnerConfig(max_batch=n, block_size=16, num_blocks=4 * n)
+    with LLMEngine(str(model_dir), dtype=dtype, runner=rc, max_model_len=64) as eng:
+        eng.runtime.keep_history = 10_000
+        for name, params in batches(n).items():
+            eng.runtime.history.clear()
+            eng.generate(prompts, params)
+            d2h = {r.d2h_bytes for r in eng.runtime.history if r.kind == "decode" and r.dims["B"] == n}
+            assert len(d2h) == 1, f"{name}: d2h per full decode step varies: {d2h}"
+            rows[name] = {"device": d2h.pop(), "anchor_full_logits": n * vocab * 4}
     return {"machine": machine(), "model": model, "batch": n, "vocab": vocab, "rows": rows}
 
 
@@ -59,9 +55,9 @@ def main(argv: list[str] | None = None) -> dict:
     res = run(args.model, args.batch, args.dtype)
     print(f"{res['machine']}; {res['model']} (vocab {res['vocab']}), batch {res['batch']}: "
           "d2h bytes per decode step")
-    print(f"{'batch kind':>12} {'device sampling':>16} {'host fallback':>14} {'full logits':>12}")
+    print(f"{'batch kind':>12} {'fusedserve':>12} {'full logits':>12}")
     for name, r in res["rows"].items():
-        print(f"{name:>12} {r['device']:>16.0f} {r['host']:>14.0f} {r['anchor_full_logits']:>12}")
+        print(f"{name:>12} {r['device']:>12} {r['anchor_full_logits']:>12}")
     return res
 
 

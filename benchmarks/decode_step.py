@@ -1,9 +1,10 @@
 """One worker's decode step vs batch size, against the memory-bandwidth limit.
 
-Runs the real launch path (arena -> device copies, fused step, counted copy-back)
-in-process, greedy, and reports per-step time, tokens/s, bytes read per step
-(weights + KV), the fraction of the measured read bandwidth reached, and the h2d /
-d2h bytes next to the anchor's old per-step logits copy (B x vocab x 4).
+Runs the real launch path (arena -> device copies, one forward, the sampler, counted
+copy-back) in-process, greedy, and reports per-step time (median, min and max over the
+measured steps), tokens/s, bytes read per step (weights + KV), the fraction of the measured
+read bandwidth reached, and the h2d / d2h bytes next to the anchor's old per-step logits
+copy (B x vocab x 4).
 """
 
 from __future__ import annotations
@@ -15,14 +16,16 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.common import checkpoint, copy_bandwidth, machine, read_bandwidth
+from benchmarks.common import checkpoint, copy_bandwidth, fmt, machine, read_bandwidth, spread
 from coordinator.engine.batch_io import write_batch
-from coordinator.engine.scheduler import StepBatch
-from coordinator.sampling_params import RowKind
+from coordinator.engine.scheduled_batch import ScheduledBatch
+from coordinator.engine.sequence import Sequence
+from coordinator.sampling_params import SamplingParams
 from kernels.linear import Int8Weight, PackedWeight
 from kernels.model.qwen3 import Qwen3Model
 from shared_memory.arena import HostArena
-from shared_memory.contract import RunnerConfig, slot_tables
+from shared_memory.contract import RunnerConfig
+from shared_memory.slots import step_table
 from worker.model_runner import ModelRunner, model_dims
 
 
@@ -39,32 +42,30 @@ def _nbytes(w: torch.Tensor | Int8Weight | PackedWeight) -> int:
     return w.q.nbytes + w.scale.nbytes if isinstance(w, Int8Weight) else w.nbytes
 
 
-def greedy_batch(tables: np.ndarray, pos: int, block_size: int) -> StepBatch:
+def greedy_batch(tables: np.ndarray, pos: int, block_size: int) -> ScheduledBatch:
     """A synthetic greedy decode step: every row at position ``pos`` of its block table."""
     b = tables.shape[0]
-    return StepBatch(
-        kind="decode", seqs=[None] * b,
+    seqs = [Sequence(f"bench{i}", [7], SamplingParams(max_tokens=1 << 30, seed=0)) for i in range(b)]
+    return ScheduledBatch(
+        seqs=seqs, num_decode=b, query_lens=[1] * b,
         token_ids=np.full(b, 7, dtype=np.int32), positions=np.full(b, pos, dtype=np.int32),
         slot_mapping=(tables[:, pos // block_size] * block_size + pos % block_size).astype(np.int64),
-        row_kinds=[RowKind.GREEDY] * b, block_tables=tables,
-        seq_lens=np.full(b, pos + 1, dtype=np.int32),
-        ctx_len=-(-(pos + 1) // block_size) * block_size)
+        seq_lens=np.full(b, pos + 1, dtype=np.int32), block_tables=tables,
+        feed_rows=np.full(b, -1, dtype=np.int32), draw_steps=[0] * b)
 
 
-def run(batches: list[int], context: int, steps: int, dtype: str, single_row_gemv: bool = False,
-        quantization: str | None = None, model_dir: str | None = None, device: str = "cpu",
-        graphs: str = "off") -> dict:
+def run(batches: list[int], context: int, steps: int, dtype: str, quantization: str | None = None,
+        model_dir: str | None = None, device: str = "cpu", graphs: str = "off") -> dict:
     """``graphs``: the runner's setting ("auto" captures CUDA graphs per batch bucket)."""
     model = Qwen3Model.from_pretrained(model_dir or checkpoint(), dtype, device,
                                        max_model_len=context + steps + 16, quantization=quantization)
-    model.single_row_gemv = single_row_gemv
     c = model.config
     bs = 16
     max_b = max(batches)
     per_seq = -(-(context + steps + 1) // bs)
     rc = RunnerConfig(max_batch=max_b, block_size=bs, num_blocks=max_b * per_seq, top_k=64,
                       graphs=graphs)
-    arena = HostArena.create(slot_tables(model.dtype), model_dims(model, rc), tag="bench")
+    arena = HostArena.create(step_table(), model_dims(model, rc), tag="bench")
     runner = ModelRunner(model, rc, arena)
     wbytes = weight_bytes(model)
     kv_per_token = c.num_hidden_layers * 2 * c.kv_size * model.dtype.itemsize
@@ -74,15 +75,16 @@ def run(batches: list[int], context: int, steps: int, dtype: str, single_row_gem
         times, rec = [], None
         for s in range(steps):
             pos = context + s
-            desc = write_batch(arena, greedy_batch(tables, pos, bs), s, rc.top_k, c.vocab_size, c.hidden_size)
+            desc = write_batch(arena, greedy_batch(tables, pos, bs), s, rc.top_k, c.vocab_size)
             t0 = time.perf_counter()
             rec = runner.execute(desc)
             times.append(time.perf_counter() - t0)
-        step_s = float(np.median(times[2:] if len(times) > 4 else times))
+        step = spread([x * 1e3 for x in (times[2:] if len(times) > 4 else times)])
+        step_s = step["median"] / 1e3
         read = wbytes + b * (context + steps // 2) * kv_per_token
-        rows.append({"batch": b, "step_ms": step_s * 1e3, "tokens_per_s": b / step_s,
-                     "bytes_read": read, "h2d_bytes": rec.h2d_bytes, "d2h_bytes": rec.d2h_bytes,
-                     "anchor_logits_d2h": b * c.vocab_size * 4})
+        rows.append({"batch": b, "step_ms": step["median"], "step_ms_spread": step,
+                     "tokens_per_s": b / step_s, "bytes_read": read, "h2d_bytes": rec.h2d_bytes,
+                     "d2h_bytes": rec.d2h_bytes, "anchor_logits_d2h": b * c.vocab_size * 4})
     arena.close()
     kernels = model.kernel_info()
     del runner, model  # the bandwidth probe's buffers need the memory back (a GPU's too)
@@ -91,9 +93,7 @@ def run(batches: list[int], context: int, steps: int, dtype: str, single_row_gem
         r["achieved_gbps"] = r["bytes_read"] / (r["step_ms"] / 1e3) / 1e9
         r["fraction_of_read_bw"] = r["achieved_gbps"] * 1e9 / bw_read
     return {"machine": machine(), "device": device, "graphs": graphs, "dtype": dtype, "context": context,
-            "weights_bytes": wbytes,
-            "quantization": quantization or "none", "kernels": kernels,
-            "single_row_gemv": single_row_gemv,
+            "weights_bytes": wbytes, "quantization": quantization or "none", "kernels": kernels,
             "read_bw_gbps": bw_read / 1e9, "copy_bw_gbps": bw_copy / 1e9, "rows": rows}
 
 
@@ -103,22 +103,21 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--single-row-gemv", action="store_true",
-                    help="opt-in faster batch-1 path (outputs then depend on the batch)")
     ap.add_argument("--quantization", default=None, choices=["int8"])
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the benchmark model)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     res = run([int(b) for b in args.batches.split(",")], args.context, args.steps, args.dtype,
-              args.single_row_gemv, args.quantization, args.model)
+              args.quantization, args.model)
     print(f"{res['machine']}; read bw {res['read_bw_gbps']:.1f} GB/s, copy bw {res['copy_bw_gbps']:.1f} GB/s")
     print(f"kernels: {res['kernels']}")
     print(f"weights read per step: {res['weights_bytes'] / 2**20:.0f} MiB ({res['dtype']}, "
           f"quantization {res['quantization']})")
-    head = ("B", "ms/step", "tok/s", "GB/s", "%bw", "h2d", "d2h", "anchor d2h")
-    print("{:>4} {:>8} {:>8} {:>6} {:>5} {:>6} {:>6} {:>11}".format(*head))
+    head = ("B", "ms/step (min-max)", "tok/s", "GB/s", "%bw", "h2d", "d2h", "anchor d2h")
+    print("{:>4} {:>22} {:>8} {:>6} {:>5} {:>6} {:>6} {:>11}".format(*head))
     for r in res["rows"]:
-        print(f"{r['batch']:>4} {r['step_ms']:>8.2f} {r['tokens_per_s']:>8.1f} {r['achieved_gbps']:>6.1f} "
+        print(f"{r['batch']:>4} {fmt(r['step_ms_spread'], '.2f'):>22} {r['tokens_per_s']:>8.1f} "
+              f"{r['achieved_gbps']:>6.1f} "
               f"{100 * r['fraction_of_read_bw']:>4.0f}% {r['h2d_bytes']:>6} {r['d2h_bytes']:>6} "
               f"{r['anchor_logits_d2h']:>11}")
     if args.json:

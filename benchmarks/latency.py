@@ -1,7 +1,7 @@
 """Latency and overhead through the server: TTFT / TPOT percentiles at several
-concurrency levels, and the coordinator's share of a decode step (the worker's wait
-between launches against its launch time) per transport, with and without async
-scheduling."""
+concurrency levels, and the decode step seen from the worker (its launch, the gap before
+the next one, and the coordinator's share of that gap) per transport, with and without
+async scheduling. Each figure is the median (min-max) of ``RUNS`` runs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from benchmarks.common import machine, percentile
+from benchmarks.common import RUNS, fmt, machine, percentile, spread
 from benchmarks.throughput import prompts
 
 
@@ -49,6 +49,9 @@ def _stream_one(address: str, prompt: list[int], output_len: int) -> tuple[float
     return first - t0, (last - first) / max(n - 1, 1)
 
 
+LATENCY_FIGURES = tuple(f"{k}_p{q}_ms" for k in ("ttft", "tpot") for q in (50, 90, 99))
+
+
 def latency(concurrency: list[int], input_len: int, output_len: int, dtype: str, threads: int) -> list[dict]:
     coord = _server("auto", max(concurrency), threads, dtype)
     rows = []
@@ -56,12 +59,16 @@ def latency(concurrency: list[int], input_len: int, output_len: int, dtype: str,
         _stream_one(coord.address, [1, 2, 3], 2)  # warm-up
         for c in concurrency:
             batch = prompts(2 * c, input_len, coord.config.vocab_size, seed=c)
-            with ThreadPoolExecutor(c) as pool:
-                res = list(pool.map(lambda p: _stream_one(coord.address, p, output_len), batch))
-            ttft = [r[0] * 1e3 for r in res]
-            tpot = [r[1] * 1e3 for r in res]
-            rows.append({"concurrency": c, **{f"ttft_p{q}_ms": percentile(ttft, q) for q in (50, 90, 99)},
-                         **{f"tpot_p{q}_ms": percentile(tpot, q) for q in (50, 90, 99)}})
+            runs = []
+            for _ in range(RUNS):
+                coord.workers[0].scheduler.blocks.flush()  # every run prefills its prompts
+                with ThreadPoolExecutor(c) as pool:
+                    res = list(pool.map(lambda p: _stream_one(coord.address, p, output_len), batch))
+                ttft = [r[0] * 1e3 for r in res]
+                tpot = [r[1] * 1e3 for r in res]
+                runs.append({**{f"ttft_p{q}_ms": percentile(ttft, q) for q in (50, 90, 99)},
+                             **{f"tpot_p{q}_ms": percentile(tpot, q) for q in (50, 90, 99)}})
+            rows.append({"concurrency": c, **{k: spread([r[k] for r in runs]) for k in LATENCY_FIGURES}})
     finally:
         coord.shutdown()
     return rows
@@ -70,13 +77,16 @@ def latency(concurrency: list[int], input_len: int, output_len: int, dtype: str,
 OVERHEAD_SETUPS = (("shm", False), ("shm", True), ("serial", True))  # (transport, async scheduling)
 
 
+OVERHEAD_FIGURES = ("step_ms", "launch_ms", "gap_ms", "overhead_ms", "overhead_pct", "gap_pct")
+
+
 def overhead(batches: list[int], output_len: int, dtype: str, threads: int) -> list[dict]:
-    """The coordinator's share of a decode step, seen from the worker: how long it waited
-    for the coordinator's next descriptor after replying (the coordinator reading ids,
-    streaming, checking stops, scheduling, writing the arena, and the IPC), against the
-    whole step. The rest of the gap between launches is the worker's own (sending its
-    reply, decoding the next descriptor). Steady decode steps at the full batch only;
-    with async scheduling the next descriptor is already queued when a launch ends."""
+    """A decode step seen from the worker: its launch, the gap before the next one, and of
+    that gap how long it waited for the coordinator's next descriptor after replying (the
+    coordinator reading ids, streaming, checking stops, scheduling, writing the arena, and
+    the IPC); the rest of the gap is the worker's own (sending its reply, decoding the next
+    descriptor). ``step_ms`` (gap + launch) is what async scheduling must shorten. Steady
+    decode steps at the full batch only."""
     from coordinator.client import Client
 
     rows = []
@@ -85,24 +95,28 @@ def overhead(batches: list[int], output_len: int, dtype: str, threads: int) -> l
         try:
             for b in batches:
                 w = coord.workers[0]
-                w.core.stats.recent.clear()
                 batch = prompts(b, 16, coord.config.vocab_size, seed=b)
 
                 def one(p: list[int], address: str = coord.address) -> None:
                     with Client(address, timeout_s=600) as c:
                         c.generate(p, max_tokens=output_len, ignore_eos=True)
 
-                with ThreadPoolExecutor(b) as pool:
-                    list(pool.map(one, batch))
-                # The first step at the full batch waited for the prompts to arrive: skip it.
-                full = [x[1:] for x in list(w.core.stats.recent) if x[0] == b][1:]
-                idle, wait, kern = (sum(x[i] for x in full) / max(len(full), 1) for i in range(3))
-                step = idle + kern
-                rows.append({"transport": transport, "async": async_on, "batch": b, "steps": len(full),
-                             "step_ms": step * 1e3, "launch_ms": kern * 1e3, "gap_ms": idle * 1e3,
-                             "overhead_ms": wait * 1e3,
-                             "overhead_pct": 100 * wait / step if step else float("nan"),
-                             "gap_pct": 100 * idle / step if step else float("nan")})
+                runs = []
+                for _ in range(RUNS):
+                    w.core.stats.recent.clear()
+                    with ThreadPoolExecutor(b) as pool:
+                        list(pool.map(one, batch))
+                    # The first step at the full batch waited for the prompts to arrive: skip it.
+                    full = [x[1:] for x in list(w.core.stats.recent) if x[0] == b][1:]
+                    idle, wait, kern = (sum(x[i] for x in full) / max(len(full), 1) for i in range(3))
+                    step = idle + kern
+                    runs.append({"steps": len(full), "step_ms": step * 1e3, "launch_ms": kern * 1e3,
+                                 "gap_ms": idle * 1e3, "overhead_ms": wait * 1e3,
+                                 "overhead_pct": 100 * wait / step if step else float("nan"),
+                                 "gap_pct": 100 * idle / step if step else float("nan")})
+                rows.append({"transport": transport, "async": async_on, "batch": b,
+                             "steps": sum(r["steps"] for r in runs),
+                             **{k: spread([r[k] for r in runs]) for k in OVERHEAD_FIGURES}})
         finally:
             coord.shutdown()
     return rows
@@ -124,14 +138,14 @@ def main(argv: list[str] | None = None) -> dict:
            "overhead": overhead([int(b) for b in args.overhead_batches.split(",")], args.output_len,
                                 args.dtype, args.threads)}
     for r in res["latency"]:
-        print(f"concurrency {r['concurrency']:>3}: TTFT p50/p90/p99 {r['ttft_p50_ms']:.0f}/"
-              f"{r['ttft_p90_ms']:.0f}/{r['ttft_p99_ms']:.0f} ms, TPOT {r['tpot_p50_ms']:.1f}/"
-              f"{r['tpot_p90_ms']:.1f}/{r['tpot_p99_ms']:.1f} ms")
+        print(f"concurrency {r['concurrency']:>3}: TTFT p50 {fmt(r['ttft_p50_ms'], '.0f')} ms, "
+              f"p99 {fmt(r['ttft_p99_ms'], '.0f')} ms; TPOT p50 {fmt(r['tpot_p50_ms'])} ms, "
+              f"p99 {fmt(r['tpot_p99_ms'])} ms")
     for r in res["overhead"]:
         print(f"{r['transport']:>6} async {'on ' if r['async'] else 'off'} batch {r['batch']:>3}: step "
-              f"{r['step_ms']:.2f} ms, launch {r['launch_ms']:.2f} ms, "
-              f"gap {r['gap_ms']:.3f} ms ({r['gap_pct']:.2f}%), "
-              f"of which waiting for the coordinator {r['overhead_ms']:.3f} ms ({r['overhead_pct']:.2f}%)")
+              f"{fmt(r['step_ms'], '.2f')} ms, launch {fmt(r['launch_ms'], '.2f')} ms, "
+              f"gap {fmt(r['gap_ms'], '.3f')} ms, of which waiting for the coordinator "
+              f"{fmt(r['overhead_ms'], '.3f')} ms ({fmt(r['overhead_pct'], '.2f')}%)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

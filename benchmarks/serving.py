@@ -1,5 +1,6 @@
 """Served figures over the OpenAI API: ``fusedserve bench serve`` against ``fusedserve serve
---http-port`` on the benchmark checkpoint, at several concurrency levels.
+--http-port`` on the benchmark checkpoint, at several concurrency levels; each figure the
+median (min-max) of ``RUNS`` runs against the same server.
 
     python -m benchmarks.serving --concurrency 1,8,32
 """
@@ -13,7 +14,7 @@ import signal
 import subprocess
 import sys
 
-from benchmarks.common import checkpoint, machine
+from benchmarks.common import RUNS, checkpoint, fmt, machine, spread
 from coordinator.openai.bench_serve import BenchConfig, run
 
 HTTP = re.compile(r"OpenAI API on (http://\S+)")
@@ -30,14 +31,21 @@ def serve(dtype: str, threads: int, max_batch: int) -> tuple[subprocess.Popen, s
     raise RuntimeError("the server did not start")
 
 
+FIGURES = ("request_throughput", "output_throughput", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99",
+           "tpot_ms_p50", "tpot_ms_p90", "tpot_ms_p99")
+
+
 def bench(concurrency: list[int], input_len: int, output_len: int, dtype: str, threads: int) -> list[dict]:
     proc, url = serve(dtype, threads, max(concurrency))
     try:
         rows = []
         for c in concurrency:
-            cfg = BenchConfig(url, num_prompts=max(8, 2 * c), max_concurrency=c, input_len=input_len,
-                              output_len=output_len, seed=c, progress=False)
-            rows.append({"concurrency": c, **asyncio.run(run(cfg))})
+            runs = []
+            for i in range(RUNS):  # another seed each run: other prompts, no prefix-cache hits
+                cfg = BenchConfig(url, num_prompts=max(8, 2 * c), max_concurrency=c, input_len=input_len,
+                                  output_len=output_len, seed=100 * c + i, progress=False)
+                runs.append(asyncio.run(run(cfg)))
+            rows.append({"concurrency": c, **{k: spread([r[k] for r in runs]) for k in FIGURES}})
         return rows
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -56,10 +64,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                  args.threads)
     print(machine())
     for r in rows:
-        print(f"concurrency {r['concurrency']:3d}: {r['request_throughput']:.2f} req/s, "
-              f"{r['output_throughput']:.1f} tok/s, "
-              f"TTFT p50/p99 {r['ttft_ms_p50']:.0f}/{r['ttft_ms_p99']:.0f} ms, "
-              f"TPOT p50/p99 {r['tpot_ms_p50']:.1f}/{r['tpot_ms_p99']:.1f} ms")
+        print(f"concurrency {r['concurrency']:3d}: {fmt(r['request_throughput'], '.2f')} req/s, "
+              f"{fmt(r['output_throughput'])} tok/s, TTFT p50 {fmt(r['ttft_ms_p50'], '.0f')} ms, "
+              f"TPOT p50 {fmt(r['tpot_ms_p50'])} ms")
     return rows
 
 

@@ -1,8 +1,9 @@
 """Throughput: N random-token prompts through the server vs transformers' generate.
 
-Both run greedy on the same checkpoint, dtype and thread count in one run; the
-server path is the whole product (ZeroMQ client -> coordinator -> Ray worker ->
-fused step), transformers is a static batch of the same prompts.
+Both run greedy on the same checkpoint, dtype and thread count in one run, prefill
+included; the server path is the whole product (ZeroMQ client -> coordinator -> Ray
+worker -> one forward and the sampler per launch), transformers is a static batch of the
+same prompts. Each figure is the median (min-max) of ``RUNS`` runs after a warm-up.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import checkpoint, machine
+from benchmarks.common import RUNS, checkpoint, fmt, machine, spread
 
 
 def prompts(n: int, input_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -25,24 +26,28 @@ def prompts(n: int, input_len: int, vocab: int, seed: int = 0) -> list[list[int]
 
 
 def transformers_generate(batch: list[list[int]], output_len: int, dtype: str, threads: int,
-                          model_dir: Path | None = None, device: str = "cpu") -> float:
-    """Output tokens/s of transformers' static-batch greedy generate (default: the benchmark model)."""
+                          model_dir: Path | None = None, device: str = "cpu",
+                          runs: int = RUNS) -> list[float]:
+    """Output tokens/s of ``runs`` transformers static-batch greedy ``generate`` calls (the
+    model loaded once; default: the benchmark model)."""
     from transformers import Qwen3ForCausalLM
 
     torch.set_num_threads(threads)
     model = Qwen3ForCausalLM.from_pretrained(model_dir or checkpoint(), dtype=getattr(torch, dtype))
     model = model.to(device).eval()
     ids = torch.tensor(batch, device=device)
+    figures = []
     with torch.no_grad():
         model.generate(ids[:, :8], max_new_tokens=2, do_sample=False)  # warm-up
-        t0 = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
-                             attention_mask=torch.ones_like(ids))
-        if ids.is_cuda:
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-    assert out.shape[1] == ids.shape[1] + output_len
-    return len(batch) * output_len / dt
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                                 attention_mask=torch.ones_like(ids))
+            if ids.is_cuda:
+                torch.cuda.synchronize()
+            figures.append(len(batch) * output_len / (time.perf_counter() - t0))
+            assert out.shape[1] == ids.shape[1] + output_len
+    return figures
 
 
 def server_generate(batch: list[list[int]], output_len: int, dtype: str, threads: int,
@@ -71,17 +76,20 @@ def server_generate(batch: list[list[int]], output_len: int, dtype: str, threads
             with Client(coord.address, timeout_s=600) as c:
                 return c.generate(p, max_tokens=output_len, ignore_eos=True)
 
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(len(batch)) as pool:
-            outs = list(pool.map(one, batch))
-        dt = time.perf_counter() - t0
+        rps, tps = [], []
+        for _ in range(RUNS):
+            coord.workers[0].scheduler.blocks.flush()  # every run prefills its prompts
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(len(batch)) as pool:
+                outs = list(pool.map(one, batch))
+            dt = time.perf_counter() - t0
+            rps.append(len(batch) / dt)
+            tps.append(sum(len(o["token_ids"]) for o in outs) / dt)
         with Client(coord.address) as c:
             stats = c.stats()
     finally:
         coord.shutdown()
-    tokens = sum(len(o["token_ids"]) for o in outs)
-    return {"requests_per_s": len(batch) / dt, "output_tokens_per_s": tokens / dt, "seconds": dt,
-            "stats": stats}
+    return {"requests_per_s": spread(rps), "output_tokens_per_s": spread(tps), "stats": stats}
 
 
 def run(n: int, input_len: int, output_len: int, dtype: str, threads: int) -> dict:
@@ -90,10 +98,10 @@ def run(n: int, input_len: int, output_len: int, dtype: str, threads: int) -> di
     vocab = _json.loads((checkpoint() / "config.json").read_text())["vocab_size"]
     batch = prompts(n, input_len, vocab)
     served = server_generate(batch, output_len, dtype, threads, max_batch=max(n, 1))
-    hf = transformers_generate(batch, output_len, dtype, threads)
+    hf = spread(transformers_generate(batch, output_len, dtype, threads))
     return {"machine": machine(), "n": n, "input_len": input_len, "output_len": output_len,
             "dtype": dtype, "threads": threads, "fusedserve": served, "transformers_tokens_per_s": hf,
-            "ratio": served["output_tokens_per_s"] / hf}
+            "ratio": served["output_tokens_per_s"]["median"] / hf["median"]}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -108,9 +116,10 @@ def main(argv: list[str] | None = None) -> dict:
     res = run(args.num_prompts, args.input_len, args.output_len, args.dtype, args.threads)
     s = res["fusedserve"]
     print(f"{res['machine']}")
-    print(f"fusedserve: {s['requests_per_s']:.2f} req/s, {s['output_tokens_per_s']:.1f} output tok/s")
-    print(f"transformers generate: {res['transformers_tokens_per_s']:.1f} output tok/s")
-    print(f"ratio: {res['ratio']:.2f}x")
+    print(f"fusedserve: {fmt(s['requests_per_s'], '.2f')} req/s, "
+          f"{fmt(s['output_tokens_per_s'])} output tok/s")
+    print(f"transformers generate: {fmt(res['transformers_tokens_per_s'])} output tok/s")
+    print(f"ratio of medians: {res['ratio']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2, default=str)

@@ -1,4 +1,4 @@
-"""The engine on a CUDA GPU: captured decode graphs under every issue-14 feature (device
+"""The engine on a CUDA GPU: captured decode graphs under every engine feature (device
 sampling of every kind, async scheduling fed from device ids, prefix caching, chunked
 prefill), the d2h contract, and the kernels against transformers. Skipped without a GPU;
 the same features are tested on the CPU everywhere else."""

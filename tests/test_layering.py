@@ -37,3 +37,38 @@ def test_lower_layers_do_not_import_upper_ones():
         if pkg in allowed:
             extra = deps - allowed[pkg] - {pkg}
             assert not extra, f"{module} imports {sorted(extra)}"
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """First-party module -> the first-party modules it imports (any level, TYPE_CHECKING too)."""
+    files = {p.relative_to(ROOT).with_suffix("").as_posix().replace("/", "."): p
+             for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    graph = {}
+    for mod, path in files.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            deps |= {n for n in names if n in files and n != mod}
+        graph[mod.removesuffix(".__init__")] = {d.removesuffix(".__init__") for d in deps}
+    return graph
+
+
+def test_no_import_circle():
+    graph = _module_graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(mod: str, path: list[str]) -> None:
+        state[mod] = 1
+        for dep in sorted(graph.get(mod, ())):
+            assert state.get(dep) != 1, "import circle: " + " -> ".join(path[path.index(dep):] + [dep]) \
+                if dep in path else f"import circle through {dep}"
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[mod] = 2
+
+    for mod in sorted(graph):
+        if mod not in state:
+            visit(mod, [mod])
+    assert len(graph) > 50, "the graph holds the modules (a check that cannot fail otherwise)"
