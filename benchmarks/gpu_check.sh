@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA checks in one run, for a machine with an NVIDIA GPU and an image that brings its
-# own torch and transformers: the GPU tests (graphs, device sampling, async scheduling, prefix
-# caching, chunked prefill, d2h counts, kernels vs transformers), then benchmarks.cuda_peers.
+# own torch and transformers: the GPU tests (graphs, the sampler without a host sync and inside
+# a captured graph, async scheduling, prefix caching, chunked prefill, d2h counts, kernels vs
+# transformers), then benchmarks.cuda_peers (every figure the median of 3 runs).
 # Usage: bash benchmarks/gpu_check.sh OUT_DIR [WHEEL_DIR]
 #   WHEEL_DIR: wheels of what the image lacks (pyzmq), installed into a scratch site dir.
 #   OUT_DIR/cuda_peers.json goes to benchmarks/results/ for benchmarks.report.
@@ -18,6 +19,6 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
   | tee -a "$out/gpu.txt"
-timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_graphs.py \
+timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_graphs.py \
   tests/test_quantization.py -k "cuda or aten" 2>&1 | tee "$out/tests.log"
-timeout 240 python3 -m benchmarks.cuda_peers --json "$out/cuda_peers.json" 2>&1 | tee "$out/bench.log"
+timeout 270 python3 -m benchmarks.cuda_peers --json "$out/cuda_peers.json" 2>&1 | tee "$out/bench.log"

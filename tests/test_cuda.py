@@ -10,6 +10,7 @@ import torch
 
 from coordinator.engine.llm_engine import LLMEngine, load_model
 from coordinator.sampling_params import SamplingParams
+from kernels.sampler import SamplingPlan, sample, token_logprobs
 from shared_memory.contract import RunnerConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -62,11 +63,10 @@ def test_graphed_engine_agrees_with_each_feature_switched(model_and_tokenizer, r
 
 def test_d2h_per_decode_step_is_ids_and_asked_logprobs(model_and_tokenizer):
     _, eng = _run(model_and_tokenizer)
-    decode = [r for r in eng.runtime.history if r.table == "decode"]
+    decode = [r for r in eng.runtime.history if r.kind == "decode"]
     assert decode
     for r in decode:
         nl, n = r.dims["NL"], r.dims["N"]
-        assert r.dims["NT"] == r.dims["NF"] == 0, "no candidates or logits rows leave the device"
         assert r.d2h_bytes == r.dims["B"] * 4 + nl * 4 + nl * n * 8
 
 
@@ -93,5 +93,66 @@ def test_cuda_logits_match_transformers(hf_checkpoints, name):
     rc = RunnerConfig(max_batch=2, block_size=4, num_blocks=32, top_k=8)
     with LLMEngine(model, runner=rc) as eng:
         eng.generate([ids[0, :11].tolist()], SamplingParams(max_tokens=1))
-        logits = eng.runner.outputs.logits[0].cpu()  # the prefill's last row
+        logits = eng.runner.logits[0].cpu()  # the prefill's last row
     torch.testing.assert_close(logits, ref[10], atol=2e-4, rtol=1e-4)
+
+
+PLANS = [SamplingPlan(), SamplingPlan(candidates=True),
+         SamplingPlan(candidates=True, full=True, wide_top_k=True, top_p=True, min_p=True)]
+
+
+def _sampler_inputs(b: int = 8, vocab: int = 4096):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(b, vocab, device="cuda", generator=g) * 3
+    params = torch.tensor([[0.0, 1.0, 0.0, 0], [0.8, 0.9, 0.0, 20], [1.0, 0.95, 0.0, 0], [0.7, 1.0, 0.05, 0],
+                           [1.2, 0.5, 0.0, 100], [0.9, 1.0, 0.0, 64], [1.0, 1.0, 0.0, 0], [0.5, 0.8, 0.1, 5]],
+                          device="cuda")[:b]
+    seeds = torch.stack([torch.arange(b), torch.full((b,), 3)], 1).cuda()
+    return logits, params, seeds
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=["greedy", "candidates", "everything"])
+def test_the_sampler_never_synchronizes_with_the_host(plan):
+    logits, params, seeds = _sampler_inputs()
+    out = torch.empty(8, dtype=torch.int32, device="cuda")
+    lp, ids, vals = (torch.empty(8, device="cuda"), torch.empty(8, 5, dtype=torch.int32, device="cuda"),
+                     torch.empty(8, 5, device="cuda"))
+    sample(logits, params, seeds, out, plan, 64)  # warm-up: first calls may load kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any device -> host read raises
+    try:
+        sample(logits, params, seeds, out, plan, 64)
+        token_logprobs(logits, out, lp, ids, vals)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(RuntimeError):  # the check can fail: a host read does
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            bool((logits > 0).any())
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+def test_the_sampler_is_captured_in_a_cuda_graph_and_replays_exactly():
+    logits, params, seeds = _sampler_inputs()
+    plan = PLANS[-1]
+    eager = torch.empty(8, dtype=torch.int32, device="cuda")
+    sample(logits, params, seeds, eager, plan, 64)
+    out = torch.empty(8, dtype=torch.int32, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        sample(logits, params, seeds, out, plan, 64)  # warm up on the side stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sample(logits, params, seeds, out, plan, 64)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    seeds[:, 1] += 1  # the next step: new inputs in place, the same graph
+    graph.replay()
+    sample(logits, params, seeds, eager, plan, 64)
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
