@@ -88,9 +88,10 @@ def table(res: dict) -> list[str]:
         lines.append("| fusedserve / transformers | " + " | ".join(
             f"{fs[b] / hf[b]:.2f}x" if b in fs and b in hf else "-" for b in batches) + " |")
     for graphs, step in res.get("steps", {}).items():
+        spread_rows = "step_ms_spread" in step["rows"][0]
+        spreads = "; ms/step: median (min-max) over the measured steps" if spread_rows else ""
         lines += ["", f"Decode step alone, graphs `{graphs}` (context {step['context']}; read bandwidth "
-                      f"{step['read_bw_gbps']:.0f} GB/s, copy {step['copy_bw_gbps']:.0f} GB/s; ms/step: "
-                      "median (min-max) over the measured steps):", "",
+                      f"{step['read_bw_gbps']:.0f} GB/s, copy {step['copy_bw_gbps']:.0f} GB/s{spreads}):", "",
                   "| batch | ms/step | tok/s | % of read bw | h2d B/step | d2h B/step "
                   "| anchor's logits d2h |",
                   "|---|---|---|---|---|---|---|"]

@@ -240,6 +240,9 @@ def cuda_section(t: list) -> list[str]:
              f"(bf16), {res['input_len']} in / {res['new_tokens']} out, greedy; fusedserve's `LLMEngine` "
              "(decode graphs, async scheduling, device sampling) and transformers' `generate` on the same GPU "
              "in the same run. Output tokens/s, prefill included:", ""]
+    if not any(isinstance(v, dict) for row in res["results"].values() for v in row.values()):
+        lines[-2] += (" (a run from before every figure was a median of several: one run each, and the code "
+                      "it measured has changed since; `gpu_check.sh` on a GPU machine refreshes it)")
     lines += cuda_peers.table(res)
     fs = cuda_peers.medians(res["results"].get("fusedserve-bf16", {}))
     hf = cuda_peers.medians(res["results"].get("transformers-bf16", {}))

@@ -29,34 +29,57 @@ RC = RunnerConfig(max_batch=8, block_size=8, num_blocks=200, top_k=16)  # no pre
 PROMPTS = [f"stream {i}: once upon a time" for i in range(20)]
 
 
-def test_scale_1_to_2_to_1_while_20_requests_stream(ray_session):
-    params = [{"max_tokens": 40, "ignore_eos": True} if i % 2 else
-              {"max_tokens": 40, "temperature": 0.8, "top_k": 8, "seed": i, "ignore_eos": True}
-              for i in range(20)]
+def _params(n: int, max_tokens: int, sampled: dict) -> list[dict]:
+    """Greedy and seeded-sampled requests, alternating."""
+    return [{"max_tokens": max_tokens, "ignore_eos": True} if i % 2 else
+            {"max_tokens": max_tokens, "seed": i, "ignore_eos": True, **sampled} for i in range(n)]
+
+
+def _offline(params: list[dict]) -> list[list[int]]:
+    """Each request's tokens from the offline engine, alone."""
     with LLMEngine("default", dtype="float32", runner=RC) as eng:
-        want = [eng.generate([p], SamplingParams(**kw))[0].token_ids for p, kw in zip(PROMPTS, params)]
-    coord = Server(ServerConfig(workers=1, device="cpu", port=0, runner=RC, dtype="float32"))
+        return [eng.generate([p], SamplingParams(**kw))[0].token_ids for p, kw in zip(PROMPTS, params)]
+
+
+def _server(workers: int) -> Server:
+    coord = Server(ServerConfig(workers=workers, device="cpu", port=0, runner=RC, dtype="float32"))
     coord.start()
     coord.serve_in_thread()
+    return coord
+
+
+def _streams(address: str, params: list[dict], results: dict[int, list[int]], progressed: threading.Semaphore,
+             after: int) -> list[threading.Thread]:
+    """One streaming client a request (``PROMPTS[i]`` with ``params[i]``), started; each releases
+    ``progressed`` once it has ``after`` tokens and adds its tokens to ``results[i]`` at the end
+    (twice if it finished twice)."""
+    def one(i: int) -> None:
+        with Client(address, timeout_s=600) as c:
+            got = []
+            for f in c.stream(PROMPTS[i], **params[i]):
+                if f["type"] == "token":
+                    got.append(f["token"])
+                    if len(got) == after:
+                        progressed.release()
+                else:
+                    assert f["token_ids"] == got
+            results.setdefault(i, []).extend(got)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(params))]
+    for t in threads:
+        t.start()
+    return threads
+
+
+
+def test_scale_1_to_2_to_1_while_20_requests_stream(ray_session):
+    params = _params(20, 40, {"temperature": 0.8, "top_k": 8})
+    want = _offline(params)
+    coord = _server(workers=1)
     try:
         results: dict[int, list[int]] = {}
         first_tokens = threading.Semaphore(0)
-
-        def one(i: int) -> None:
-            with Client(coord.address, timeout_s=300) as c:
-                got = []
-                for f in c.stream(PROMPTS[i], **params[i]):
-                    if f["type"] == "token":
-                        got.append(f["token"])
-                        if len(got) == 1:
-                            first_tokens.release()
-                    else:
-                        assert f["token_ids"] == got
-                results[i] = got
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(20)]
-        for t in threads:
-            t.start()
+        threads = _streams(coord.address, params, results, first_tokens, after=1)
         first_tokens.acquire(timeout=120)
         with Client(coord.address) as c:
             assert c.scale(2)["starting"] == 1
@@ -80,33 +103,13 @@ def test_draining_a_worker_that_holds_running_requests_drops_none(ray_session):
     """Scale 2 -> 1 while both workers decode: the drained worker finishes what runs there, its
     queue moves, every stream ends exactly once with the offline engine's tokens."""
     n = 12
-    params = [{"max_tokens": 300, "ignore_eos": True} if i % 2 else
-              {"max_tokens": 300, "temperature": 0.8, "top_p": 0.9, "seed": i, "ignore_eos": True}
-              for i in range(n)]
-    with LLMEngine("default", dtype="float32", runner=RC) as eng:
-        want = [eng.generate([p], SamplingParams(**kw))[0].token_ids for p, kw in zip(PROMPTS, params)]
-    coord = Server(ServerConfig(workers=2, device="cpu", port=0, runner=RC, dtype="float32"))
-    coord.start()
-    coord.serve_in_thread()
+    params = _params(n, 300, {"temperature": 0.8, "top_p": 0.9})
+    want = _offline(params)
+    coord = _server(workers=2)
     try:
         results: dict[int, list[int]] = {}
         started = threading.Semaphore(0)
-
-        def one(i: int) -> None:
-            with Client(coord.address, timeout_s=600) as c:
-                got = []
-                for f in c.stream(PROMPTS[i], **params[i]):
-                    if f["type"] == "token":
-                        got.append(f["token"])
-                        if len(got) == 2:
-                            started.release()
-                    else:
-                        assert f["token_ids"] == got
-                results.setdefault(i, []).extend(got)
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
+        threads = _streams(coord.address, params, results, started, after=2)
         for _ in range(n):
             assert started.acquire(timeout=120), "every stream is decoding before the drain"
         with Client(coord.address) as c:
