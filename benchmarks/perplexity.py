@@ -1,14 +1,14 @@
-"""Held-out perplexity of the embedded default model in fp32, bf16 and int8 weight-only,
-computed by fusedserve's own engine and kernels.
+"""Held-out perplexity of the embedded default model in fp32, bf16, int8 and int4, computed by
+fusedserve's own engine and kernels.
 
     python -m benchmarks.perplexity
 
 The held-out text ships with the model (``kernels/model/default_model/heldout.txt``: documents
 of its corpus it was not trained on). Each window of 256 predictions is one request through
 ``LLMEngine`` asking for its prompt logprobs (``SamplingParams.prompt_logprobs``): the same
-scheduler, launch contract, native kernels and int8 weights as serving. int8 is the engine's
-weight-only int8 (``--quantization int8``): every projection and the lm_head, per output
-channel.
+scheduler, launch contract, native kernels and quantized weights as serving: int8 per output
+channel (``--quantization int8``), int4 in groups of 32 with the lm_head int8 (``--quantization
+int4``), both multiplied with int8 activations quantized per token.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from shared_memory.contract import RunnerConfig
 
 WINDOW = 256
 SETTINGS = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
-            "int8": {"dtype": "bfloat16", "quantization": "int8"}}
+            "int8": {"dtype": "bfloat16", "quantization": "int8"},
+            "int4": {"dtype": "bfloat16", "quantization": "int4"}}
 
 
 def engine_perplexity(eng: LLMEngine, ids: list[int], window: int = WINDOW) -> float:
@@ -53,8 +54,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     r = run(args.max_tokens)
     print(f"held-out perplexity over {r['tokens']} tokens (fusedserve engine): fp32 {r['fp32']:.3f}, "
-          f"bf16 {r['bf16']:.3f}, int8 weight-only {r['int8']:.3f} "
-          f"({100 * (r['int8'] / r['bf16'] - 1):+.2f}% vs bf16)")
+          f"bf16 {r['bf16']:.3f}, int8 {r['int8']:.3f} ({100 * (r['int8'] / r['bf16'] - 1):+.2f}% vs bf16), "
+          f"int4 {r['int4']:.3f} ({100 * (r['int4'] / r['bf16'] - 1):+.2f}%)")
     return r
 
 

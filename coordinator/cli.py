@@ -240,8 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dtype", default=None,
                        help="float32, bfloat16, float16, or auto (the fastest here for the checkpoint; "
                        "default: the checkpoint's)")
-        p.add_argument("--quantization", default=None, choices=["none", "int8"],
-                       help="int8: weight-only, per-channel symmetric, quantized at load")
+        p.add_argument("--quantization", default=None, choices=["none", "int8", "int8-weight-only", "int4"],
+                       help="quantized at load: int8 per channel, int4 in groups of 32 (lm_head int8); "
+                       "on the CPU both multiply with int8 activations (per token); int8-weight-only "
+                       "keeps the activations 16-bit")
         p.add_argument("--max-model-len", type=int, default=1024)
         p.add_argument("--max-batch", type=int, default=16)
         p.add_argument("--block-size", type=int, default=16)

@@ -44,7 +44,9 @@ class Kernels:
         return TorchAttention(scratch, scale)
 
 
-def select_kernels(config: Qwen3Config, dtype: torch.dtype, device: torch.device) -> Kernels:
+def select_kernels(config: Qwen3Config, dtype: torch.dtype, device: torch.device,
+                   int8_activations: bool = True) -> Kernels:
+    """``int8_activations``: int8 weights multiply with int8 activations where the build can."""
     native = native_build.kernels() if device.type == "cpu" else None
     c = config
     if native is not None:
@@ -52,4 +54,4 @@ def select_kernels(config: Qwen3Config, dtype: torch.dtype, device: torch.device
     else:
         norms = TorchNorms(c.rms_norm_eps, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
                            c.head_dim, device)
-    return Kernels(config, dtype, device, LinearOp(device, native, dtype), norms, native)
+    return Kernels(config, dtype, device, LinearOp(device, native, dtype, int8_activations), norms, native)

@@ -15,7 +15,7 @@ from types import ModuleType
 
 import torch
 
-from kernels.quantize import quantize_int8
+from kernels.quantize import INT4_GROUP, quantize_int4, quantize_int8
 
 log = logging.getLogger(__name__)
 
@@ -44,22 +44,74 @@ class Int8Weight:
 
 
 @dataclass
+class Int4Weight:
+    """``w ~= (u - 8) * d`` per group of 32 inputs (``kernels/quantize.py``), before packing."""
+
+    u: torch.Tensor  # [out, G * 32] uint8 in [0, 15]
+    d: torch.Tensor  # [out, G] float16
+    in_features: int
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, device: torch.device) -> Int4Weight:
+        u, d = quantize_int4(w)
+        return cls(u.to(device), d.to(device), w.shape[1])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.u.shape[0], self.in_features)
+
+
+@dataclass
 class PackedWeight:
-    """A bf16 or int8 weight in the native GEMM's layout ``[ceil(out/16), in/2, 16, 2]`` (one
-    64-byte vector = 16 output channels x one pair of inputs), packed once at load."""
+    """A weight in a native packed GEMM's layout, packed once at load:
+
+    - ``pairs`` (AVX-512 BF16): bf16 or int8 as ``[ceil(out/16), in/2, 16, 2]``, one 64-byte
+      vector = 16 output channels x one pair of inputs (``vdpbf16ps``);
+    - ``fma`` (AVX2, AVX-512 without BF16): bf16 or fp16 as ``[ceil(out/VL), in, VL]``, one
+      vector = VL output channels of one input, converted to fp32 once per row tile.
+    """
 
     packed: torch.Tensor
     scale: torch.Tensor | None  # [out] float32 for int8
     out_features: int
     in_features: int
+    layout: str = "pairs"
+    wsum: torch.Tensor | None = None  # w8a8: [out] int32, each row's sum of int8 weights
 
     @classmethod
     def pack(cls, w: Weight) -> PackedWeight:
         q, scale = (w.q, w.scale) if isinstance(w, Int8Weight) else (w, None)
         n, k = q.shape
-        if n % 16:
-            q = torch.cat([q, q.new_zeros(16 - n % 16, k)])
-        return cls(q.view(-1, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous(), scale, n, k)
+        return cls(_pad_rows(q, 16).view(-1, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous(), scale, n, k)
+
+    @classmethod
+    def pack_w8a8(cls, w: Int8Weight, lanes: int) -> PackedWeight:
+        """``w8a8`` (int8 activations): int8 as ``[ceil(out/VI), ceil(in/4), VI, 4]``, one vector =
+        VI output channels x 4 consecutive inputs, inputs padded with zeros to a multiple of 4."""
+        q = w.q
+        n, k = q.shape
+        if k % 4:
+            q = torch.cat([q, q.new_zeros(n, 4 - k % 4)], 1)
+        packed = _pad_rows(q, lanes).view(-1, lanes, q.shape[1] // 4, 4).permute(0, 2, 1, 3).contiguous()
+        return cls(packed, w.scale, n, k, "w8a8", w.q.sum(1, dtype=torch.int32))
+
+    @classmethod
+    def pack_w4a8(cls, w: Int4Weight, lanes: int) -> PackedWeight:
+        """``w4a8`` (int8 activations): ``[ceil(out/VI), G, 4, VI, 4]`` bytes, block b of a group
+        holding inputs 8b..8b+3 in low and 8b+4..8b+7 in high nibbles; fp16 scales
+        ``[ceil(out/VI), G, VI]`` in ``scale``."""
+        n = w.u.shape[0]
+        # [vectors, lanes, groups, block, half (low/high nibble), 4 inputs]
+        u = _pad_rows(w.u, lanes).view(-1, lanes, w.u.shape[1] // INT4_GROUP, 4, 2, 4)
+        nibbles = u[:, :, :, :, 0, :] | (u[:, :, :, :, 1, :] << 4)
+        packed = nibbles.permute(0, 2, 3, 1, 4).contiguous()
+        d = _pad_rows(w.d, lanes).view(-1, lanes, w.d.shape[1]).permute(0, 2, 1).contiguous()
+        return cls(packed, d, n, w.in_features, "w4a8")
+
+    @classmethod
+    def pack_fma(cls, w: torch.Tensor, lanes: int) -> PackedWeight:
+        n, k = w.shape
+        return cls(_pad_rows(w, lanes).view(-1, lanes, k).permute(0, 2, 1).contiguous(), None, n, k, "fma")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -74,31 +126,60 @@ class PackedWeight:
         return self.packed.nbytes + (0 if self.scale is None else self.scale.nbytes)
 
 
-Weight = torch.Tensor | Int8Weight | PackedWeight
+Weight = torch.Tensor | Int8Weight | Int4Weight | PackedWeight
+
+
+def _pad_rows(w: torch.Tensor, multiple: int) -> torch.Tensor:
+    n = w.shape[0]
+    return w if n % multiple == 0 else torch.cat([w, w.new_zeros(multiple - n % multiple, w.shape[1])])
 
 
 class LinearOp:
     """``out = x @ w.T`` for whichever kind of weight, through the kernel this device has."""
 
-    def __init__(self, device: torch.device, native: ModuleType | None, act_dtype: torch.dtype):
+    def __init__(self, device: torch.device, native: ModuleType | None, act_dtype: torch.dtype,
+                 int8_activations: bool = True):
         self.device = device
         self.native = native if device.type == "cpu" else None
-        # The packed GEMM: AVX-512 BF16 builds, bf16 activations.
+        # int8 weights with int8 activations (per-token scales, integer dot products), where the
+        # native build has a vector unit; else (or asked) weight-only: widened to 16/32 bits.
+        self.int8_lanes = self.native.int8_lanes() if self.native is not None and int8_activations else 0
+        self.int4 = self.native is not None and self.native.int4_lanes() > 0  # W4A8 runs here
+        # The packed GEMMs: bf16 pairs on AVX-512 BF16 builds (bf16 activations); fp32 FMA over
+        # converted 16-bit weights on the other vector builds.
         self.packs = self.native is not None and self.native.has_packed() and act_dtype == torch.bfloat16
+        self.lanes = self.native.vector_lanes() if self.native is not None else 1
         # Probed once, before any graph capture could hit a missing op: ATen's int8 matmul, or
         # dequantizing per call where this build lacks it for the device and dtype.
         self.int8_op = "native" if self.native is not None else _probe_int8(device, act_dtype)
 
     def prepare(self, w: Weight) -> Weight:
-        """The weight in the layout its kernel reads (packed where the packed GEMM runs it)."""
+        """The weight in the layout its kernel reads (packed where a packed GEMM runs it)."""
+        if isinstance(w, Int8Weight) and self.int8_lanes:
+            return PackedWeight.pack_w8a8(w, self.int8_lanes)
+        if isinstance(w, Int4Weight):
+            return PackedWeight.pack_w4a8(w, self.native.int4_lanes())
         if self.packs and w.shape[1] % 2 == 0 and (isinstance(w, Int8Weight) or w.dtype == torch.bfloat16):
             return PackedWeight.pack(w)
+        if self._fma(w):
+            return PackedWeight.pack_fma(w, self.lanes)
         return w
+
+    def _fma(self, w: Weight) -> bool:
+        return (self.lanes > 1 and not self.packs and isinstance(w, torch.Tensor)
+                and w.dtype in (torch.bfloat16, torch.float16))
 
     def describe(self, weight_dtype: torch.dtype | str) -> str:
         """Which kernel runs a weight of this kind (stats and the startup log)."""
+        if self.native is not None and weight_dtype == "int8" and self.int8_lanes:
+            return f"native-{self.native.isa()}-w8a8"
+        weight_dtype = "int8" if weight_dtype == "int8-wo" else weight_dtype
+        if weight_dtype == "int4":
+            return f"native-{self.native.isa()}-w4a8 (lm_head w8a8)"
         if self.native is not None and weight_dtype != torch.float32:
             packed = "-packed" if self.packs and weight_dtype in ("int8", torch.bfloat16) else ""
+            if self.lanes > 1 and not self.packs and weight_dtype in (torch.bfloat16, torch.float16):
+                packed = "-packed-fma"
             return f"native-{self.native.isa()}{packed}"
         if weight_dtype == "int8":
             return {"int8pack": "aten-int8pack", "npu": "npu-weight-quant"}.get(self.int8_op, "dequantize")
@@ -106,7 +187,14 @@ class LinearOp:
 
     def __call__(self, x: torch.Tensor, w: Weight, out: torch.Tensor) -> torch.Tensor:
         if isinstance(w, PackedWeight):
-            self.native.linear_packed(x, w.packed, w.scale, out)
+            if w.layout == "fma":
+                self.native.linear_fma(x, w.packed, out)
+            elif w.layout == "w8a8":
+                self.native.linear_w8a8(x, w.packed, w.scale, w.wsum, out)
+            elif w.layout == "w4a8":
+                self.native.linear_w4a8(x, w.packed, w.scale, out)
+            else:
+                self.native.linear_packed(x, w.packed, w.scale, out)
             return out
         if isinstance(w, Int8Weight):
             return self._int8(x, w, out)

@@ -31,9 +31,10 @@ CSRC = Path(__file__).parent / "csrc"
 
 # What each build needs from /proc/cpuinfo's flags, and the compiler flags it gets.
 ISA_FLAGS: dict[str, tuple[set[str], list[str]]] = {
-    "avx512bf16": ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma", "f16c"},
-                   ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
-                    "-mf16c"]),
+    "avx512bf16": ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni", "fma",
+                    "f16c"},
+                   ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni",
+                    "-mfma", "-mf16c"]),
     "avx512": ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"},
                ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]),
     "avx2": ({"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"]),

@@ -69,8 +69,14 @@ def test_batched_decode_equals_each_alone(hf_checkpoints):
 
 
 def test_decode_step_allocates_nothing_after_warmup(hf_checkpoints):
-    for dtype in ("float32", "bfloat16"):
-        model = Qwen3Model.from_pretrained(hf_checkpoints["gqa2_untied"], dtype=dtype)
+    from kernels import native
+
+    kinds = [("float32", None), ("bfloat16", None), ("bfloat16", "int8")]
+    if native.kernels() is not None:
+        kinds.append(("bfloat16", "int4"))  # int4 runs on the native kernels only
+    for dtype, quantization in kinds:
+        model = Qwen3Model.from_pretrained(hf_checkpoints["gqa2_untied"], dtype=dtype,
+                                           quantization=quantization)
         bs = 4
         kv = model.new_kv_cache(16, bs)
         ws = model.new_workspace(4, bs)
@@ -82,7 +88,7 @@ def test_decode_step_allocates_nothing_after_warmup(hf_checkpoints):
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             model.forward(batch, kv, ws, out[:2])
         allocs = [(e.name, e.cpu_memory_usage) for e in prof.events() if e.cpu_memory_usage > 0]
-        assert allocs == [], f"{dtype}: a decode forward allocated {allocs[:10]}"
+        assert allocs == [], f"{dtype} {quantization}: a decode forward allocated {allocs[:10]}"
         # The profiler sees allocations at all (guards against a check that cannot fail).
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             torch.empty(1000)

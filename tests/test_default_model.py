@@ -69,4 +69,8 @@ def test_held_out_perplexity_fp32_bf16_int8():
     assert r["tokens"] == 4096
     assert r["fp32"] < 100, "trained: random weights sit near the vocabulary size (4096)"
     assert abs(r["bf16"] / r["fp32"] - 1) < 0.02
-    assert abs(r["int8"] / r["bf16"] - 1) < 0.02, "int8 weight-only within 2% of bf16"
+    assert abs(r["int8"] / r["bf16"] - 1) < 0.02, "int8 within 2% of bf16"
+    # Group-wise 4-bit weights (llama.cpp's Q4_0 scheme) cost a few percent of perplexity on
+    # LLaMA-class models; here 0.2%. A 3% bound leaves room across ISAs and still fails a broken
+    # kernel (random weights sit near the vocabulary size, 4096).
+    assert abs(r["int4"] / r["bf16"] - 1) < 0.03, "int4 within 3% of bf16"

@@ -18,14 +18,16 @@ from kernels.quantize import quantize_int8
 
 
 def _isas() -> list[str]:
-    """The CPU's best build, and AVX2 too where the CPU has more (both paths get tested)."""
+    """The CPU's best build, and every lower vector build it runs (AVX-512 without BF16, AVX2):
+    each path gets tested where the CPU can run it."""
     try:
         best = native.chosen_isa()
     except native.NativeUnavailable:
         return []
     isas = [best]
-    if best != "avx2" and native.ISA_FLAGS["avx2"][0] <= native.cpu_flags():
-        isas.append("avx2")
+    for lower in ("avx512", "avx2"):
+        if best != lower and lower in native.ISA_FLAGS and native.ISA_FLAGS[lower][0] <= native.cpu_flags():
+            isas.append(lower)
     return isas
 
 
@@ -266,3 +268,107 @@ def test_a_build_error_with_a_compiler_present_fails_instead_of_skipping(tmp_pat
         assert any(r.levelname == "ERROR" and "compiler present" in r.message for r in caplog.records)
     finally:
         native.kernels.cache_clear()
+
+
+SHAPES = [(1, 64, 8), (5, 100, 13), (17, 258, 37), (4, 31, 4), (3, 7, 20), (13, 96, 33)]  # tails everywhere
+
+
+def _rows_alone(kernel, weights: tuple, x: torch.Tensor, n: int) -> torch.Tensor:
+    """``kernel(row, *weights, out)`` on each row of ``x`` alone, stacked: what a batch-invariant
+    kernel gives for the whole batch."""
+    outs = []
+    for i in range(x.shape[0]):
+        o = torch.empty(1, n, dtype=torch.float32)
+        kernel(x[i : i + 1], *weights, o)
+        outs.append(o)
+    return torch.cat(outs)
+
+
+def _quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row int8 activations as the kernels make them (x times 1/scale, round half even)."""
+    xf = x.float()
+    amax = xf.abs().amax(1, keepdim=True)
+    sx = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    return torch.clamp(torch.round(xf * (1 / sx)), -127, 127).double(), sx.double()
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16])
+def test_packed_fma_gemm_matches_float64_and_the_batch(isa, wdtype):
+    from kernels.linear import PackedWeight
+
+    m = _module(isa)
+    if m.vector_lanes() == 1:
+        pytest.skip("the scalar build has no packed FMA GEMM")
+    g = torch.Generator().manual_seed(5)
+    for rows, k, n in SHAPES:
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        w = (torch.randn(n, k, generator=g) * 0.1).to(wdtype)
+        packed = PackedWeight.pack_fma(w, m.vector_lanes()).packed
+        out = torch.empty(rows, n)
+        m.linear_fma(x, packed, out)
+        ref = x.double() @ w.double().t()
+        assert (out.double() - ref).abs().max().item() <= 1e-5 * k, (isa, rows, k, n)
+        assert torch.equal(out, _rows_alone(m.linear_fma, (packed,), x, n)), (isa, rows, k, n)
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS)
+def test_w8a8_gemm_is_the_exact_integer_product_whatever_the_batch(isa):
+    from kernels.linear import Int8Weight, PackedWeight
+
+    m = _module(isa)
+    if not m.int8_lanes():
+        pytest.skip("the scalar build has no int8 GEMM")
+    g = torch.Generator().manual_seed(6)
+    for rows, k, n in SHAPES:
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        iw = Int8Weight.quantize(torch.randn(n, k, generator=g) * 0.1, torch.bfloat16, torch.device("cpu"))
+        p = PackedWeight.pack_w8a8(iw, m.int8_lanes())
+        out = torch.empty(rows, n)
+        m.linear_w8a8(x, p.packed, p.scale, p.wsum, out)
+        xq, sx = _quantized_rows(x)
+        ref = (xq @ iw.q.double().t()) * sx * iw.scale.double()  # integer sums: exact in float64
+        torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6)
+        assert torch.equal(out, _rows_alone(m.linear_w8a8, (p.packed, p.scale, p.wsum), x, n))
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS)
+def test_w4a8_gemm_matches_the_dequantized_weights_whatever_the_batch(isa):
+    from kernels.linear import Int4Weight, PackedWeight
+    from kernels.quantize import dequantize_int4
+
+    m = _module(isa)
+    if not m.int4_lanes():
+        pytest.skip("the scalar build has no int4 GEMM")
+    g = torch.Generator().manual_seed(7)
+    for rows, k, n in SHAPES:
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        iw = Int4Weight.quantize(torch.randn(n, k, generator=g) * 0.1, torch.device("cpu"))
+        p = PackedWeight.pack_w4a8(iw, m.int4_lanes())
+        out = torch.empty(rows, n)
+        m.linear_w4a8(x, p.packed, p.scale, out)
+        xq, sx = _quantized_rows(x)
+        ref = (xq @ dequantize_int4(iw.u, iw.d, k, torch.float64).t()) * sx
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(out, _rows_alone(m.linear_w4a8, (p.packed, p.scale), x, n))
+
+
+def test_int4_quantization_keeps_each_groups_extreme_and_16_levels():
+    from kernels.quantize import dequantize_int4, quantize_int4
+
+    w = torch.randn(6, 70) * torch.logspace(-3, 1, 6)[:, None]  # rows of very different ranges; a tail group
+    u, d = quantize_int4(w)
+    assert u.shape == (6, 96) and d.shape == (6, 3) and int(u.max()) <= 15
+    back = dequantize_int4(u, d, 70, torch.float32)
+    groups = torch.nn.functional.pad(w, (0, 26)).view(6, 3, 32)
+    extreme = groups.gather(2, groups.abs().argmax(2, keepdim=True)).squeeze(2)
+    assert torch.allclose(back.view(6, -1)[:, :64].reshape(6, 2, 32).gather(
+        2, groups[:, :2].abs().argmax(2, keepdim=True)).squeeze(2), extreme[:, :2], rtol=1e-3)
+    assert int(u.min()) == 0, "each group's extreme is level 0 (-8): all 16 levels in use"
+    step = d.float().abs().repeat_interleave(32, 1)[:, :70]
+    err = (back - w).abs()
+    # Half a step, but for values at +|extreme| (clamped from 8 to 7): one step.
+    assert bool((err <= step / 2 + 1e-6).float().mean() > 0.95) and bool((err <= step + 1e-6).all())

@@ -36,7 +36,10 @@ def _last_logits(model: Qwen3Model, prompts: list[list[int]]) -> torch.Tensor:
     return logits
 
 
-def test_int8_next_token_logits_agree_with_transformers_fp32():
+def test_quantized_next_token_logits_agree_with_transformers_fp32():
+    """Through fusedserve's kernels on the trained model, 50 positions: int8 and int4 with int8
+    activations, and int8 weight-only, against transformers in fp32. int4's logit error bound is
+    looser (a 4-bit step is 16x an 8-bit one; measured 0.76 here)."""
     from transformers import Qwen3ForCausalLM
 
     text = (TRAINED_DIR / "heldout.txt").read_text()[:4000]
@@ -44,18 +47,21 @@ def test_int8_next_token_logits_agree_with_transformers_fp32():
     hf = Qwen3ForCausalLM.from_pretrained(TRAINED_DIR, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0]
-    ends = list(range(24, len(ids) + 1, 24))
+    ends = list(range(8, len(ids) + 1, 8))
     ref = want[[e - 1 for e in ends]]
     report = {}
-    for name, kw in {"bf16": {}, "int8": {"quantization": "int8"}}.items():
-        model = Qwen3Model.from_pretrained(TRAINED_DIR, dtype="bfloat16", **kw)
+    for name in ("none", "int8-weight-only", "int8", "int4"):
+        model = Qwen3Model.from_pretrained(TRAINED_DIR, dtype="bfloat16", quantization=name)
         got = _last_logits(model, [ids[:e] for e in ends])
         report[name] = ((got.argmax(-1) == ref.argmax(-1)).float().mean().item(),
                         (got - ref).abs().max().item())
     print("vs transformers fp32 (top-1 agreement, max |logit error|):", report)
-    agree, err = report["int8"]
-    assert agree >= 0.95 and err < 0.5, report
-    assert err < 2.5 * report["bf16"][1] + 0.1, "int8 error stays of the order of bf16 rounding"
+    bf16 = report["none"][1]
+    for name, bound in (("int8-weight-only", 0.5), ("int8", 0.5), ("int4", 1.0)):
+        agree, err = report[name]
+        assert agree >= 0.95 and err < bound, (name, report)
+    assert report["int8-weight-only"][1] < 2.5 * bf16 + 0.1, "int8 weights alone err of the order of bf16"
+    assert report["int8"][1] < 4 * bf16 + 0.1, "int8 activations add an error of the same order"
 
 
 def test_int8_model_stores_int8_projections_and_says_so(hf_checkpoints):
@@ -71,7 +77,7 @@ def test_int8_model_stores_int8_projections_and_says_so(hf_checkpoints):
     info = m8.kernel_info()
     assert info["quantization"] == "int8" and info["dtype"] == "bfloat16"
     with pytest.raises(ValueError, match="quantization"):
-        Qwen3Model.from_pretrained(hf_checkpoints["gqa4_tied"], quantization="int4")
+        Qwen3Model.from_pretrained(hf_checkpoints["gqa4_tied"], quantization="int3")
 
 
 def test_auto_dtype_follows_the_documented_rule(monkeypatch):
@@ -108,7 +114,7 @@ def _decode_all(model, prompts, steps, bs=4):
 
 
 @needs_native
-@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int8-weight-only", "int4"])
 def test_bf16_decode_rows_are_bit_identical_alone_and_batched(hf_checkpoints, quantization):
     model = Qwen3Model.from_pretrained(hf_checkpoints["gqa2_untied"], dtype="bfloat16",
                                        quantization=quantization)
@@ -123,9 +129,9 @@ PROMPTS = [f"prompt {i}: the capital of France is" for i in range(5)] + ["Hello"
 
 
 @needs_native
-@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 def test_served_bf16_equals_offline_alone(ray_session, quantization):
-    """Served with strangers in bf16 (and int8), each request equals the offline run of it alone."""
+    """Served with strangers in bf16 (int8, int4), each request equals the offline run of it alone."""
     from coordinator.server.server import Server  # Ray: imported here so GPU images without it run the rest
 
     params = {"max_tokens": 10, "ignore_eos": True}
@@ -152,7 +158,7 @@ def test_served_bf16_equals_offline_alone(ray_session, quantization):
 
 def test_server_refuses_an_unknown_quantization():
     with pytest.raises(ValueError, match="quantization must be"):
-        ServerConfig(quantization="int4").check()
+        ServerConfig(quantization="int3").check()
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

@@ -29,7 +29,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 5557
     dtype: str | None = None
-    quantization: str | None = None  # "int8": weight-only, quantized by each worker at load
+    # "int8" (per channel) or "int4" (groups of 32), quantized by each worker at load; the native
+    # CPU kernels multiply them with int8 activations ("int8-weight-only": 16-bit activations).
+    quantization: str | None = None
     max_model_len: int | None = 1024
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     cpus_per_worker: int = 1
@@ -48,8 +50,9 @@ class ServerConfig:
     def check(self) -> None:
         """Refuse, before anything starts, a configuration that cannot be served safely."""
         self.runner.check()
-        if self.quantization not in (None, "none", "int8"):
-            raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
+        if self.quantization not in (None, "none", "int8", "int8-weight-only", "int4"):
+            raise ValueError("quantization must be none, int8, int8-weight-only or int4, "
+                             f"got {self.quantization!r}")
         if self.transport not in ("auto", "serial"):
             raise ValueError(f"transport must be auto or serial, got {self.transport!r}")
         if self.auth_token is not None and len(self.auth_token) < MIN_TOKEN_CHARS:

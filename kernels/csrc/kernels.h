@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace fusedserve {
@@ -26,6 +27,7 @@ constexpr int MAX_HEAD_DIM = 512;
 // ----------------------------------------------------------------- vector layer
 
 #if defined(__AVX512F__)
+#define FS_VL 16
 constexpr int VL = 16;
 using vf = __m512;
 inline vf vzero() { return _mm512_setzero_ps(); }
@@ -49,6 +51,7 @@ inline vf _max(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline vf _sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 inline vf _add(vf a, vf b) { return _mm512_add_ps(a, b); }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define FS_VL 8
 constexpr int VL = 8;
 using vf = __m256;
 inline vf vzero() { return _mm256_setzero_ps(); }
@@ -75,6 +78,7 @@ inline float vsum(vf a) {
   return _mm_cvtss_f32(s);
 }
 #else
+#define FS_VL 1
 constexpr int VL = 1;
 using vf = float;
 inline vf vzero() { return 0.f; }
@@ -98,12 +102,27 @@ inline float to_f(f16 v) { return static_cast<float>(v); }
 inline float to_f(int8_t v) { return static_cast<float>(v); }
 
 // linear.cpp
+const float* as_f32(const at::Tensor& x, std::vector<float>& buf);  // rows as fp32 (a reused scratch)
 void linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale, at::Tensor out);
 bool has_packed();
 #if defined(__AVX512BF16__)
 void linear_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,
                    at::Tensor out);
 #endif
+
+// linear_fma.cpp
+int64_t vector_lanes();
+void linear_fma(const at::Tensor& x, const at::Tensor& packed, at::Tensor out);
+
+// linear_int8.cpp
+int64_t int8_lanes();
+bool int8_offset();
+void linear_w8a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sw, const at::Tensor& wsum,
+                 at::Tensor out);
+
+// linear_int4.cpp
+int64_t int4_lanes();
+void linear_w4a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, at::Tensor out);
 
 // attention.cpp
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

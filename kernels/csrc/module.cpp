@@ -28,6 +28,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_packed", &linear_packed, "out = x @ W.T, W packed [N/16, K/2, 16, 2] (bf16 or int8 + scales)",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("out"));
 #endif
+  m.def("vector_lanes", &vector_lanes, "fp32 lanes of this build's vectors (the FMA pack's width)");
+  m.def("linear_fma", &linear_fma, "out = x @ W.T, W packed [N/VL, K, VL] (bf16, fp16 or fp32), fp32 FMA",
+        py::arg("x"), py::arg("packed"), py::arg("out"));
+  m.def("int8_lanes", &int8_lanes, "int32 lanes of the W8A8 pack (0: no vector unit)");
+  m.def("int8_offset", &int8_offset, "whether W8A8 stores activations + 128 (VNNI)");
+  m.def("linear_w8a8", &linear_w8a8, "out = quantize(x) @ W.T, W int8 packed [N/VI, K/4, VI, 4], int32 sums",
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("wsum"), py::arg("out"));
+  m.def("int4_lanes", &int4_lanes, "int32 lanes of the W4A8 pack (0: no vector unit)");
+  m.def("linear_w4a8", &linear_w4a8, "out = quantize(x) @ W.T, W 4-bit in groups of 32, fp16 group scales",
+        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("out"));
   m.def("linear", &linear, "out = x @ w.T (x scale for int8 w), fp32 accumulation",
         py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("out"));
   m.def("decode_attention", &decode_attention, "paged decode attention, K/V read in place",

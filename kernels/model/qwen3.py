@@ -17,13 +17,15 @@ from kernels import native
 from kernels.backend import select_kernels
 from kernels.forward_batch import ForwardBatch
 from kernels.kv_cache import PagedKVCache
-from kernels.linear import Int8Weight, LinearOp
+from kernels.linear import Int4Weight, Int8Weight, LinearOp
 from kernels.model.config import ConfigError, Qwen3Config, parse_dtype
 from kernels.model.loader import Qwen3Weights, load_weights
 from kernels.model.workspace import LayerBuffers, Workspace
 from kernels.norms import rope_tables
 
-QUANTIZATIONS = (None, "none", "int8")
+# int8 and int4 multiply with int8 activations on the native CPU kernels; int8-weight-only keeps
+# the activations 16-bit (exact to the weights' rounding alone: tests show W8A8 flips a rare token).
+QUANTIZATIONS = (None, "none", "int8", "int8-weight-only", "int4")
 
 
 class Qwen3Model:
@@ -33,7 +35,7 @@ class Qwen3Model:
                  device: torch.device | str = "cpu", max_model_len: int | None = None,
                  quantization: str | None = None):
         if quantization not in QUANTIZATIONS:
-            raise ConfigError(f"unknown quantization {quantization!r}; use int8 or none")
+            raise ConfigError(f"unknown quantization {quantization!r}; use one of {QUANTIZATIONS[1:]}")
         self.config = config
         self.quantization = None if quantization == "none" else quantization
         self.dtype = dtype
@@ -41,9 +43,13 @@ class Qwen3Model:
         self.max_model_len = min(max_model_len or config.max_position_embeddings,
                                  config.max_position_embeddings)
         self.w = _to_device(weights, self.device)
-        if self.quantization == "int8":
-            _quantize_int8(self.w, dtype, self.device)
-        self.kernels = select_kernels(config, dtype, self.device)
+        self.kernels = select_kernels(config, dtype, self.device,
+                                      int8_activations=self.quantization != "int8-weight-only")
+        if self.quantization == "int4" and not self.kernels.linear.int4:
+            raise ConfigError("int4 weights run on the native CPU kernels (AVX2 or AVX-512 builds); this "
+                              f"device ({self.device}) has none: use int8 or none")
+        if self.quantization:
+            _quantize(self.w, self.quantization, dtype, self.device)
         _prepare(self.w, self.kernels.linear)
         self.cos, self.sin = rope_tables(config.head_dim, config.rope_theta, self.max_model_len, dtype)
         self.cos, self.sin = self.cos.to(self.device), self.sin.to(self.device)
@@ -60,7 +66,7 @@ class Qwen3Model:
 
     def kernel_info(self) -> dict[str, str]:
         """Which kernels this model runs (``stats`` and the startup log report it)."""
-        wdtype = "int8" if self.quantization == "int8" else self.dtype
+        wdtype = {"int8-weight-only": "int8-wo"}.get(self.quantization, self.quantization) or self.dtype
         return {
             "dtype": str(self.dtype).removeprefix("torch."),
             "quantization": self.quantization or "none",
@@ -161,12 +167,16 @@ def resolve_dtype(dtype: str | torch.dtype | None, checkpoint: torch.dtype,
     return torch.bfloat16 if "avx512_bf16" in native.cpu_flags() else torch.float32
 
 
-def _quantize_int8(w: Qwen3Weights, dtype: torch.dtype, device: torch.device) -> None:
-    """Every projection and the lm_head to weight-only int8, in place, one tensor at a time
-    (peak memory stays near the 16-bit model's). The embedding gather stays 16-bit."""
+def _quantize(w: Qwen3Weights, mode: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Every projection (and the lm_head) quantized in place, one tensor at a time (peak memory
+    stays near the 16-bit model's). int8: per channel, everything. int4: groups of 32 for the
+    projections, the lm_head int8 (the logits keep 8 bits, as llama.cpp keeps 6 there). The
+    embedding gather stays 16-bit."""
     for lw in w.layers:
         for name in ("qkv", "o_proj", "gate_up", "down"):
-            setattr(lw, name, Int8Weight.quantize(getattr(lw, name), dtype, device))
+            weight = getattr(lw, name)
+            setattr(lw, name, Int4Weight.quantize(weight, device) if mode == "int4"
+                    else Int8Weight.quantize(weight, dtype, device))
     w.lm_head = Int8Weight.quantize(w.lm_head, dtype, device)
 
 

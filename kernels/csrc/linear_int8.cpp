@@ -1,0 +1,211 @@
+// int8 x int8 GEMM (W8A8): out[M, N] = sx[m] * sw[n] * sum_k xq[m, k] * wq[n, k].
+//
+// Activations are quantized per row (token) on entry: sx = max|x| / 127, xq in [-127, 127].
+// Weights are quantized per output channel at load and packed as [ceil(N/VI), K4, VI, 4]: one
+// vector = VI output channels x 4 consecutive k (VI = 16 with AVX-512, 8 with AVX2), K padded
+// with zeros to K4 * 4. The products are summed in int32, exactly (|sum| <= 127 * 127 * K):
+// - AVX-512 VNNI: vpdpbusd takes unsigned activations, so they are stored as xq + 128 and
+//   128 * sum_k wq[n, k] (``wsum``, computed at load) is taken back off;
+// - AVX2, AVX-512BW: vpmaddubsw on |xq| and wq carrying xq's sign (pairs of products fit int16:
+//   2 * 127 * 127 < 32767), then vpmaddwd with ones.
+// Exact integer sums make every output independent of the batch and of the order of k.
+#include "kernels.h"
+
+namespace fusedserve {
+
+#if FS_VL > 1
+#if defined(__AVX512F__)
+using vi = __m512i;
+constexpr int VI = 16;
+inline vi vi_zero() { return _mm512_setzero_si512(); }
+inline vi vi_load(const void* p) { return _mm512_loadu_si512(p); }
+inline vi vi_bcast(int32_t q) { return _mm512_set1_epi32(q); }
+inline __m512 vi_float(vi a) { return _mm512_cvtepi32_ps(a); }
+#if defined(__AVX512VNNI__)
+constexpr bool OFFSET = true;  // activations stored as xq + 128 (vpdpbusd wants them unsigned)
+constexpr int MI = 6, NI = 4;
+inline vi dot4(vi acc, vi x, vi w) { return _mm512_dpbusd_epi32(acc, x, w); }
+#else
+constexpr bool OFFSET = false;
+constexpr int MI = 4, NI = 4;
+inline vi dot4(vi acc, vi x, vi w) {
+  const __mmask64 neg = _mm512_movepi8_mask(x);
+  const vi sw = _mm512_mask_sub_epi8(w, neg, _mm512_setzero_si512(), w);
+  const vi p = _mm512_maddubs_epi16(_mm512_abs_epi8(x), sw);
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
+}
+#endif
+#else
+using vi = __m256i;
+constexpr int VI = 8;
+constexpr bool OFFSET = false;
+constexpr int MI = 4, NI = 2;
+inline vi vi_zero() { return _mm256_setzero_si256(); }
+inline vi vi_load(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline vi vi_bcast(int32_t q) { return _mm256_set1_epi32(q); }
+inline __m256 vi_float(vi a) { return _mm256_cvtepi32_ps(a); }
+inline vi dot4(vi acc, vi x, vi w) {
+  const vi p = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+#endif
+
+// Row ``x`` (K values) -> int8 in [-127, 127] (+128 where OFFSET) padded to K4 * 4; returns sx.
+template <typename T>
+inline float quantize_row(const T* x, int64_t K, int64_t K4, int8_t* q) {
+  float amax = 0.f;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(to_f(x[k])));
+  const float sx = amax > 0.f ? amax / 127.f : 1.f;
+  const float inv = 1.f / sx;
+  const int off = OFFSET ? 128 : 0;
+  for (int64_t k = 0; k < K; ++k) {
+    const int v = static_cast<int>(std::nearbyint(to_f(x[k]) * inv));
+    q[k] = static_cast<int8_t>(static_cast<uint8_t>(std::max(-127, std::min(127, v)) + off));
+  }
+  for (int64_t k = K; k < K4 * 4; ++k) q[k] = static_cast<int8_t>(static_cast<uint8_t>(off));
+  return sx;
+}
+
+template <int M, int NV>
+inline void int8_tile(const int8_t* xq, int64_t ldx, int64_t K4, const int8_t* const* w, vi* res) {
+  vi acc[M][NV];
+  for (int i = 0; i < M; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = vi_zero();
+  for (int64_t kq = 0; kq < K4; ++kq) {
+    vi wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = vi_load(w[v] + kq * VI * 4);
+    for (int i = 0; i < M; ++i) {
+      int32_t quad;
+      std::memcpy(&quad, xq + i * ldx + 4 * kq, sizeof(quad));
+      const vi xb = vi_bcast(quad);
+      for (int v = 0; v < NV; ++v) acc[i][v] = dot4(acc[i][v], xb, wv[v]);
+    }
+  }
+  for (int i = 0; i < M; ++i)
+    for (int v = 0; v < NV; ++v) res[i * NI + v] = acc[i][v];
+}
+
+template <int NV>
+inline void int8_rows(int m, const int8_t* xq, int64_t ldx, int64_t K4, const int8_t* const* w, vi* res) {
+  switch (m) {
+#if defined(__AVX512VNNI__)
+    case 6: int8_tile<6, NV>(xq, ldx, K4, w, res); break;
+    case 5: int8_tile<5, NV>(xq, ldx, K4, w, res); break;
+#endif
+    case 4: int8_tile<4, NV>(xq, ldx, K4, w, res); break;
+    case 3: int8_tile<3, NV>(xq, ldx, K4, w, res); break;
+    case 2: int8_tile<2, NV>(xq, ldx, K4, w, res); break;
+    default: int8_tile<1, NV>(xq, ldx, K4, w, res); break;
+  }
+}
+
+inline void int8_nv(int nv, int m, const int8_t* xq, int64_t ldx, int64_t K4, const int8_t* const* w, vi* res) {
+  switch (nv) {
+#if defined(__AVX512F__)
+    case 4: int8_rows<4>(m, xq, ldx, K4, w, res); break;
+    case 3: int8_rows<3>(m, xq, ldx, K4, w, res); break;
+#endif
+    case 2: int8_rows<2>(m, xq, ldx, K4, w, res); break;
+    default: int8_rows<1>(m, xq, ldx, K4, w, res); break;
+  }
+}
+
+template <typename T>
+void quantize_rows(const at::Tensor& x, int64_t K4, std::vector<int8_t>& xq, std::vector<float>& sx) {
+  const int64_t M = x.size(0), K = x.size(1), ld = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) sx[r] = quantize_row(xp + r * ld, K, K4, xq.data() + r * K4 * 4);
+  });
+}
+
+template <typename O>
+void int8_gemm(const int8_t* xq, const float* sx, int64_t M, int64_t K4, const int8_t* packed, int64_t nvec,
+               int64_t N, const float* sw, const int32_t* wsum, O* op, int64_t ldo) {
+  const int64_t nblocks = (nvec + NI - 1) / NI;
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    vi res[MI * NI];
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t v0 = blk * NI;
+      const int nv = static_cast<int>(std::min<int64_t>(NI, nvec - v0));
+      const int8_t* w[NI];
+      for (int v = 0; v < nv; ++v) w[v] = packed + (v0 + v) * K4 * VI * 4;
+      for (int64_t m0 = 0; m0 < M; m0 += MI) {
+        const int m = static_cast<int>(std::min<int64_t>(MI, M - m0));
+        int8_nv(nv, m, xq + m0 * K4 * 4, K4 * 4, K4, w, res);
+        for (int v = 0; v < nv; ++v) {
+          const int64_t n0 = (v0 + v) * VI;
+          const int valid = static_cast<int>(std::min<int64_t>(VI, N - n0));
+          for (int i = 0; i < m; ++i) {
+            int32_t sums[VI];
+            std::memcpy(sums, &res[i * NI + v], sizeof(sums));
+            const float s = sx[m0 + i];
+            for (int j = 0; j < valid; ++j) {
+              const int32_t d = OFFSET ? sums[j] - 128 * wsum[n0 + j] : sums[j];
+              op[(m0 + i) * ldo + n0 + j] = static_cast<O>(static_cast<float>(d) * s * sw[n0 + j]);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+#endif
+
+int64_t int8_lanes() {
+#if FS_VL > 1
+  return VI;
+#else
+  return 0;
+#endif
+}
+
+bool int8_offset() {
+#if FS_VL > 1
+  return OFFSET;
+#else
+  return false;
+#endif
+}
+
+// out[M, N] = quantize(x) @ W^T with W int8 packed [ceil(N/VI), K4, VI, 4], per-channel scales
+// sw [N] (float32) and wsum [N] (int32, the packed rows' sums).
+void linear_w8a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sw, const at::Tensor& wsum,
+                 at::Tensor out) {
+#if FS_VL > 1
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && packed.dim() == 4 && packed.size(2) == VI && packed.size(3) == 4,
+              "linear_w8a8: x [M, K], packed [N/VI, K4, VI, 4] with VI = ", VI, ", out [M, N]");
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && sw.scalar_type() == at::kFloat &&
+              wsum.scalar_type() == at::kInt && x.stride(1) == 1 && out.stride(1) == 1,
+              "linear_w8a8: int8 pack, float32 scales, int32 sums, contiguous rows");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), nvec = packed.size(0), K4 = packed.size(1);
+  TORCH_CHECK(K4 * 4 >= K && K4 * 4 < K + 4 && out.size(0) == M && nvec * VI >= N && nvec * VI < N + VI &&
+              sw.numel() == N && wsum.numel() == N, "linear_w8a8: shape mismatch x ", x.sizes(), " packed ",
+              packed.sizes(), " out ", out.sizes());
+  if (M == 0) return;
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> sx;
+  if (xq.size() < static_cast<size_t>(M * K4 * 4)) xq.resize(M * K4 * 4);
+  if (sx.size() < static_cast<size_t>(M)) sx.resize(M);
+  switch (x.scalar_type()) {
+    case at::kFloat: quantize_rows<float>(x, K4, xq, sx); break;
+    case at::kBFloat16: quantize_rows<bf16>(x, K4, xq, sx); break;
+    case at::kHalf: quantize_rows<f16>(x, K4, xq, sx); break;
+    default: TORCH_CHECK(false, "linear_w8a8: unsupported activation dtype ", x.scalar_type());
+  }
+  const int8_t* pp = packed.data_ptr<int8_t>();
+  const float* swp = sw.data_ptr<float>();
+  const int32_t* wsp = wsum.data_ptr<int32_t>();
+  const int64_t ldo = out.stride(0);
+  switch (out.scalar_type()) {
+    case at::kFloat: int8_gemm(xq.data(), sx.data(), M, K4, pp, nvec, N, swp, wsp, out.data_ptr<float>(), ldo); break;
+    case at::kBFloat16: int8_gemm(xq.data(), sx.data(), M, K4, pp, nvec, N, swp, wsp, out.data_ptr<bf16>(), ldo); break;
+    case at::kHalf: int8_gemm(xq.data(), sx.data(), M, K4, pp, nvec, N, swp, wsp, out.data_ptr<f16>(), ldo); break;
+    default: TORCH_CHECK(false, "linear_w8a8: unsupported output dtype ", out.scalar_type());
+  }
+#else
+  TORCH_CHECK(false, "linear_w8a8: this build has no vector unit");
+#endif
+}
+
+}  // namespace fusedserve
