@@ -97,6 +97,8 @@ def run_engine(engine: str, model_dir: Path, ov_root: Path, batch: list[list[int
         return fusedserve_generate(model_dir, batch, new, None)
     if engine == "fusedserve-int8":
         return fusedserve_generate(model_dir, batch, new, "int8")
+    if engine == "fusedserve-int4":
+        return fusedserve_generate(model_dir, batch, new, "int4")
     if engine == "transformers-bf16":
         import torch
 

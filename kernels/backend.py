@@ -16,9 +16,9 @@ from kernels import native as native_build
 from kernels.attention import AttentionBackend
 from kernels.attention.native import NativeAttention
 from kernels.attention.torch_gather import AttentionScratch, TorchAttention
+from kernels.layer_ops import NativeLayerOps, TorchLayerOps
 from kernels.linear import LinearOp
 from kernels.model.config import Qwen3Config
-from kernels.norms import NativeNorms, TorchNorms
 
 
 @dataclass
@@ -27,7 +27,7 @@ class Kernels:
     dtype: torch.dtype
     device: torch.device
     linear: LinearOp
-    norms: NativeNorms | TorchNorms
+    ops: NativeLayerOps | TorchLayerOps
     native: ModuleType | None  # the native CPU build, where it runs
 
     @property
@@ -50,8 +50,8 @@ def select_kernels(config: Qwen3Config, dtype: torch.dtype, device: torch.device
     native = native_build.kernels() if device.type == "cpu" else None
     c = config
     if native is not None:
-        norms = NativeNorms(native, c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads)
+        ops = NativeLayerOps(native, c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads)
     else:
-        norms = TorchNorms(c.rms_norm_eps, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
-                           c.head_dim, device)
-    return Kernels(config, dtype, device, LinearOp(device, native, dtype, int8_activations), norms, native)
+        ops = TorchLayerOps(c.rms_norm_eps, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                            c.head_dim, device)
+    return Kernels(config, dtype, device, LinearOp(device, native, dtype, int8_activations), ops, native)

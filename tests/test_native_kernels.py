@@ -175,7 +175,7 @@ def test_an_isa_the_cpu_lacks_is_refused_clearly(monkeypatch):
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_norms_and_rotary_match_the_aten_ops(dtype):
-    from kernels.norms import rms_norm, rope_tables, rotary
+    from kernels.layer_ops import rms_norm, rope_tables, rotary
 
     m = _module(ISAS[0])
     g = torch.Generator().manual_seed(4)
@@ -372,3 +372,38 @@ def test_int4_quantization_keeps_each_groups_extreme_and_16_levels():
     err = (back - w).abs()
     # Half a step, but for values at +|extreme| (clamped from 8 to 7): one step.
     assert bool((err <= step / 2 + 1e-6).float().mean() > 0.95) and bool((err <= step + 1e-6).all())
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_silu_mul_and_the_cache_write_match_the_aten_ops(dtype):
+    from kernels.layer_ops import NativeLayerOps, NormScratch, TorchLayerOps, rope_tables
+
+    m = _module(ISAS[0])
+    g = torch.Generator().manual_seed(8)
+    n, h, kvh, hd, inter = 5, 4, 2, 32, 200
+    gate_up = (torch.randn(n, 2 * inter, generator=g) * 3).to(dtype)
+    native_out, ref = torch.empty(n, inter, dtype=dtype), torch.empty(n, inter, dtype=dtype)
+    NativeLayerOps(m, 1e-6, h, kvh).silu_mul(gate_up, native_out)
+    TorchLayerOps(1e-6, 64, h, kvh, hd, torch.device("cpu")).silu_mul(gate_up.clone(), ref)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(native_out, ref, **tol)
+
+    qkv = torch.randn(n, (h + 2 * kvh) * hd, generator=g).to(dtype)
+    qw, kw = (1 + 0.1 * torch.randn(2, hd, generator=g)).to(dtype)
+    cos, sin = (t[torch.tensor([0, 3, 7, 63, 20])] for t in rope_tables(hd, 10000.0, 64, dtype))
+    slots = torch.tensor([9, 2, 14, 0, 5])
+    caches = {}
+    for name, ops in (("native", NativeLayerOps(m, 1e-6, h, kvh)),
+                      ("aten", TorchLayerOps(1e-6, 64, h, kvh, hd, torch.device("cpu")))):
+        kc, vc = torch.zeros(16, kvh, hd, dtype=dtype), torch.zeros(16, kvh, hd, dtype=dtype)
+        work, q_out = qkv.clone(), torch.empty(n, h, hd, dtype=dtype)
+        ops.qk_norm_rope(work, qw, kw, cos, sin, q_out, NormScratch.allocate(n, 64, h, kvh, hd, dtype, "cpu"),
+                         kc, vc, slots)
+        caches[name] = (kc, vc, q_out)
+    for a, b in zip(caches["native"], caches["aten"]):
+        torch.testing.assert_close(a, b, **tol)
+    v = qkv[:, (h + kvh) * hd :].view(n, kvh, hd)
+    assert torch.equal(caches["native"][1][slots], v), "v is copied as is"
+    untouched = [s for s in range(16) if s not in slots.tolist()]
+    assert not caches["native"][0][untouched].any(), "no other slot is written"

@@ -31,43 +31,6 @@ inline void scale_f32(float a, float* acc, int64_t D) {
   for (; d < D; ++d) acc[d] *= a;
 }
 
-// e^x for the softmax (x <= 0 here): 2^n * p(r), r = x - n ln2, degree-6 polynomial
-// (relative error ~1e-7). The ISA blocks below only round n and apply 2^n.
-inline vf exp_poly(vf x, vf n) {
-  vf r = vfma(n, vset(-0.693145752f), x);  // ln 2 in two parts: r = x - n ln2, exactly enough
-  r = vfma(n, vset(-1.42860677e-6f), r);
-  vf p = vset(1.f / 720);
-  for (float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = vfma(p, r, vset(c));
-  return p;
-}
-
-#if defined(__AVX512F__)
-inline vf vexp(vf x) {
-  x = _mm512_max_ps(x, vset(-87.f));
-  vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, vset(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  vf p = exp_poly(x, n);
-  return _mm512_scalef_ps(p, n);
-}
-inline float vmax_all(vf a) { return _mm512_reduce_max_ps(a); }
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-inline vf vexp(vf x) {
-  x = _mm256_max_ps(x, vset(-87.f));
-  vf n = _mm256_round_ps(_mm256_mul_ps(x, vset(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  vf p = exp_poly(x, n);
-  __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
-  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
-}
-inline float vmax_all(vf a) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-#else
-inline vf vexp(vf x) { return std::exp(x); }
-inline float vmax_all(vf a) { return a; }
-#endif
-
 // One query token per sequence against its paged context, K/V read in place from the
 // pages; online softmax in float32; query head h reads KV head h / (H / KVH).
 // A work item is one sequence and a run of its KV heads (all of them when the batch alone

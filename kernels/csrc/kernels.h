@@ -50,6 +50,7 @@ inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
 inline vf _max(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline vf _sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 inline vf _add(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf _div(vf a, vf b) { return _mm512_div_ps(a, b); }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define FS_VL 8
 constexpr int VL = 8;
@@ -71,6 +72,7 @@ inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 inline vf _max(vf a, vf b) { return _mm256_max_ps(a, b); }
 inline vf _sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 inline vf _add(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf _div(vf a, vf b) { return _mm256_div_ps(a, b); }
 inline float vsum(vf a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -94,6 +96,44 @@ inline float vsum(vf a) { return a; }
 inline vf _max(vf a, vf b) { return std::max(a, b); }
 inline vf _sub(vf a, vf b) { return a - b; }
 inline vf _add(vf a, vf b) { return a + b; }
+inline vf _div(vf a, vf b) { return a / b; }
+#endif
+
+// e^x for x in [-87, 88] (clamped there): 2^n * p(r), r = x - n ln2, degree-6 polynomial
+// (relative error ~1e-7). The ISA blocks below only round n and apply 2^n.
+inline vf exp_poly(vf x, vf n) {
+  vf r = vfma(n, vset(-0.693145752f), x);  // ln 2 in two parts: r = x - n ln2, exactly enough
+  r = vfma(n, vset(-1.42860677e-6f), r);
+  vf p = vset(1.f / 720);
+  for (float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = vfma(p, r, vset(c));
+  return p;
+}
+
+#if defined(__AVX512F__)
+inline vf vexp(vf x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, vset(-87.f)), vset(88.f));
+  vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, vset(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vf p = exp_poly(x, n);
+  return _mm512_scalef_ps(p, n);
+}
+inline float vmax_all(vf a) { return _mm512_reduce_max_ps(a); }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+inline vf vexp(vf x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, vset(-87.f)), vset(88.f));
+  vf n = _mm256_round_ps(_mm256_mul_ps(x, vset(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vf p = exp_poly(x, n);
+  __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+}
+inline float vmax_all(vf a) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+#else
+inline vf vexp(vf x) { return std::exp(x); }
+inline float vmax_all(vf a) { return a; }
 #endif
 
 inline float to_f(float v) { return v; }
@@ -133,6 +173,9 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 void add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& add, const at::Tensor& w, double eps,
                   at::Tensor out);
 void qk_norm_rope(at::Tensor qkv, const at::Tensor& qw, const at::Tensor& kw, const at::Tensor& cos,
-                  const at::Tensor& sin, double eps, at::Tensor q_out, int64_t H, int64_t KVH);
+                  const at::Tensor& sin, double eps, at::Tensor q_out, int64_t H, int64_t KVH,
+                  const c10::optional<at::Tensor>& k_cache, const c10::optional<at::Tensor>& v_cache,
+                  const c10::optional<at::Tensor>& slot_mapping);
+void silu_mul(const at::Tensor& gate_up, at::Tensor out);
 
 }  // namespace fusedserve

@@ -45,8 +45,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("block_size"), py::arg("scale"), py::arg("out"));
   m.def("add_rms_norm", &add_rms_norm, "x += add; out = rms_norm(x) * w (rows)",
         py::arg("x"), py::arg("add"), py::arg("w"), py::arg("eps"), py::arg("out"));
-  m.def("qk_norm_rope", &qk_norm_rope, "per-head q/k RMSNorm and rotary, q into q_out, k in place",
+  m.def("qk_norm_rope", &qk_norm_rope,
+        "per-head q/k RMSNorm and rotary, q into q_out, k in place; k and v into their cache slots",
         py::arg("qkv"), py::arg("q_w"), py::arg("k_w"), py::arg("cos"), py::arg("sin"), py::arg("eps"),
-        py::arg("q_out"), py::arg("heads"), py::arg("kv_heads"));
+        py::arg("q_out"), py::arg("heads"), py::arg("kv_heads"), py::arg("k_cache") = py::none(),
+        py::arg("v_cache") = py::none(), py::arg("slot_mapping") = py::none());
+  m.def("silu_mul", &silu_mul, "out = silu(gate) * up for gate_up = [gate, up]", py::arg("gate_up"),
+        py::arg("out"));
 }
 

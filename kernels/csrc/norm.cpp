@@ -72,12 +72,13 @@ inline void norm_rope_head(const T* src, const T* w, const T* cos, const T* sin,
 
 template <typename T>
 void qk_norm_rope_impl(at::Tensor& qkv, const at::Tensor& qw, const at::Tensor& kw, const at::Tensor& cos,
-                       const at::Tensor& sin, double eps, at::Tensor& q_out, int64_t H, int64_t KVH) {
+                       const at::Tensor& sin, double eps, at::Tensor& q_out, int64_t H, int64_t KVH,
+                       T* kc, T* vc, const int64_t* slots) {
   const int64_t N = qkv.size(0), D = qw.numel(), ld = qkv.stride(0);
   T* base = qkv.data_ptr<T>();
   T* qo = q_out.data_ptr<T>();
   const T *qwp = qw.data_ptr<T>(), *kwp = kw.data_ptr<T>(), *cp = cos.data_ptr<T>(), *sp = sin.data_ptr<T>();
-  const int64_t ldc = cos.stride(0), lds = sin.stride(0);
+  const int64_t ldc = cos.stride(0), lds = sin.stride(0), kv_row = KVH * D;
   const float e = static_cast<float>(eps);
   at::parallel_for(0, N * (H + KVH), 8, [&](int64_t w0, int64_t w1) {
     T tmp[MAX_HEAD_DIM];
@@ -90,26 +91,89 @@ void qk_norm_rope_impl(at::Tensor& qkv, const at::Tensor& qw, const at::Tensor& 
       } else {
         T* k = base + n * ld + H * D + (h - H) * D;
         norm_rope_head(k, kwp, c, s, e, D, tmp, k);
+        if (kc) {  // this token's K and V into its cache slot
+          const int64_t slot = slots[n];
+          std::memcpy(kc + slot * kv_row + (h - H) * D, k, D * sizeof(T));
+          std::memcpy(vc + slot * kv_row + (h - H) * D, k + kv_row, D * sizeof(T));
+        }
       }
     }
   });
 }
 
-// q_out[n, h] = rotary(RMSNorm(q[n, h]) * qw); k heads of qkv normalised and rotated in place.
+// q_out[n, h] = rotary(RMSNorm(q[n, h]) * qw); k heads of qkv normalised and rotated in place; with
+// caches given, each token's k and v heads also land in row slots[n] of k_cache / v_cache.
 void qk_norm_rope(at::Tensor qkv, const at::Tensor& qw, const at::Tensor& kw, const at::Tensor& cos,
-                  const at::Tensor& sin, double eps, at::Tensor q_out, int64_t H, int64_t KVH) {
+                  const at::Tensor& sin, double eps, at::Tensor q_out, int64_t H, int64_t KVH,
+                  const c10::optional<at::Tensor>& k_cache, const c10::optional<at::Tensor>& v_cache,
+                  const c10::optional<at::Tensor>& slot_mapping) {
   const int64_t D = qw.numel();
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && q_out.is_contiguous() && D <= MAX_HEAD_DIM && D % 2 == 0,
               "qk_norm_rope: qkv [N, (H + 2 KVH) D] rows contiguous, q_out contiguous");
-  TORCH_CHECK(cos.stride(-1) == 1 && sin.stride(-1) == 1 && cos.size(-1) == D && qkv.size(1) >= (H + KVH) * D,
+  TORCH_CHECK(cos.stride(-1) == 1 && sin.stride(-1) == 1 && cos.size(-1) == D && qkv.size(1) >= (H + 2 * KVH) * D,
               "qk_norm_rope: cos/sin [N, D]");
   TORCH_CHECK(qkv.scalar_type() == q_out.scalar_type() && qkv.scalar_type() == cos.scalar_type() &&
               qkv.scalar_type() == qw.scalar_type(), "qk_norm_rope: dtypes");
+  const bool cache = k_cache.has_value();
+  if (cache) {
+    TORCH_CHECK(v_cache.has_value() && slot_mapping.has_value() && k_cache->is_contiguous() &&
+                v_cache->is_contiguous() && k_cache->scalar_type() == qkv.scalar_type() &&
+                v_cache->scalar_type() == qkv.scalar_type() && k_cache->numel() == v_cache->numel() &&
+                k_cache->size(-1) * k_cache->size(-2) == KVH * D && slot_mapping->scalar_type() == at::kLong &&
+                slot_mapping->numel() == qkv.size(0) && slot_mapping->is_contiguous(),
+                "qk_norm_rope: caches [slots, KVH, D] in qkv's dtype, slot_mapping [N] int64");
+  }
   switch (qkv.scalar_type()) {
-    case at::kFloat: qk_norm_rope_impl<float>(qkv, qw, kw, cos, sin, eps, q_out, H, KVH); break;
-    case at::kBFloat16: qk_norm_rope_impl<bf16>(qkv, qw, kw, cos, sin, eps, q_out, H, KVH); break;
-    case at::kHalf: qk_norm_rope_impl<f16>(qkv, qw, kw, cos, sin, eps, q_out, H, KVH); break;
+#define FS_QK(T, S)                                                                                        \
+  case S:                                                                                                  \
+    qk_norm_rope_impl<T>(qkv, qw, kw, cos, sin, eps, q_out, H, KVH, cache ? k_cache->data_ptr<T>() : nullptr, \
+                         cache ? v_cache->data_ptr<T>() : nullptr,                                        \
+                         cache ? slot_mapping->data_ptr<int64_t>() : nullptr);                            \
+    break;
+    FS_QK(float, at::kFloat)
+    FS_QK(bf16, at::kBFloat16)
+    FS_QK(f16, at::kHalf)
+#undef FS_QK
     default: TORCH_CHECK(false, "qk_norm_rope: unsupported dtype ", qkv.scalar_type());
+  }
+}
+
+template <typename T>
+void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
+  const int64_t N = gate_up.size(0), I = out.size(1), ldg = gate_up.stride(0), ldo = out.stride(0);
+  const T* gp = gate_up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, N, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t n = r0; n < r1; ++n) {
+      const T* g = gp + n * ldg;
+      const T* u = g + I;
+      T* o = op + n * ldo;
+      // Rounded like silu_ then mul in T: the activation to T, then the product to T.
+      float s[VL];
+      int64_t i = 0;
+      for (; i + VL <= I; i += VL) {
+        const vf gv = vload(g + i);
+        vstore(s, _div(gv, _add(vset(1.f), vexp(_sub(vzero(), gv)))));
+        for (int j = 0; j < VL; ++j) o[i + j] = static_cast<T>(to_f(static_cast<T>(s[j])) * to_f(u[i + j]));
+      }
+      for (; i < I; ++i) {
+        const float gv = to_f(g[i]);
+        o[i] = static_cast<T>(to_f(static_cast<T>(gv / (1.f + std::exp(-gv)))) * to_f(u[i]));
+      }
+    }
+  });
+}
+
+// out[n, i] = silu(gate_up[n, i]) * gate_up[n, I + i]: the MLP's activation in one pass.
+void silu_mul(const at::Tensor& gate_up, at::Tensor out) {
+  TORCH_CHECK(gate_up.dim() == 2 && out.dim() == 2 && gate_up.size(1) == 2 * out.size(1) &&
+              gate_up.size(0) == out.size(0) && gate_up.stride(1) == 1 && out.stride(1) == 1 &&
+              gate_up.scalar_type() == out.scalar_type(), "silu_mul: gate_up [N, 2I], out [N, I], one dtype");
+  switch (out.scalar_type()) {
+    case at::kFloat: silu_mul_impl<float>(gate_up, out); break;
+    case at::kBFloat16: silu_mul_impl<bf16>(gate_up, out); break;
+    case at::kHalf: silu_mul_impl<f16>(gate_up, out); break;
+    default: TORCH_CHECK(false, "silu_mul: unsupported dtype ", out.scalar_type());
   }
 }
 }  // namespace fusedserve

@@ -17,11 +17,11 @@ from kernels import native
 from kernels.backend import select_kernels
 from kernels.forward_batch import ForwardBatch
 from kernels.kv_cache import PagedKVCache
+from kernels.layer_ops import rope_tables
 from kernels.linear import Int4Weight, Int8Weight, LinearOp
 from kernels.model.config import ConfigError, Qwen3Config, parse_dtype
 from kernels.model.loader import Qwen3Weights, load_weights
 from kernels.model.workspace import LayerBuffers, Workspace
-from kernels.norms import rope_tables
 
 # int8 and int4 multiply with int8 activations on the native CPU kernels; int8-weight-only keeps
 # the activations 16-bit (exact to the weights' rounding alone: tests show W8A8 flips a rare token).
@@ -100,38 +100,37 @@ class Qwen3Model:
         torch.index_select(self.sin, 0, batch.positions, out=sin)
         buf = ws.layer_buffers(t)
         ws.attention.begin(batch, kv.block_size)
+        pending = None  # the previous layer's MLP output, added to the residual by the next norm
         for i, lw in enumerate(self.w.layers):
-            self._layer(i, lw, x, buf, cos, sin, batch.slot_mapping, kv, ws)
+            pending = self._layer(i, lw, x, pending, buf, cos, sin, batch.slot_mapping, kv, ws)
+        if pending is not None:
+            x.add_(pending)
         last = ws.last[:b]
         torch.sub(batch.query_start_loc[1:], ws.one, out=last)
         self.compute_logits(x, last, logits, ws)
         return x
 
-    def _layer(self, i: int, lw, x: torch.Tensor, buf: LayerBuffers, cos: torch.Tensor, sin: torch.Tensor,
-               slot_mapping: torch.Tensor, kv: PagedKVCache, ws: Workspace) -> None:
-        """One transformer layer over n tokens, residual ``x`` [n, D] updated in place."""
-        c, k_ops = self.config, self.kernels
+    def _layer(self, i: int, lw, x: torch.Tensor, pending: torch.Tensor | None, buf: LayerBuffers,
+               cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor, kv: PagedKVCache,
+               ws: Workspace) -> torch.Tensor:
+        """One transformer layer over n tokens: the residual ``x`` [n, D] gets ``pending`` and the
+        attention output in place; returns the MLP's output, for the next layer to add."""
+        c, ops, linear = self.config, self.kernels.ops, self.kernels.linear
         n = x.shape[0]
-        k_ops.norms.add_rms_norm(x, None, lw.input_norm, buf.h, buf.norm)
-        k_ops.linear(buf.h, lw.qkv, buf.qkv)
+        ops.add_rms_norm(x, pending, lw.input_norm, buf.h, buf.norm)
+        linear(buf.h, lw.qkv, buf.qkv)
         if lw.qkv_bias is not None:
             buf.qkv.add_(lw.qkv_bias)
-        k_ops.norms.qk_norm_rope(buf.qkv, lw.q_norm, lw.k_norm, cos, sin, buf.q, buf.norm)
-        nkv, hd = c.num_key_value_heads, c.head_dim
-        k = buf.qkv[:, c.q_size : c.q_size + c.kv_size].view(n, nkv, hd)
-        v = buf.qkv[:, c.q_size + c.kv_size :].view(n, nkv, hd)
         k_cache, v_cache = kv.layer(i)
-        k_cache.index_copy_(0, slot_mapping, k)
-        v_cache.index_copy_(0, slot_mapping, v)
+        ops.qk_norm_rope(buf.qkv, lw.q_norm, lw.k_norm, cos, sin, buf.q, buf.norm, k_cache, v_cache,
+                         slot_mapping)
         ws.attention.attend(buf.q, k_cache, v_cache, buf.attn)
-        k_ops.linear(buf.attn.view(n, c.q_size), lw.o_proj, buf.o)
-        k_ops.norms.add_rms_norm(x, buf.o, lw.post_norm, buf.h, buf.norm)
-        k_ops.linear(buf.h, lw.gate_up, buf.gate_up)
-        gate = buf.gate_up[:, : c.intermediate_size]
-        torch.nn.functional.silu(gate, inplace=True)
-        torch.mul(gate, buf.gate_up[:, c.intermediate_size :], out=buf.act)
-        k_ops.linear(buf.act, lw.down, buf.o)
-        x.add_(buf.o)
+        linear(buf.attn.view(n, c.q_size), lw.o_proj, buf.o)
+        ops.add_rms_norm(x, buf.o, lw.post_norm, buf.h, buf.norm)
+        linear(buf.h, lw.gate_up, buf.gate_up)
+        ops.silu_mul(buf.gate_up, buf.act)
+        linear(buf.act, lw.down, buf.o)
+        return buf.o
 
     def compute_logits(self, x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, ws: Workspace) -> None:
         """``out`` [R, V] float32 = lm_head(final_norm(x[rows])), ``ws.max_rows`` rows at a time."""
@@ -140,7 +139,7 @@ class Qwen3Model:
             n = min(step, rows.shape[0] - s)
             h = ws.final[:n]
             torch.index_select(x, 0, rows[s : s + n], out=h)
-            self.kernels.norms.add_rms_norm(h, None, self.w.final_norm, h, ws.buffers.norm.rows(n))
+            self.kernels.ops.add_rms_norm(h, None, self.w.final_norm, h, ws.buffers.norm.rows(n))
             if ws.logits16 is None:
                 self.kernels.linear(h, self.w.lm_head, out[s : s + n])
             else:

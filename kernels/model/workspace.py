@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention import AttentionBackend
+from kernels.layer_ops import NormScratch
 from kernels.model.config import Qwen3Config
-from kernels.norms import NormScratch
 
 
 @dataclass

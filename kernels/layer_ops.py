@@ -1,10 +1,11 @@
-"""RMSNorm and rotary embedding: the native CPU pass, or ATen's ops elsewhere.
+"""A layer's ops between its matmuls: the native CPU passes, or ATen's ops elsewhere.
 
-``NativeNorms`` and ``TorchNorms`` are the two implementations of one interface, chosen
-once per model (``kernels/backend.py``): a fused residual add + RMSNorm, and the per-head
-q/k RMSNorm + rotary that Qwen3 applies before attention. Both write into tensors the
-caller owns, so a decode step allocates nothing. The math follows transformers' Qwen3
-(RMSNorm in float32, rotate-half rotary embedding).
+``NativeLayerOps`` and ``TorchLayerOps`` are the two implementations of one interface, chosen
+once per model (``kernels/backend.py``): a fused residual add + RMSNorm; the per-head q/k
+RMSNorm + rotary that Qwen3 applies before attention, with this launch's K and V written into
+their cache slots; and the MLP's SiLU x up. Both write into tensors the caller owns, so a
+decode step allocates nothing. The math follows transformers' Qwen3 (RMSNorm in float32,
+rotate-half rotary embedding), rounded in the model's dtype as it rounds.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 @dataclass
 class NormScratch:
-    """float32 scratch of ``TorchNorms`` for n rows (the native pass needs none)."""
+    """float32 scratch of ``TorchLayerOps`` for n rows (the native pass needs none)."""
 
     f32_h: torch.Tensor  # [n, D]
     var_h: torch.Tensor  # [n, 1]
@@ -93,8 +94,9 @@ def rope_tables(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-class NativeNorms:
-    """One pass per row (add + norm) and per head (norm + rotary): ``kernels/csrc/norm.cpp``."""
+class NativeLayerOps:
+    """One pass per row (add + norm), per head (norm + rotary + cache write) and per row of the
+    MLP (SiLU x up): ``kernels/csrc/norm.cpp``."""
 
     def __init__(self, native: ModuleType, eps: float, heads: int, kv_heads: int):
         self.native, self.eps, self.heads, self.kv_heads = native, eps, heads, kv_heads
@@ -105,13 +107,19 @@ class NativeNorms:
         self.native.add_rms_norm(x, add, weight, self.eps, out)
 
     def qk_norm_rope(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                     cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor, buf: NormScratch) -> None:
-        """q heads of ``qkv`` normed and rotated into ``q_out`` [n, heads, hd]; k heads in place."""
+                     cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor, buf: NormScratch,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """q heads of ``qkv`` normed and rotated into ``q_out`` [n, heads, hd]; k heads in place;
+        each token's k and v heads into row ``slot_mapping[t]`` of the caches."""
         self.native.qk_norm_rope(qkv, q_weight, k_weight, cos, sin, self.eps, q_out, self.heads,
-                                 self.kv_heads)
+                                 self.kv_heads, k_cache, v_cache, slot_mapping)
+
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
+        """``out = silu(gate) * up`` for ``gate_up = [gate, up]``."""
+        self.native.silu_mul(gate_up, out)
 
 
-class TorchNorms:
+class TorchLayerOps:
     """ATen's ops over the layer buffers' float32 scratch (eight ops a norm)."""
 
     def __init__(self, eps: float, hidden: int, heads: int, kv_heads: int, head_dim: int,
@@ -131,7 +139,8 @@ class TorchNorms:
         rms_norm(x, weight, self.eps, out, buf.f32_h[:n], buf.var_h[:n], self.inv_hidden)
 
     def qk_norm_rope(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                     cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor, buf: NormScratch) -> None:
+                     cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor, buf: NormScratch,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         n, nh, nkv, hd = qkv.shape[0], self.heads, self.kv_heads, self.head_dim
         q = qkv[:, : nh * hd].view(n, nh, hd)
         k = qkv[:, nh * hd : (nh + nkv) * hd].view(n, nkv, hd)
@@ -140,3 +149,10 @@ class TorchNorms:
         cos3, sin3 = cos.unsqueeze(1), sin.unsqueeze(1)
         rotary(q_out, cos3, sin3, buf.rot_q[:n])
         rotary(k, cos3, sin3, buf.rot_k[:n])
+        k_cache.index_copy_(0, slot_mapping, k)
+        v_cache.index_copy_(0, slot_mapping, qkv[:, (nh + nkv) * hd :].view(n, nkv, hd))
+
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
+        gate = gate_up[:, : out.shape[1]]
+        torch.nn.functional.silu(gate, inplace=True)
+        torch.mul(gate, gate_up[:, out.shape[1] :], out=out)
