@@ -5,16 +5,20 @@ project (``default:qwen3-0.6b``, 1.19 GB bf16). Every engine gets the same rando
 prompts as token ids (32 in, 64 out by default, greedy, EOS ignored), at batch
 1/16/64, in a subprocess of its own (so none inherits another's threads or memory):
 
-- fusedserve, 16-bit and int8 weights (``LLMEngine``: scheduler, arena, fused step);
+- fusedserve with bf16, int8 and int4 weights (``LLMEngine``; int8 and int4 multiply with int8
+  activations on the native kernels);
 - transformers ``generate`` (static batch), bf16;
-- OpenVINO GenAI with fp16 and int8 weights, where an interpreter with
-  ``openvino-genai`` is given (``--openvino-python``; the ``openvino`` extra), exported
-  once with ``optimum-cli export openvino``; ``ContinuousBatchingPipeline`` for batches.
+- OpenVINO GenAI with fp16, int8 and int4 weights (group 32, symmetric), where an interpreter
+  with ``openvino-genai`` is given (``--openvino-python``; the ``openvino`` extra), exported once
+  with ``optimum-cli export openvino``; ``ContinuousBatchingPipeline`` for batches;
+- llama.cpp with bf16, Q8_0 and Q4_0 weights, where a build is given (``--llama-cpp``;
+  ``benchmarks/llama_cpp.py``).
 
-Figures: output tokens/s (the median, min and max of ``RUNS`` generate calls after a
-warm-up, the model loaded once), for batch 1 the share of the measured read bandwidth
-(weight bytes per token x tokens/s), and each engine against its peer of the same weight
-class (ratios of medians).
+Runs go round robin (run 1 of every engine and batch, then run 2, ...), so a machine whose
+bandwidth drifts affects every engine alike. Figures: output tokens/s (the median, min and max
+of ``RUNS`` runs, each a fresh process: a warm-up, then one timed generate), for batch 1 the
+share of the measured read bandwidth (weight bytes per token x tokens/s), and each engine
+against the best peer of its weight class (ratios of medians).
 """
 
 from __future__ import annotations
@@ -30,11 +34,17 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import llama_cpp
 from benchmarks.common import RUNS, fmt, machine, read_bandwidth, spread
 from kernels.model.default_model import cache_root, default_model_dir
 
 PRESET = "qwen3-0.6b"
-ENGINES = ("fusedserve-bf16", "fusedserve-int8", "transformers-bf16", "openvino-fp16", "openvino-int8")
+ENGINES = ("fusedserve-bf16", "fusedserve-int8", "fusedserve-int4", "transformers-bf16", "openvino-fp16",
+           "openvino-int8", "openvino-int4", "llamacpp-bf16", "llamacpp-q8_0", "llamacpp-q4_0")
+# Weight classes: fusedserve's engine first, its peers after.
+CLASSES = {"16-bit": ("fusedserve-bf16", "openvino-fp16", "llamacpp-bf16"),
+           "int8": ("fusedserve-int8", "openvino-int8", "llamacpp-q8_0"),
+           "int4": ("fusedserve-int4", "openvino-int4", "llamacpp-q4_0")}
 
 
 def prompts(n: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -92,21 +102,19 @@ def _openvino(ov_dir: Path, batch: list[list[int]], new: int, runs: int = RUNS) 
     return figures
 
 
-def run_engine(engine: str, model_dir: Path, ov_root: Path, batch: list[list[int]], new: int) -> list[float]:
-    if engine == "fusedserve-bf16":
-        return fusedserve_generate(model_dir, batch, new, None)
-    if engine == "fusedserve-int8":
-        return fusedserve_generate(model_dir, batch, new, "int8")
-    if engine == "fusedserve-int4":
-        return fusedserve_generate(model_dir, batch, new, "int4")
+def run_engine(engine: str, model_dir: Path, ov_root: Path, batch: list[list[int]], new: int,
+               runs: int = RUNS) -> list[float]:
+    quant = {"fusedserve-bf16": None, "fusedserve-int8": "int8", "fusedserve-int4": "int4"}
+    if engine in quant:
+        return fusedserve_generate(model_dir, batch, new, quant[engine], runs=runs)
     if engine == "transformers-bf16":
         import torch
 
         from benchmarks.throughput import transformers_generate
 
-        return transformers_generate(batch, new, "bfloat16", torch.get_num_threads(), model_dir)
+        return transformers_generate(batch, new, "bfloat16", torch.get_num_threads(), model_dir, runs=runs)
     if engine.startswith("openvino-"):
-        return _openvino(ov_root / engine.split("-", 1)[1], batch, new)
+        return _openvino(ov_root / engine.split("-", 1)[1], batch, new, runs)
     raise ValueError(f"unknown engine {engine!r}")
 
 
@@ -115,81 +123,106 @@ def run_engine(engine: str, model_dir: Path, ov_root: Path, batch: list[list[int
 def export_openvino(python: str, model_dir: Path, ov_root: Path) -> None:
     """``optimum-cli export openvino`` once per weight format (cached next to the model)."""
     cli = Path(python).parent / "optimum-cli"
-    for weights in ("fp16", "int8"):
+    int4 = ["--sym", "--group-size", "32", "--ratio", "1.0"]  # as llama.cpp's Q4_0 and fusedserve's int4
+    for weights, extra in (("fp16", []), ("int8", []), ("int4", int4)):
         out = ov_root / weights
         if (out / "openvino_model.xml").is_file():
             continue
         tmp = ov_root / f".{weights}-tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         subprocess.run([str(cli), "export", "openvino", "-m", str(model_dir), "--task",
-                        "text-generation-with-past", "--weight-format", weights, str(tmp)],
+                        "text-generation-with-past", "--weight-format", weights, *extra, str(tmp)],
                        check=True, stdout=subprocess.DEVNULL)
         tmp.rename(out)
 
 
 def weight_bytes_per_token(model_dir: Path, quantization: str | None) -> int:
-    """Bytes of weights a decode step streams (lm_head included, the embedding gather not)."""
+    """Bytes of weights fusedserve's decode step streams (lm_head included, the embedding gather
+    not): 2 a parameter in 16 bits, 1 in int8; int4 layers 0.5625 (an fp16 scale per 32) and an
+    int8 lm_head."""
     from kernels.model.config import Qwen3Config
 
     c = Qwen3Config.from_dir(model_dir)
     per_layer = (c.q_size + 2 * c.kv_size) * c.hidden_size + c.hidden_size * c.q_size \
         + 3 * c.intermediate_size * c.hidden_size
-    params = c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size
-    return params * (1 if quantization else 2)
+    layers, head = c.num_hidden_layers * per_layer, c.vocab_size * c.hidden_size
+    if quantization == "int4":
+        return int(layers * 0.5625) + head
+    return (layers + head) * (1 if quantization else 2)
 
 
 def measure(engines: list[str], batches: list[int], input_len: int, new: int, threads: int,
-            openvino_python: str | None) -> dict:
+            openvino_python: str | None, llama_dir: str | None = None, llama_python: str | None = None,
+            runs: int = RUNS) -> dict:
     model_dir = default_model_dir(PRESET)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     ov_root = cache_root() / f"openvino-{model_dir.name}"
     if openvino_python:
         export_openvino(openvino_python, model_dir, ov_root)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
            "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    results: dict[str, dict[int, dict]] = {}
-    for engine in engines:
-        python = sys.executable
-        if engine.startswith("openvino-"):
-            if not openvino_python:
+    available = [e for e in engines if (not e.startswith("openvino-") or openvino_python)
+                 and (not e.startswith("llamacpp-") or llama_dir)]
+    ggufs = {e: llama_cpp.gguf(Path(llama_dir), llama_python or sys.executable, model_dir,
+                               cache_root() / f"llamacpp-{model_dir.name}", e)
+             for e in available if e.startswith("llamacpp-")}
+    raw: dict[str, dict[int, list[float]]] = {e: {b: [] for b in batches} for e in available}
+    for run in range(runs):  # round robin: every engine and batch once per run
+        for engine in available:
+            if engine in ggufs:
+                for b, v in llama_cpp.batched_bench(Path(llama_dir), ggufs[engine], batches, input_len, new,
+                                                    threads).items():
+                    raw[engine][b].append(v)
                 continue
-            python = openvino_python
-        results[engine] = {}
-        for b in batches:
-            cmd = [python, "-m", "benchmarks.cpu_peers", "--one", engine, "--batches", str(b),
-                   "--input-len", str(input_len), "--new-tokens", str(new)]
-            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-            if r.returncode != 0:
-                raise RuntimeError(f"{engine} batch {b} failed:\n{r.stderr[-3000:]}")
-            results[engine][b] = spread(json.loads(r.stdout.strip().splitlines()[-1])["tokens_per_s"])
-            print(f"  {engine:>18} batch {b:>3}: {fmt(results[engine][b])} tok/s", flush=True)
+            python = openvino_python if engine.startswith("openvino-") else sys.executable
+            for b in batches:
+                cmd = [python, "-m", "benchmarks.cpu_peers", "--one", engine, "--batches", str(b),
+                       "--input-len", str(input_len), "--new-tokens", str(new), "--runs", "1"]
+                r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+                if r.returncode != 0:
+                    raise RuntimeError(f"{engine} batch {b} failed:\n{r.stderr[-3000:]}")
+                raw[engine][b] += json.loads(r.stdout.strip().splitlines()[-1])["tokens_per_s"]
+        print(f"  run {run + 1} of {runs}: " + ", ".join(
+            f"{e} " + "/".join(f"{raw[e][b][-1]:.1f}" for b in batches) for e in available), flush=True)
+    results = {e: {b: spread(v) for b, v in row.items()} for e, row in raw.items()}
     bw = read_bandwidth()
     return {"machine": machine(), "model": f"default:{PRESET}", "input_len": input_len, "new_tokens": new,
-            "threads": threads, "read_bw_gbps": bw / 1e9, "results": results,
+            "threads": threads, "read_bw_gbps": bw / 1e9, "results": results, "vocab": vocab,
             "weight_bytes": {"16-bit": weight_bytes_per_token(model_dir, None),
-                             "int8": weight_bytes_per_token(model_dir, "int8")}}
+                             "int8": weight_bytes_per_token(model_dir, "int8"),
+                             "int4": weight_bytes_per_token(model_dir, "int4")}}
 
 
 def table(res: dict) -> list[str]:
-    """Markdown: tok/s per batch as median (min-max), batch-1 share of read bandwidth, ratios of
-    medians to the peers."""
+    """Markdown: tok/s per batch as median (min-max), batch-1 share of read bandwidth, and per
+    weight class fusedserve's ratio to the best peer measured (ratios of medians)."""
     full = {e: {int(b): v for b, v in row.items()} for e, row in res["results"].items()}
-    r = {e: {b: v["median"] for b, v in row.items()} for e, row in full.items()}
+    r = medians(res)
     batches = sorted({b for v in r.values() for b in v})
-    lines = ["| engine | " + " | ".join(f"batch {b}" for b in batches) + " | batch 1 % of read bw |",
-             "|---" * (len(batches) + 2) + "|"]
+    lines = ["| engine | " + " | ".join(f"batch {b}" for b in batches)
+             + " | batch 1 % of read bw (fusedserve's bytes) |", "|---" * (len(batches) + 2) + "|"]
     for engine, row in r.items():
-        wb = res["weight_bytes"]["int8" if engine.endswith("int8") else "16-bit"]
+        cls = next((k for k, v in CLASSES.items() if engine in v), "16-bit")
+        wb = res["weight_bytes"].get(cls, res["weight_bytes"]["16-bit"])
         bw = f"{100 * row[1] * wb / (res['read_bw_gbps'] * 1e9):.0f}%" if 1 in row else "-"
         lines.append(f"| {engine} | " + " | ".join(fmt(full[engine][b]) if b in row else "-" for b in batches)
                      + f" | {bw} |")
-    pairs = [("fusedserve-bf16", "openvino-fp16"), ("fusedserve-int8", "openvino-int8"),
-             ("fusedserve-bf16", "transformers-bf16"), ("fusedserve-int8", "transformers-bf16")]
-    lines += ["", "| ratio | " + " | ".join(f"batch {b}" for b in batches) + " |",
+    lines += ["", "| ratio of medians | " + " | ".join(f"batch {b}" for b in batches) + " |",
               "|---" * (len(batches) + 1) + "|"]
-    for a, b in pairs:
-        if a in r and b in r:
-            lines.append(f"| {a} / {b} | " + " | ".join(f"{r[a][x] / r[b][x]:.2f}x" for x in batches) + " |")
+    for cls, (ours, *peers) in CLASSES.items():
+        have = [p for p in peers if p in r]
+        if ours in r and have:
+            lines.append(f"| {ours} / best of {', '.join(have)} ({cls}) | " + " | ".join(
+                f"{r[ours][x] / max(r[p][x] for p in have):.2f}x" for x in batches) + " |")
+    if "fusedserve-bf16" in r and "transformers-bf16" in r:
+        lines.append("| fusedserve-bf16 / transformers-bf16 | " + " | ".join(
+            f"{r['fusedserve-bf16'][x] / r['transformers-bf16'][x]:.2f}x" for x in batches) + " |")
     return lines
+
+
+def medians(res: dict) -> dict[str, dict[int, float]]:
+    return {e: {int(b): v["median"] if isinstance(v, dict) else v for b, v in row.items()}
+            for e, row in res["results"].items()}
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -201,6 +234,11 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--openvino-python", default=None,
                     help="an interpreter with openvino-genai and optimum-intel (the 'openvino' extra)")
+    ap.add_argument("--llama-cpp", default=None,
+                    help="a built llama.cpp source folder (benchmarks/llama_cpp.py)")
+    ap.add_argument("--llama-python", default=None,
+                    help="a python with torch, transformers, numpy and sentencepiece for the GGUF conversion")
+    ap.add_argument("--runs", type=int, default=RUNS)
     ap.add_argument("--json", default=None)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # subprocess: one engine, one batch
     args = ap.parse_args(argv)
@@ -212,11 +250,12 @@ def main(argv: list[str] | None = None) -> dict | None:
         model_dir = default_model_dir(PRESET)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         figures = run_engine(args.one, model_dir, cache_root() / f"openvino-{model_dir.name}",
-                         prompts(batches[0], args.input_len, vocab, seed=batches[0]), args.new_tokens)
+                             prompts(batches[0], args.input_len, vocab, seed=batches[0]), args.new_tokens,
+                             args.runs)
         print(json.dumps({"tokens_per_s": figures}))
         return None
     res = measure(args.engines.split(","), batches, args.input_len, args.new_tokens, args.threads,
-                  args.openvino_python)
+                  args.openvino_python, args.llama_cpp, args.llama_python, args.runs)
     print(f"{res['machine']}; read bandwidth {res['read_bw_gbps']:.1f} GB/s")
     print("\n".join(table(res)))
     if args.json:

