@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--quantization", default=None, choices=["int8"])
+    ap.add_argument("--quantization", default=None, choices=["int8", "int8-weight-only", "int4"])
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the benchmark model)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

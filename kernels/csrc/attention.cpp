@@ -5,6 +5,12 @@ namespace fusedserve {
 // -------------------------------------------------------------- decode attention
 
 constexpr int CHUNK = 32;  // context tokens scored before one online-softmax rescale
+constexpr int PREFETCH = 8;  // context tokens between a K row's prefetch and its use
+
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
+}
 
 template <typename T>
 inline float dot_f32(const float* q, const T* k, int64_t D) {
@@ -29,6 +35,25 @@ inline void scale_f32(float a, float* acc, int64_t D) {
   int64_t d = 0;
   for (; d + VL <= D; d += VL) vstore(acc + d, vmul(av, vload(acc + d)));
   for (; d < D; ++d) acc[d] *= a;
+}
+
+// acc[g][0, VB * VL) += p[g, t] * v[t][off, off + VB * VL) over a chunk's n tokens, in token
+// order (the same sums as one token at a time), the block of acc held in registers.
+template <typename T, int G, int VB>
+inline void values_block(const T* const* vrows, int64_t n, int64_t off, const float* sh, float* ah, int64_t D) {
+  vf a[G][VB];
+  for (int g = 0; g < G; ++g)
+    for (int b = 0; b < VB; ++b) a[g][b] = vload(ah + g * D + b * VL);
+  for (int64_t t = 0; t < n; ++t) {
+    vf vv[VB];
+    for (int b = 0; b < VB; ++b) vv[b] = vload(vrows[t] + off + b * VL);
+    for (int g = 0; g < G; ++g) {
+      const vf p = vset(sh[g * CHUNK + t]);
+      for (int b = 0; b < VB; ++b) a[g][b] = vfma(p, vv[b], a[g][b]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int b = 0; b < VB; ++b) vstore(ah + g * D + b * VL, a[g][b]);
 }
 
 // One query token per sequence against its paged context, K/V read in place from the
@@ -81,6 +106,17 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
         mx[j] = -INFINITY;
         l[j] = 0.f;
       }
+      // The pages come from DRAM (the weights streamed through the caches since the last step).
+      // Where a work item reads a fraction of each token's row (few sequences, heads split),
+      // the hardware prefetchers do not keep up, so K rows are fetched PREFETCH tokens ahead and
+      // V rows while the scores are taken.
+      auto kv_offset = [&](int64_t pos) {
+        return (static_cast<int64_t>(bt[b * max_blocks + pos / block_size]) * block_size + pos % block_size) *
+                   slot_stride + kh0 * D;
+      };
+      const bool prefetch = groups > 1;
+      for (int64_t pos = 0; prefetch && pos < std::min<int64_t>(PREFETCH, len); ++pos)
+        prefetch_bytes(kp + kv_offset(pos), hpg * D * sizeof(T));
       for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {
         const int64_t n = std::min<int64_t>(CHUNK, len - t0);
         const T* krows[CHUNK];
@@ -93,6 +129,10 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
           vrows[t] = vp + slot * slot_stride + kh0 * D;
         }
         for (int64_t t = 0; t < n; ++t) {  // scores: each K row once for its G query heads
+          if (prefetch) {
+            if (t0 + t + PREFETCH < len) prefetch_bytes(kp + kv_offset(t0 + t + PREFETCH), hpg * D * sizeof(T));
+            prefetch_bytes(vrows[t], hpg * D * sizeof(T));
+          }
           for (int64_t h = 0; h < hpg; ++h) {
             const T* krow = krows[t] + h * D;
             const float* qh = qf + h * G * D;
@@ -128,18 +168,32 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
           l[j] += vsum(sum);
           mx[j] = m;
         }
-        for (int64_t t = 0; t < n; ++t) {  // values, in page order
+        if constexpr (GT > 0) {  // values: acc[g] += p[g, t] * v[t], a block of acc in registers
+          constexpr int VB = GT <= 2 ? 4 : GT <= 4 ? 2 : 1;
           for (int64_t h = 0; h < hpg; ++h) {
-            const T* vrow = vrows[t] + h * D;
             float* ah = acc + h * G * D;
-            const float* sh = s + h * G * CHUNK + t;
-            for (int64_t d = 0; d < DV; d += VL) {
-              const vf vv = vload(vrow + d);
-              for (int64_t g = 0; g < G; ++g)
-                vstore(ah + g * D + d, vfma(vset(sh[g * CHUNK]), vv, vload(ah + g * D + d)));
+            const float* sh = s + h * G * CHUNK;
+            int64_t d = 0;
+            for (; d + VB * VL <= DV; d += VB * VL) values_block<T, GT, VB>(vrows, n, h * D + d, sh, ah + d, D);
+            for (; d < DV; d += VL) values_block<T, GT, 1>(vrows, n, h * D + d, sh, ah + d, D);
+            for (int64_t t = 0; t < n; ++t)
+              for (d = DV; d < D; ++d)
+                for (int64_t g = 0; g < G; ++g) ah[g * D + d] += sh[g * CHUNK + t] * to_f(vrows[t][h * D + d]);
+          }
+        } else {
+          for (int64_t t = 0; t < n; ++t) {  // values, in page order
+            for (int64_t h = 0; h < hpg; ++h) {
+              const T* vrow = vrows[t] + h * D;
+              float* ah = acc + h * G * D;
+              const float* sh = s + h * G * CHUNK + t;
+              for (int64_t d = 0; d < DV; d += VL) {
+                const vf vv = vload(vrow + d);
+                for (int64_t g = 0; g < G; ++g)
+                  vstore(ah + g * D + d, vfma(vset(sh[g * CHUNK]), vv, vload(ah + g * D + d)));
+              }
+              for (int64_t d = DV; d < D; ++d)
+                for (int64_t g = 0; g < G; ++g) ah[g * D + d] += sh[g * CHUNK] * to_f(vrow[d]);
             }
-            for (int64_t d = DV; d < D; ++d)
-              for (int64_t g = 0; g < G; ++g) ah[g * D + d] += sh[g * CHUNK] * to_f(vrow[d]);
           }
         }
       }

@@ -141,6 +141,51 @@ inline float to_f(bf16 v) { return static_cast<float>(v); }
 inline float to_f(f16 v) { return static_cast<float>(v); }
 inline float to_f(int8_t v) { return static_cast<float>(v); }
 
+// Activation rows -> int8 for the integer GEMMs: q[k] = clamp(round(x[k] / s), -127, 127) with
+// s = max|x| / 127 (1 for a zero row), each byte xor'ed with ``flip`` (0x80 stores q + 128, the
+// unsigned form vpdpbusd reads). The vector and scalar parts round alike (the current mode,
+// round-half-even, as std::nearbyint), so a row quantizes the same on every ISA.
+#if defined(__AVX512F__)
+inline vf vabs(vf a) { return _mm512_abs_ps(a); }
+inline void store_i8(int8_t* q, vf v, uint8_t flip) {
+  __m512i i = _mm512_cvtps_epi32(v);
+  i = _mm512_max_epi32(_mm512_min_epi32(i, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+  const __m128i b = _mm_xor_si128(_mm512_cvtepi32_epi8(i), _mm_set1_epi8(static_cast<char>(flip)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), b);
+}
+#elif FS_VL > 1
+inline vf vabs(vf a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
+inline void store_i8(int8_t* q, vf v, uint8_t flip) {
+  __m256i i = _mm256_cvtps_epi32(v);
+  i = _mm256_max_epi32(_mm256_min_epi32(i, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+  const __m128i b = _mm_xor_si128(_mm_packs_epi16(w, w), _mm_set1_epi8(static_cast<char>(flip)));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(q), b);
+}
+#else
+inline vf vabs(vf a) { return std::fabs(a); }
+#endif
+
+template <typename T>
+inline float quantize_row_i8(const T* x, int64_t K, int8_t* q, uint8_t flip) {
+  vf am = vzero();
+  int64_t k = 0;
+  for (; k + FS_VL <= K; k += FS_VL) am = _max(am, vabs(vload(x + k)));
+  float amax = vmax_all(am);
+  for (; k < K; ++k) amax = std::max(amax, std::fabs(to_f(x[k])));
+  const float s = amax > 0.f ? amax / 127.f : 1.f;
+  const float inv = 1.f / s;
+  k = 0;
+#if FS_VL > 1
+  for (; k + FS_VL <= K; k += FS_VL) store_i8(q + k, vmul(vload(x + k), vset(inv)), flip);
+#endif
+  for (; k < K; ++k) {
+    const int v = std::max(-127, std::min(127, static_cast<int>(std::nearbyint(to_f(x[k]) * inv))));
+    q[k] = static_cast<int8_t>(static_cast<uint8_t>(static_cast<uint8_t>(v) ^ flip));
+  }
+  return s;
+}
+
 // linear.cpp
 const float* as_f32(const at::Tensor& x, std::vector<float>& buf);  // rows as fp32 (a reused scratch)
 void linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale, at::Tensor out);

@@ -31,7 +31,10 @@ inline f4 scales4(const f16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(rein
 inline f4 fz4() { return _mm512_setzero_ps(); }
 inline f4 fma4(f4 a, f4 b, f4 c) { return _mm512_fmadd_ps(a, b, c); }
 #if defined(__AVX512VNNI__)
-inline v4 dot_u4(v4 acc, v4 w, v4 x) { return _mm512_dpbusd_epi32(acc, w, x); }
+inline v4 dot_u4(v4 acc, v4 w, v4 x) {  // inline asm: see dot4 in linear_int8.cpp
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x));
+  return acc;
+}
 #else
 inline v4 dot_u4(v4 acc, v4 w, v4 x) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
@@ -148,12 +151,8 @@ void quantize_groups(const at::Tensor& x, int64_t K32, std::vector<int8_t>& q, s
     for (int64_t r = r0; r < r1; ++r) {
       const T* row = xp + r * ld;
       int8_t* qr = q.data() + r * K32;
-      float amax = 0.f;
-      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(to_f(row[k])));
-      const float s = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / s;
-      for (int64_t k = 0; k < K; ++k)
-        qr[k] = static_cast<int8_t>(std::max(-127, std::min(127, static_cast<int>(std::nearbyint(to_f(row[k]) * inv)))));
-      for (int64_t k = K; k < K32; ++k) qr[k] = 0;
+      const float s = quantize_row_i8(row, K, qr, 0);
+      std::fill(qr + K, qr + K32, static_cast<int8_t>(0));
       for (int64_t g = 0; g < G; ++g) {
         int32_t sum = 0;
         for (int t = 0; t < G4; ++t) sum += qr[g * G4 + t];
