@@ -14,6 +14,13 @@ prompts as token ids (32 in, 64 out by default, greedy, EOS ignored), at batch
 - llama.cpp with bf16, Q8_0 and Q4_0 weights, where a build is given (``--llama-cpp``;
   ``benchmarks/llama_cpp.py``).
 
+``--isa avx2`` holds every engine to AVX2 + FMA + F16C on a wider host, as a stand-in for an
+AVX2-only CPU: fusedserve's kernels built for AVX2 (``FUSEDSERVE_CPU_ISA``), ATen's and oneDNN's
+dispatch capped (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``; OpenVINO computes in f32, as it
+does on an AVX2 CPU), and llama.cpp's AVX2 build. The memory system stays the host's. The cap is
+partial for OpenVINO: its oneDNN kernels obey it, but some of its own JIT kernels (RMS norm) and
+MLAS pick AVX-512 from the CPU's flags, so its figures are, if anything, above an AVX2 CPU's.
+
 Runs go round robin (run 1 of every engine and batch, then run 2, ...), so a machine whose
 bandwidth drifts affects every engine alike. Figures: output tokens/s (the median, min and max
 of ``RUNS`` runs, each a fresh process: a warm-up, then one timed generate), for batch 1 the
@@ -39,6 +46,10 @@ from benchmarks.common import RUNS, fmt, machine, read_bandwidth, spread
 from kernels.model.default_model import cache_root, default_model_dir
 
 PRESET = "qwen3-0.6b"
+# Environment that caps every engine at an instruction set (``--isa``); "native" leaves each its best.
+ISA_ENV = {"native": {},
+           "avx2": {"FUSEDSERVE_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
+                    "ONEDNN_MAX_CPU_ISA": "AVX2"}}
 ENGINES = ("fusedserve-bf16", "fusedserve-int8", "fusedserve-int4", "transformers-bf16", "openvino-fp16",
            "openvino-int8", "openvino-int4", "llamacpp-bf16", "llamacpp-q8_0", "llamacpp-q4_0")
 # Weight classes: fusedserve's engine first, its peers after.
@@ -77,7 +88,8 @@ def fusedserve_generate(model_dir: Path, batch: list[list[int]], new: int, quant
     return figures
 
 
-def _openvino(ov_dir: Path, batch: list[list[int]], new: int, runs: int = RUNS) -> list[float]:
+def _openvino(ov_dir: Path, batch: list[list[int]], new: int, runs: int = RUNS,
+              isa: str = "native") -> list[float]:
     import openvino as ov
     import openvino_genai as genai
 
@@ -89,7 +101,10 @@ def _openvino(ov_dir: Path, batch: list[list[int]], new: int, runs: int = RUNS) 
     sched.cache_size = 2  # GB of KV cache
     sched.max_num_batched_tokens = max(256, len(batch) * len(batch[0]))
     sched.max_num_seqs = max(len(batch), 1)
-    pipe = genai.ContinuousBatchingPipeline(str(ov_dir), sched, "CPU")
+    # Held to AVX2, OpenVINO must compute in f32 as on an AVX2-only CPU: it picks bf16 from the
+    # CPU's flags, which ONEDNN_MAX_CPU_ISA does not hide, and oneDNN then refuses the primitives.
+    props = {} if isa == "native" else {"INFERENCE_PRECISION_HINT": "f32"}
+    pipe = genai.ContinuousBatchingPipeline(str(ov_dir), sched, "CPU", props)
     warm = genai.GenerationConfig()
     warm.max_new_tokens = 4
     pipe.generate([ov.Tensor(np.asarray([batch[0][:8]], dtype=np.int64))], [warm])
@@ -103,7 +118,7 @@ def _openvino(ov_dir: Path, batch: list[list[int]], new: int, runs: int = RUNS) 
 
 
 def run_engine(engine: str, model_dir: Path, ov_root: Path, batch: list[list[int]], new: int,
-               runs: int = RUNS) -> list[float]:
+               runs: int = RUNS, isa: str = "native") -> list[float]:
     quant = {"fusedserve-bf16": None, "fusedserve-int8": "int8", "fusedserve-int4": "int4"}
     if engine in quant:
         return fusedserve_generate(model_dir, batch, new, quant[engine], runs=runs)
@@ -114,7 +129,7 @@ def run_engine(engine: str, model_dir: Path, ov_root: Path, batch: list[list[int
 
         return transformers_generate(batch, new, "bfloat16", torch.get_num_threads(), model_dir, runs=runs)
     if engine.startswith("openvino-"):
-        return _openvino(ov_root / engine.split("-", 1)[1], batch, new, runs)
+        return _openvino(ov_root / engine.split("-", 1)[1], batch, new, runs, isa)
     raise ValueError(f"unknown engine {engine!r}")
 
 
@@ -153,14 +168,14 @@ def weight_bytes_per_token(model_dir: Path, quantization: str | None) -> int:
 
 def measure(engines: list[str], batches: list[int], input_len: int, new: int, threads: int,
             openvino_python: str | None, llama_dir: str | None = None, llama_python: str | None = None,
-            runs: int = RUNS) -> dict:
+            runs: int = RUNS, isa: str = "native") -> dict:
     model_dir = default_model_dir(PRESET)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     ov_root = cache_root() / f"openvino-{model_dir.name}"
     if openvino_python:
         export_openvino(openvino_python, model_dir, ov_root)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **ISA_ENV[isa]}
     available = [e for e in engines if (not e.startswith("openvino-") or openvino_python)
                  and (not e.startswith("llamacpp-") or llama_dir)]
     ggufs = {e: llama_cpp.gguf(Path(llama_dir), llama_python or sys.executable, model_dir,
@@ -171,13 +186,13 @@ def measure(engines: list[str], batches: list[int], input_len: int, new: int, th
         for engine in available:
             if engine in ggufs:
                 for b, v in llama_cpp.batched_bench(Path(llama_dir), ggufs[engine], batches, input_len, new,
-                                                    threads).items():
+                                                    threads, isa).items():
                     raw[engine][b].append(v)
                 continue
             python = openvino_python if engine.startswith("openvino-") else sys.executable
             for b in batches:
                 cmd = [python, "-m", "benchmarks.cpu_peers", "--one", engine, "--batches", str(b),
-                       "--input-len", str(input_len), "--new-tokens", str(new), "--runs", "1"]
+                       "--input-len", str(input_len), "--new-tokens", str(new), "--runs", "1", "--isa", isa]
                 r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
                 if r.returncode != 0:
                     raise RuntimeError(f"{engine} batch {b} failed:\n{r.stderr[-3000:]}")
@@ -186,7 +201,8 @@ def measure(engines: list[str], batches: list[int], input_len: int, new: int, th
             f"{e} " + "/".join(f"{raw[e][b][-1]:.1f}" for b in batches) for e in available), flush=True)
     results = {e: {b: spread(v) for b, v in row.items()} for e, row in raw.items()}
     bw = read_bandwidth()
-    return {"machine": machine(), "model": f"default:{PRESET}", "input_len": input_len, "new_tokens": new,
+    return {"machine": machine(), "isa": isa, "model": f"default:{PRESET}", "input_len": input_len,
+            "new_tokens": new,
             "threads": threads, "read_bw_gbps": bw / 1e9, "results": results, "vocab": vocab,
             "weight_bytes": {"16-bit": weight_bytes_per_token(model_dir, None),
                              "int8": weight_bytes_per_token(model_dir, "int8"),
@@ -239,6 +255,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--llama-python", default=None,
                     help="a python with torch, transformers, numpy and sentencepiece for the GGUF conversion")
     ap.add_argument("--runs", type=int, default=RUNS)
+    ap.add_argument("--isa", choices=sorted(ISA_ENV), default="native",
+                    help="cap every engine at this instruction set (avx2: an AVX2-only CPU's kernels)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # subprocess: one engine, one batch
     args = ap.parse_args(argv)
@@ -251,12 +269,12 @@ def main(argv: list[str] | None = None) -> dict | None:
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         figures = run_engine(args.one, model_dir, cache_root() / f"openvino-{model_dir.name}",
                              prompts(batches[0], args.input_len, vocab, seed=batches[0]), args.new_tokens,
-                             args.runs)
+                             args.runs, args.isa)
         print(json.dumps({"tokens_per_s": figures}))
         return None
     res = measure(args.engines.split(","), batches, args.input_len, args.new_tokens, args.threads,
-                  args.openvino_python, args.llama_cpp, args.llama_python, args.runs)
-    print(f"{res['machine']}; read bandwidth {res['read_bw_gbps']:.1f} GB/s")
+                  args.openvino_python, args.llama_cpp, args.llama_python, args.runs, args.isa)
+    print(f"{res['machine']}; instruction set {args.isa}; read bandwidth {res['read_bw_gbps']:.1f} GB/s")
     print("\n".join(table(res)))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))

@@ -8,6 +8,13 @@ sources, ``convert_hf_to_gguf.py`` and ``gguf-py``::
     cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release
     cmake --build build -j2 --target llama-batched-bench llama-quantize
 
+For an AVX2-only comparison on a wider host (``cpu_peers --isa avx2``), a second build without
+the native flags, in ``build-avx2``::
+
+    cmake -B build-avx2 -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+        -DGGML_BMI2=ON -DGGML_AVX512=OFF -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release
+    cmake --build build-avx2 -j2 --target llama-batched-bench
+
 ``--llama-cpp DIR`` (of ``benchmarks.cpu_peers``) names that ``llama.cpp`` folder; the
 conversion needs a Python with torch, transformers, numpy and sentencepiece (``--llama-python``).
 The checkpoint's tokenizer is the project's own byte-level BPE, which the converter does not
@@ -21,6 +28,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+# The build folder per instruction set of the comparison (``cpu_peers --isa``).
+BUILDS = {"native": "build", "avx2": "build-avx2"}
 WEIGHTS = {"llamacpp-bf16": "bf16", "llamacpp-q8_0": "Q8_0", "llamacpp-q4_0": "Q4_0"}
 
 # Run as ``python -c``: convert_hf_to_gguf.py with the tokenizer declared qwen2's.
@@ -57,10 +66,13 @@ def gguf(llama_dir: Path, python: str, model_dir: Path, root: Path, engine: str)
 
 
 def batched_bench(llama_dir: Path, model: Path, batches: list[int], input_len: int, new: int,
-                  threads: int) -> dict[int, float]:
-    """Output tokens/s at each batch from one run of ``llama-batched-bench``."""
+                  threads: int, isa: str = "native") -> dict[int, float]:
+    """Output tokens/s at each batch from one run of ``llama-batched-bench`` (the build for ``isa``)."""
     ctx = max(batches) * (input_len + new) + 256
-    cmd = [str(llama_dir / "build" / "bin" / "llama-batched-bench"), "-m", str(model), "-t", str(threads),
+    binary = llama_dir / BUILDS[isa] / "bin" / "llama-batched-bench"
+    if not binary.is_file():
+        raise FileNotFoundError(f"{binary}: build llama.cpp for {isa} first (see benchmarks/llama_cpp.py)")
+    cmd = [str(binary), "-m", str(model), "-t", str(threads),
            "-npp", str(input_len), "-ntg", str(new), "-npl", ",".join(map(str, batches)), "-c", str(ctx)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=True)
     figures = {}

@@ -204,6 +204,33 @@ def peer_section(args, t: list) -> list[str]:
     return lines
 
 
+def avx2_peer_section(args, t: list) -> list[str]:
+    """The same peers with every engine held to AVX2 + FMA (``cpu_peers --isa avx2``): what an
+    AVX2-only CPU would run, on this host's memory system."""
+    peers = cpu_peers.measure(list(cpu_peers.ENGINES), [1, 16, 64], 32, 64, args.threads, args.openvino_python,
+                              args.llama_cpp, args.llama_python, isa="avx2")
+    png = Path(args.out).with_name("benchmarks_cpu_peers_avx2.png")
+    plot(peers["results"], "held to AVX2: Qwen3-0.6B shape, 32 in / 64 out, 2 CPU threads", png)
+    r = cpu_peers.medians(peers)
+    lines = ["", "## CPU peers held to AVX2", "",
+             "`python -m benchmarks.cpu_peers --isa avx2 ...`: the same run with every engine capped at AVX2 + FMA "
+             "+ F16C, standing in for an AVX2-only CPU: fusedserve's kernels built for `avx2`, "
+             "`ATEN_CPU_CAPABILITY=avx2`, `ONEDNN_MAX_CPU_ISA=AVX2` with OpenVINO computing in f32 (as on an AVX2 "
+             "CPU), llama.cpp built with `GGML_NATIVE=OFF GGML_AVX2=ON GGML_AVX512=OFF`. The memory system is this "
+             "host's, and the cap is partial for OpenVINO (some of its own JIT kernels, RMS norm among them, and "
+             "MLAS still pick AVX-512), so its figures are if anything above an AVX2 CPU's. Read "
+             f"bandwidth in this run: {peers['read_bw_gbps']:.1f} GB/s.", "",
+             *cpu_peers.table(peers), "", f"![CPU peers, AVX2]({png.name})"]
+    for cls, (ours, *others) in cpu_peers.CLASSES.items():
+        have = [p for p in others if p in r]
+        if ours in r and have:
+            best = {b: max(r[p][b] for p in have) for b in (1, 16, 64)}
+            t.append((f"held to AVX2: ahead of the best of {', '.join(have)} at batch 1, 16 and 64 ({cls})",
+                      all(r[ours][b] > best[b] for b in best),
+                      ", ".join(f"B={b}: {r[ours][b] / best[b]:.2f}x" for b in best)))
+    return lines
+
+
 def engine_section(args, t: list) -> list[str]:
     """Prefix-cache TTFT, inter-token gaps under long arrivals, d2h per step by sampling mix."""
     pc = prefix_cache.run("default:benchmark", 1000, 24, 5, args.dtype)
@@ -271,6 +298,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="an interpreter with the 'openvino' extra: OpenVINO GenAI joins the CPU peers")
     ap.add_argument("--llama-cpp", default=None, help="a built llama.cpp folder: llama.cpp joins the CPU peers")
     ap.add_argument("--llama-python", default=None, help="a python for llama.cpp's GGUF conversion")
+    ap.add_argument("--avx2-peers", action="store_true",
+                    help="also run the CPU peers with every engine held to AVX2 (needs llama.cpp's build-avx2)")
     args = ap.parse_args(argv)
     t0 = time.time()
     from benchmarks.common import machine
@@ -286,6 +315,8 @@ def main(argv: list[str] | None = None) -> None:
              "same run.", "", f"Machine: {machine()}; native CPU kernels built for `{isa}`.", ""]
     lines += core_section(args, t)
     lines += peer_section(args, t)
+    if args.avx2_peers:
+        lines += avx2_peer_section(args, t)
     lines += engine_section(args, t)
     lines += cuda_section(t)
     lines += ["", "## Targets", "", "| target | met | figure |", "|---|---|---|"]
