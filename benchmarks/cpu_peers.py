@@ -16,10 +16,11 @@ prompts as token ids (32 in, 64 out by default, greedy, EOS ignored), at batch
 
 ``--isa avx2`` holds every engine to AVX2 + FMA + F16C on a wider host, as a stand-in for an
 AVX2-only CPU: fusedserve's kernels built for AVX2 (``FUSEDSERVE_CPU_ISA``), ATen's and oneDNN's
-dispatch capped (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``; OpenVINO computes in f32, as it
-does on an AVX2 CPU), and llama.cpp's AVX2 build. The memory system stays the host's. The cap is
-partial for OpenVINO: its oneDNN kernels obey it, but some of its own JIT kernels (RMS norm) and
-MLAS pick AVX-512 from the CPU's flags, so its figures are, if anything, above an AVX2 CPU's.
+dispatch capped (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``; OpenVINO computes in f32 without
+dynamic int8 activations, as on an AVX2 CPU), and llama.cpp's AVX2 build. The memory system stays
+the host's. The cap is partial for OpenVINO: its oneDNN kernels obey it, but some of its own JIT
+kernels (RMS norm) and MLAS pick AVX-512 from the CPU's flags, so its figures are, if anything,
+above an AVX2 CPU's.
 
 Runs go round robin (run 1 of every engine and batch, then run 2, ...), so a machine whose
 bandwidth drifts affects every engine alike. Figures: output tokens/s (the median, min and max
@@ -101,9 +102,11 @@ def _openvino(ov_dir: Path, batch: list[list[int]], new: int, runs: int = RUNS,
     sched.cache_size = 2  # GB of KV cache
     sched.max_num_batched_tokens = max(256, len(batch) * len(batch[0]))
     sched.max_num_seqs = max(len(batch), 1)
-    # Held to AVX2, OpenVINO must compute in f32 as on an AVX2-only CPU: it picks bf16 from the
-    # CPU's flags, which ONEDNN_MAX_CPU_ISA does not hide, and oneDNN then refuses the primitives.
-    props = {} if isa == "native" else {"INFERENCE_PRECISION_HINT": "f32"}
+    # Held to AVX2, OpenVINO must be told what it does on an AVX2-only CPU: compute in f32, and no
+    # dynamic int8 activations (its brgemm needs VNNI). It picks bf16 and VNNI from the CPU's flags,
+    # which ONEDNN_MAX_CPU_ISA does not hide, and oneDNN then refuses those primitives.
+    props = {} if isa == "native" else {"INFERENCE_PRECISION_HINT": "f32",
+                                        "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
     pipe = genai.ContinuousBatchingPipeline(str(ov_dir), sched, "CPU", props)
     warm = genai.GenerationConfig()
     warm.max_new_tokens = 4

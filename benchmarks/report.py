@@ -207,7 +207,8 @@ def peer_section(args, t: list) -> list[str]:
 def avx2_peer_section(args, t: list) -> list[str]:
     """The same peers with every engine held to AVX2 + FMA (``cpu_peers --isa avx2``): what an
     AVX2-only CPU would run, on this host's memory system."""
-    peers = cpu_peers.measure(list(cpu_peers.ENGINES), [1, 16, 64], 32, 64, args.threads, args.openvino_python,
+    engines = [e for e in cpu_peers.ENGINES if e != "transformers-bf16"]  # in no weight class
+    peers = cpu_peers.measure(engines, [1, 16, 64], 32, 64, args.threads, args.openvino_python,
                               args.llama_cpp, args.llama_python, isa="avx2")
     png = Path(args.out).with_name("benchmarks_cpu_peers_avx2.png")
     plot(peers["results"], "held to AVX2: Qwen3-0.6B shape, 32 in / 64 out, 2 CPU threads", png)
@@ -215,8 +216,8 @@ def avx2_peer_section(args, t: list) -> list[str]:
     lines = ["", "## CPU peers held to AVX2", "",
              "`python -m benchmarks.cpu_peers --isa avx2 ...`: the same run with every engine capped at AVX2 + FMA "
              "+ F16C, standing in for an AVX2-only CPU: fusedserve's kernels built for `avx2`, "
-             "`ATEN_CPU_CAPABILITY=avx2`, `ONEDNN_MAX_CPU_ISA=AVX2` with OpenVINO computing in f32 (as on an AVX2 "
-             "CPU), llama.cpp built with `GGML_NATIVE=OFF GGML_AVX2=ON GGML_AVX512=OFF`. The memory system is this "
+             "`ATEN_CPU_CAPABILITY=avx2`, `ONEDNN_MAX_CPU_ISA=AVX2` with OpenVINO computing in f32 without dynamic "
+             "int8 activations (as on an AVX2 CPU without VNNI), llama.cpp built with `GGML_NATIVE=OFF GGML_AVX2=ON GGML_AVX512=OFF`. The memory system is this "
              "host's, and the cap is partial for OpenVINO (some of its own JIT kernels, RMS norm among them, and "
              "MLAS still pick AVX-512), so its figures are if anything above an AVX2 CPU's. Read "
              f"bandwidth in this run: {peers['read_bw_gbps']:.1f} GB/s.", "",

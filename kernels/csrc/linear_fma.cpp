@@ -14,10 +14,16 @@ namespace fusedserve {
 #if defined(__AVX512F__)
 constexpr int MF = 6;  // 6 x 4 accumulators + 4 weight vectors of 32 registers
 constexpr int NF = 4;
+constexpr int WIDE_ROWS = 2;  // 2 x 8 accumulators
 #else
 constexpr int MF = 4;  // 4 x 3 accumulators + 3 weight vectors of 16 registers
 constexpr int NF = 3;
+constexpr int WIDE_ROWS = 1;  // 1 x 8 accumulators
 #endif
+// One or two rows (decode) take 8 weight vectors a tile: with NF, a row has too few independent
+// FMA chains to hide the FMA's latency, and 8 streams keep more of the memory system busy.
+constexpr int NW = 8;
+constexpr int RS = NW > NF ? NW : NF;  // stride of a row in a tile's results
 
 template <int M, int NV, typename W>
 inline void fma_tile(const float* x, int64_t ldx, int64_t K, const W* const* w, vf* res) {
@@ -25,6 +31,11 @@ inline void fma_tile(const float* x, int64_t ldx, int64_t K, const W* const* w, 
   for (int i = 0; i < M; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = vzero();
   for (int64_t k = 0; k < K; ++k) {
+    if constexpr (M == 1) {  // each weight vector used as loaded: no register holds it for long
+      const vf xb = vset(x[k]);
+      for (int v = 0; v < NV; ++v) acc[0][v] = vfma(xb, vload(w[v] + k * VL), acc[0][v]);
+      continue;
+    }
     vf wv[NV];
     for (int v = 0; v < NV; ++v) wv[v] = vload(w[v] + k * VL);
     for (int i = 0; i < M; ++i) {
@@ -33,7 +44,7 @@ inline void fma_tile(const float* x, int64_t ldx, int64_t K, const W* const* w, 
     }
   }
   for (int i = 0; i < M; ++i)
-    for (int v = 0; v < NV; ++v) res[i * NF + v] = acc[i][v];
+    for (int v = 0; v < NV; ++v) res[i * RS + v] = acc[i][v];
 }
 
 template <int NV, typename W>
@@ -50,12 +61,22 @@ inline void fma_rows(int m, const float* x, int64_t ldx, int64_t K, const W* con
   }
 }
 
+template <int NV, typename W>
+inline void fma_wide_rows(int m, const float* x, int64_t ldx, int64_t K, const W* const* w, vf* res) {
+  if (WIDE_ROWS > 1 && m > 1)
+    fma_tile<WIDE_ROWS, NV>(x, ldx, K, w, res);
+  else
+    fma_tile<1, NV>(x, ldx, K, w, res);
+}
+
 template <typename W>
 inline void fma_nv(int nv, int m, const float* x, int64_t ldx, int64_t K, const W* const* w, vf* res) {
   switch (nv) {
-#if defined(__AVX512F__)
+    case 8: fma_wide_rows<8>(m, x, ldx, K, w, res); break;
+    case 7: fma_wide_rows<7>(m, x, ldx, K, w, res); break;
+    case 6: fma_wide_rows<6>(m, x, ldx, K, w, res); break;
+    case 5: fma_wide_rows<5>(m, x, ldx, K, w, res); break;
     case 4: fma_rows<4>(m, x, ldx, K, w, res); break;
-#endif
     case 3: fma_rows<3>(m, x, ldx, K, w, res); break;
     case 2: fma_rows<2>(m, x, ldx, K, w, res); break;
     default: fma_rows<1>(m, x, ldx, K, w, res); break;
@@ -72,15 +93,17 @@ inline void store_lanes(O* out, int valid, vf r) {
 template <typename W, typename O>
 void fma_gemm(const float* xp, int64_t M, int64_t K, const W* packed, int64_t nvec, int64_t N, O* op,
               int64_t ldo) {
-  const int64_t nblocks = (nvec + NF - 1) / NF;
+  const bool narrow = M <= WIDE_ROWS;
+  const int tile_v = narrow ? NW : NF, tile_m = narrow ? static_cast<int>(M) : MF;
+  const int64_t nblocks = (nvec + tile_v - 1) / tile_v;
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     thread_local std::vector<float> wide;  // a panel converted to fp32, for calls of several tiles
-    vf res[MF * NF];
+    vf res[MF * RS];
     for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t v0 = blk * NF;
-      const int nv = static_cast<int>(std::min<int64_t>(NF, nvec - v0));
+      const int64_t v0 = blk * tile_v;
+      const int nv = static_cast<int>(std::min<int64_t>(tile_v, nvec - v0));
       const bool ahead = !std::is_same<W, float>::value && M > MF;
-      const W* w[NF];
+      const W* w[RS];
       const float* wf[NF];
       if (ahead) {
         if (wide.size() < static_cast<size_t>(NF * K * VL)) wide.resize(NF * K * VL);
@@ -90,8 +113,8 @@ void fma_gemm(const float* xp, int64_t M, int64_t K, const W* packed, int64_t nv
       } else {
         for (int v = 0; v < nv; ++v) w[v] = packed + (v0 + v) * K * VL;
       }
-      for (int64_t m0 = 0; m0 < M; m0 += MF) {
-        const int m = static_cast<int>(std::min<int64_t>(MF, M - m0));
+      for (int64_t m0 = 0; m0 < M; m0 += tile_m) {
+        const int m = static_cast<int>(std::min<int64_t>(tile_m, M - m0));
         if (ahead)
           fma_nv(nv, m, xp + m0 * K, K, K, wf, res);
         else
@@ -99,7 +122,7 @@ void fma_gemm(const float* xp, int64_t M, int64_t K, const W* packed, int64_t nv
         for (int v = 0; v < nv; ++v) {
           const int64_t n0 = (v0 + v) * VL;
           const int valid = static_cast<int>(std::min<int64_t>(VL, N - n0));
-          for (int i = 0; i < m; ++i) store_lanes(op + (m0 + i) * ldo + n0, valid, res[i * NF + v]);
+          for (int i = 0; i < m; ++i) store_lanes(op + (m0 + i) * ldo + n0, valid, res[i * RS + v]);
         }
       }
     }

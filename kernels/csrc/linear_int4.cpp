@@ -35,11 +35,10 @@ inline v4 dot_u4(v4 acc, v4 w, v4 x) {  // inline asm: see dot4 in linear_int8.c
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x));
   return acc;
 }
-#else
-inline v4 dot_u4(v4 acc, v4 w, v4 x) {
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
-}
 #endif
+inline v4 pairs4(v4 w, v4 x) { return _mm512_maddubs_epi16(w, x); }
+inline v4 add16(v4 a, v4 b) { return _mm512_add_epi16(a, b); }
+inline v4 widen4(v4 a) { return _mm512_madd_epi16(a, _mm512_set1_epi16(1)); }
 #else
 using v4 = __m256i;
 using f4 = __m256;
@@ -56,9 +55,17 @@ inline f4 cvt4(v4 a) { return _mm256_cvtepi32_ps(a); }
 inline f4 scales4(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline f4 fz4() { return _mm256_setzero_ps(); }
 inline f4 fma4(f4 a, f4 b, f4 c) { return _mm256_fmadd_ps(a, b, c); }
-inline v4 dot_u4(v4 acc, v4 w, v4 x) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
-}
+inline v4 pairs4(v4 w, v4 x) { return _mm256_maddubs_epi16(w, x); }
+inline v4 add16(v4 a, v4 b) { return _mm256_add_epi16(a, b); }
+inline v4 widen4(v4 a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
+#endif
+#if defined(__AVX512VNNI__)
+constexpr bool VNNI4 = true;
+#else
+// Without VNNI a group's pair sums stay in int16 until the group ends, one vpmaddwd a group
+// rather than one a k-quad: |u * x| <= 15 * 127, so 16 products (8 pairs) sum to at most 30480.
+constexpr bool VNNI4 = false;
+inline v4 dot_u4(v4 acc, v4, v4) { return acc; }  // not called: the int16 path is taken
 #endif
 
 constexpr int G4 = 32;  // inputs per group
@@ -94,11 +101,22 @@ inline void int4_tile(const QuantRows& xr, int64_t m0, int64_t G, const uint8_t*
         std::memcpy(&q1, xq + 4, 4);
         const v4 x0 = bc4(q0), x1 = bc4(q1);
         for (int v = 0; v < NV; ++v) {
-          acc[i][v] = dot_u4(acc[i][v], wl[v], x0);
-          acc2[i][v] = dot_u4(acc2[i][v], wh[v], x1);
+          if constexpr (VNNI4) {
+            acc[i][v] = dot_u4(acc[i][v], wl[v], x0);
+            acc2[i][v] = dot_u4(acc2[i][v], wh[v], x1);
+          } else {  // int16 pair sums: acc low nibbles, acc2 high
+            acc[i][v] = add16(acc[i][v], pairs4(wl[v], x0));
+            acc2[i][v] = add16(acc2[i][v], pairs4(wh[v], x1));
+          }
         }
       }
     }
+    if constexpr (!VNNI4)
+      for (int i = 0; i < M; ++i)
+        for (int v = 0; v < NV; ++v) {
+          acc[i][v] = widen4(add16(acc[i][v], acc2[i][v]));
+          acc2[i][v] = z4();
+        }
     f4 ds[NV];
     for (int v = 0; v < NV; ++v) ds[v] = scales4(d[v] + g * V4);
     for (int i = 0; i < M; ++i) {
