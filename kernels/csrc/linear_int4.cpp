@@ -77,13 +77,17 @@ struct QuantRows {  // activations quantized per row, for one call
   int64_t ld;        // K32
 };
 
+// pf: the next tile's weights (or null), fetched a group's share (pf_step bytes) at each group
+// of this tile, so they are in the caches when it starts (see int4_gemm).
 template <int M, int NV>
 inline void int4_tile(const QuantRows& xr, int64_t m0, int64_t G, const uint8_t* const* w, const f16* const* d,
-                      f4* res) {
+                      f4* res, const uint8_t* pf, int64_t pf_step) {
   f4 facc[M][NV];
   for (int i = 0; i < M; ++i)
     for (int v = 0; v < NV; ++v) facc[i][v] = fz4();
   for (int64_t g = 0; g < G; ++g) {
+    if (pf)
+      for (int64_t o = 0; o < pf_step; o += 64) __builtin_prefetch(pf + g * pf_step + o, 0, 2);
     v4 acc[M][NV], acc2[M][NV];  // low and high nibbles apart: two dependency chains
     for (int i = 0; i < M; ++i)
       for (int v = 0; v < NV; ++v) acc[i][v] = acc2[i][v] = z4();
@@ -131,14 +135,14 @@ inline void int4_tile(const QuantRows& xr, int64_t m0, int64_t G, const uint8_t*
 
 template <int NV>
 inline void int4_rows(int m, const QuantRows& xr, int64_t m0, int64_t G, const uint8_t* const* w,
-                      const f16* const* d, f4* res) {
+                      const f16* const* d, f4* res, const uint8_t* pf, int64_t pf_step) {
   switch (m) {
 #if defined(__AVX512F__)
-    case 4: int4_tile<4, NV>(xr, m0, G, w, d, res); break;
-    case 3: int4_tile<3, NV>(xr, m0, G, w, d, res); break;
+    case 4: int4_tile<4, NV>(xr, m0, G, w, d, res, pf, pf_step); break;
+    case 3: int4_tile<3, NV>(xr, m0, G, w, d, res, pf, pf_step); break;
 #endif
-    case 2: int4_tile<2, NV>(xr, m0, G, w, d, res); break;
-    default: int4_tile<1, NV>(xr, m0, G, w, d, res); break;
+    case 2: int4_tile<2, NV>(xr, m0, G, w, d, res, pf, pf_step); break;
+    default: int4_tile<1, NV>(xr, m0, G, w, d, res, pf, pf_step); break;
   }
 }
 
@@ -151,12 +155,12 @@ constexpr int WIDE_ROWS = 1;
 #endif
 
 inline void int4_nv(int nv, int m, const QuantRows& xr, int64_t m0, int64_t G, const uint8_t* const* w,
-                    const f16* const* d, f4* res) {
+                    const f16* const* d, f4* res, const uint8_t* pf, int64_t pf_step) {
   switch (nv) {
-    case 4: int4_rows<4>(m, xr, m0, G, w, d, res); break;
-    case 3: int4_rows<3>(m, xr, m0, G, w, d, res); break;
-    case 2: int4_rows<2>(m, xr, m0, G, w, d, res); break;
-    default: int4_rows<1>(m, xr, m0, G, w, d, res); break;
+    case 4: int4_rows<4>(m, xr, m0, G, w, d, res, pf, pf_step); break;
+    case 3: int4_rows<3>(m, xr, m0, G, w, d, res, pf, pf_step); break;
+    case 2: int4_rows<2>(m, xr, m0, G, w, d, res, pf, pf_step); break;
+    default: int4_rows<1>(m, xr, m0, G, w, d, res, pf, pf_step); break;
   }
 }
 
@@ -187,6 +191,10 @@ void int4_gemm(const QuantRows& xr, int64_t M, int64_t G, const uint8_t* packed,
   const bool wide = M <= WIDE_ROWS;
   const int tile_v = wide ? N4 : 2, tile_m = wide ? static_cast<int>(M) : M4;
   const int64_t nblocks = (nvec + tile_v - 1) / tile_v;
+  // A tile's weights are tile_v streams of one vector's packing each (a few KB at decode sizes),
+  // too short for the hardware prefetchers to ramp up before they end: the tile fetches the next
+  // tile's bytes as it goes. Tiles of a thread are adjacent in memory.
+  const int64_t tile_bytes = tile_v * G * 4 * V4 * 4, pf_step = tile_bytes / G;
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     f4 res[M4 * N4];
     for (int64_t blk = b0; blk < b1; ++blk) {
@@ -200,7 +208,8 @@ void int4_gemm(const QuantRows& xr, int64_t M, int64_t G, const uint8_t* packed,
       }
       for (int64_t m0 = 0; m0 < M; m0 += tile_m) {
         const int m = static_cast<int>(std::min<int64_t>(tile_m, M - m0));
-        int4_nv(nv, m, xr, m0, G, w, d, res);
+        const uint8_t* pf = m0 == 0 && blk + 1 < b1 ? packed + (blk + 1) * tile_bytes : nullptr;
+        int4_nv(nv, m, xr, m0, G, w, d, res, pf, pf_step);
         for (int v = 0; v < nv; ++v) {
           const int64_t n0 = (v0 + v) * V4;
           const int valid = static_cast<int>(std::min<int64_t>(V4, N - n0));

@@ -55,28 +55,22 @@ inline vi dot4(vi acc, vi x, vi w) {
 }
 #endif
 
-// Decode (one or two rows) takes NW weight vectors a tile. With AVX2 it also fetches each weight
-// stream PREFETCH_BYTES ahead: the tile computes long enough per byte that the hardware
-// prefetchers alone leave the memory system idle (measured: +12% at one row; with AVX-512 it
-// cost 13%, so it is off there).
+// Decode (one or two rows) takes NW weight vectors a tile.
 constexpr int NW = 4;
 constexpr int RS = NW > NI ? NW : NI;  // stride of a row in a tile's results
-#if defined(__AVX512F__)
-constexpr int64_t PREFETCH_BYTES = 0;
-#else
-constexpr int64_t PREFETCH_BYTES = 2048;
-#endif
-constexpr int64_t LINE_QUADS = 64 / (VI * 4);  // k-quads a cache line holds, per vector
 
+// pf: the next tile's weights (or null), fetched pf_step bytes at each k-quad of this tile (see
+// int4_gemm in linear_int4.cpp).
 template <int M, int NV>
-inline void int8_tile(const int8_t* xq, int64_t ldx, int64_t K4, const int8_t* const* w, vi* res) {
+inline void int8_tile(const int8_t* xq, int64_t ldx, int64_t K4, const int8_t* const* w, vi* res,
+                      const int8_t* pf, int64_t pf_step) {
   vi acc[M][NV];
   for (int i = 0; i < M; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = vi_zero();
   for (int64_t kq = 0; kq < K4; ++kq) {
     vi wv[NV];
-    if (PREFETCH_BYTES > 0 && M <= 2 && kq % LINE_QUADS == 0)
-      for (int v = 0; v < NV; ++v) __builtin_prefetch(w[v] + kq * VI * 4 + PREFETCH_BYTES, 0, 0);
+    if (pf)
+      for (int64_t o = 0; o < pf_step; o += 64) __builtin_prefetch(pf + kq * pf_step + o, 0, 2);
     if constexpr (M == 1) {  // each weight vector used as loaded
       int32_t quad;
       std::memcpy(&quad, xq + 4 * kq, sizeof(quad));
@@ -97,30 +91,32 @@ inline void int8_tile(const int8_t* xq, int64_t ldx, int64_t K4, const int8_t* c
 }
 
 template <int NV>
-inline void int8_rows(int m, const int8_t* xq, int64_t ldx, int64_t K4, const int8_t* const* w, vi* res) {
+inline void int8_rows(int m, const int8_t* xq, int64_t ldx, int64_t K4, const int8_t* const* w, vi* res,
+                      const int8_t* pf, int64_t pf_step) {
   switch (m) {
 #if defined(__AVX512VNNI__)
-    case 6: int8_tile<6, NV>(xq, ldx, K4, w, res); break;
-    case 5: int8_tile<5, NV>(xq, ldx, K4, w, res); break;
+    case 6: int8_tile<6, NV>(xq, ldx, K4, w, res, pf, pf_step); break;
+    case 5: int8_tile<5, NV>(xq, ldx, K4, w, res, pf, pf_step); break;
 #endif
-    case 4: int8_tile<4, NV>(xq, ldx, K4, w, res); break;
-    case 3: int8_tile<3, NV>(xq, ldx, K4, w, res); break;
-    case 2: int8_tile<2, NV>(xq, ldx, K4, w, res); break;
-    default: int8_tile<1, NV>(xq, ldx, K4, w, res); break;
+    case 4: int8_tile<4, NV>(xq, ldx, K4, w, res, pf, pf_step); break;
+    case 3: int8_tile<3, NV>(xq, ldx, K4, w, res, pf, pf_step); break;
+    case 2: int8_tile<2, NV>(xq, ldx, K4, w, res, pf, pf_step); break;
+    default: int8_tile<1, NV>(xq, ldx, K4, w, res, pf, pf_step); break;
   }
 }
 
-inline void int8_nv(int nv, int m, const int8_t* xq, int64_t ldx, int64_t K4, const int8_t* const* w, vi* res) {
+inline void int8_nv(int nv, int m, const int8_t* xq, int64_t ldx, int64_t K4, const int8_t* const* w, vi* res,
+                    const int8_t* pf, int64_t pf_step) {
   switch (nv) {
 #if defined(__AVX512F__)
-    case 4: int8_rows<4>(m, xq, ldx, K4, w, res); break;
-    case 3: int8_rows<3>(m, xq, ldx, K4, w, res); break;
+    case 4: int8_rows<4>(m, xq, ldx, K4, w, res, pf, pf_step); break;
+    case 3: int8_rows<3>(m, xq, ldx, K4, w, res, pf, pf_step); break;
 #else
-    case 4: int8_tile<1, 4>(xq, ldx, K4, w, res); break;  // decode tiles only: one row
-    case 3: int8_tile<1, 3>(xq, ldx, K4, w, res); break;
+    case 4: int8_tile<1, 4>(xq, ldx, K4, w, res, pf, pf_step); break;  // decode tiles only: one row
+    case 3: int8_tile<1, 3>(xq, ldx, K4, w, res, pf, pf_step); break;
 #endif
-    case 2: int8_rows<2>(m, xq, ldx, K4, w, res); break;
-    default: int8_rows<1>(m, xq, ldx, K4, w, res); break;
+    case 2: int8_rows<2>(m, xq, ldx, K4, w, res, pf, pf_step); break;
+    default: int8_rows<1>(m, xq, ldx, K4, w, res, pf, pf_step); break;
   }
 }
 
@@ -143,6 +139,7 @@ void int8_gemm(const int8_t* xq, const float* sx, int64_t M, int64_t K4, const i
   const bool narrow = M <= WIDE_ROWS;
   const int tile_v = narrow ? NW : NI, tile_m = narrow ? static_cast<int>(M) : MI;
   const int64_t nblocks = (nvec + tile_v - 1) / tile_v;
+  const int64_t tile_bytes = tile_v * K4 * VI * 4, pf_step = tile_bytes / K4;  // as int4_gemm's
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     vi res[MI * RS];
     for (int64_t blk = b0; blk < b1; ++blk) {
@@ -152,7 +149,8 @@ void int8_gemm(const int8_t* xq, const float* sx, int64_t M, int64_t K4, const i
       for (int v = 0; v < nv; ++v) w[v] = packed + (v0 + v) * K4 * VI * 4;
       for (int64_t m0 = 0; m0 < M; m0 += tile_m) {
         const int m = static_cast<int>(std::min<int64_t>(tile_m, M - m0));
-        int8_nv(nv, m, xq + m0 * K4 * 4, K4 * 4, K4, w, res);
+        const int8_t* pf = m0 == 0 && blk + 1 < b1 ? packed + (blk + 1) * tile_bytes : nullptr;
+        int8_nv(nv, m, xq + m0 * K4 * 4, K4 * 4, K4, w, res, pf, pf_step);
         for (int v = 0; v < nv; ++v) {
           const int64_t n0 = (v0 + v) * VI;
           const int valid = static_cast<int>(std::min<int64_t>(VI, N - n0));
