@@ -25,17 +25,12 @@ constexpr int WIDE_ROWS = 1;  // 1 x 8 accumulators
 constexpr int NW = 8;
 constexpr int RS = NW > NF ? NW : NF;  // stride of a row in a tile's results
 
-// pf: the next tile's weights (or null), fetched pf_step bytes at each k of this tile (see
-// int4_gemm in linear_int4.cpp).
 template <int M, int NV, typename W>
-inline void fma_tile(const float* x, int64_t ldx, int64_t K, const W* const* w, vf* res, const char* pf,
-                     int64_t pf_step) {
+inline void fma_tile(const float* x, int64_t ldx, int64_t K, const W* const* w, vf* res) {
   vf acc[M][NV];
   for (int i = 0; i < M; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = vzero();
   for (int64_t k = 0; k < K; ++k) {
-    if (pf)
-      for (int64_t o = 0; o < pf_step; o += 64) __builtin_prefetch(pf + k * pf_step + o, 0, 2);
     if constexpr (M == 1) {  // each weight vector used as loaded: no register holds it for long
       const vf xb = vset(x[k]);
       for (int v = 0; v < NV; ++v) acc[0][v] = vfma(xb, vload(w[v] + k * VL), acc[0][v]);
@@ -53,41 +48,38 @@ inline void fma_tile(const float* x, int64_t ldx, int64_t K, const W* const* w, 
 }
 
 template <int NV, typename W>
-inline void fma_rows(int m, const float* x, int64_t ldx, int64_t K, const W* const* w, vf* res,
-                     const char* pf, int64_t pf_step) {
+inline void fma_rows(int m, const float* x, int64_t ldx, int64_t K, const W* const* w, vf* res) {
   switch (m) {
 #if defined(__AVX512F__)
-    case 6: fma_tile<6, NV>(x, ldx, K, w, res, pf, pf_step); break;
-    case 5: fma_tile<5, NV>(x, ldx, K, w, res, pf, pf_step); break;
+    case 6: fma_tile<6, NV>(x, ldx, K, w, res); break;
+    case 5: fma_tile<5, NV>(x, ldx, K, w, res); break;
 #endif
-    case 4: fma_tile<4, NV>(x, ldx, K, w, res, pf, pf_step); break;
-    case 3: fma_tile<3, NV>(x, ldx, K, w, res, pf, pf_step); break;
-    case 2: fma_tile<2, NV>(x, ldx, K, w, res, pf, pf_step); break;
-    default: fma_tile<1, NV>(x, ldx, K, w, res, pf, pf_step); break;
+    case 4: fma_tile<4, NV>(x, ldx, K, w, res); break;
+    case 3: fma_tile<3, NV>(x, ldx, K, w, res); break;
+    case 2: fma_tile<2, NV>(x, ldx, K, w, res); break;
+    default: fma_tile<1, NV>(x, ldx, K, w, res); break;
   }
 }
 
 template <int NV, typename W>
-inline void fma_wide_rows(int m, const float* x, int64_t ldx, int64_t K, const W* const* w, vf* res,
-                          const char* pf, int64_t pf_step) {
+inline void fma_wide_rows(int m, const float* x, int64_t ldx, int64_t K, const W* const* w, vf* res) {
   if (WIDE_ROWS > 1 && m > 1)
-    fma_tile<WIDE_ROWS, NV>(x, ldx, K, w, res, pf, pf_step);
+    fma_tile<WIDE_ROWS, NV>(x, ldx, K, w, res);
   else
-    fma_tile<1, NV>(x, ldx, K, w, res, pf, pf_step);
+    fma_tile<1, NV>(x, ldx, K, w, res);
 }
 
 template <typename W>
-inline void fma_nv(int nv, int m, const float* x, int64_t ldx, int64_t K, const W* const* w, vf* res,
-                   const char* pf = nullptr, int64_t pf_step = 0) {
+inline void fma_nv(int nv, int m, const float* x, int64_t ldx, int64_t K, const W* const* w, vf* res) {
   switch (nv) {
-    case 8: fma_wide_rows<8>(m, x, ldx, K, w, res, pf, pf_step); break;
-    case 7: fma_wide_rows<7>(m, x, ldx, K, w, res, pf, pf_step); break;
-    case 6: fma_wide_rows<6>(m, x, ldx, K, w, res, pf, pf_step); break;
-    case 5: fma_wide_rows<5>(m, x, ldx, K, w, res, pf, pf_step); break;
-    case 4: fma_rows<4>(m, x, ldx, K, w, res, pf, pf_step); break;
-    case 3: fma_rows<3>(m, x, ldx, K, w, res, pf, pf_step); break;
-    case 2: fma_rows<2>(m, x, ldx, K, w, res, pf, pf_step); break;
-    default: fma_rows<1>(m, x, ldx, K, w, res, pf, pf_step); break;
+    case 8: fma_wide_rows<8>(m, x, ldx, K, w, res); break;
+    case 7: fma_wide_rows<7>(m, x, ldx, K, w, res); break;
+    case 6: fma_wide_rows<6>(m, x, ldx, K, w, res); break;
+    case 5: fma_wide_rows<5>(m, x, ldx, K, w, res); break;
+    case 4: fma_rows<4>(m, x, ldx, K, w, res); break;
+    case 3: fma_rows<3>(m, x, ldx, K, w, res); break;
+    case 2: fma_rows<2>(m, x, ldx, K, w, res); break;
+    default: fma_rows<1>(m, x, ldx, K, w, res); break;
   }
 }
 
@@ -104,7 +96,6 @@ void fma_gemm(const float* xp, int64_t M, int64_t K, const W* packed, int64_t nv
   const bool narrow = M <= WIDE_ROWS;
   const int tile_v = narrow ? NW : NF, tile_m = narrow ? static_cast<int>(M) : MF;
   const int64_t nblocks = (nvec + tile_v - 1) / tile_v;
-  const int64_t tile_bytes = tile_v * K * VL * static_cast<int64_t>(sizeof(W)), pf_step = tile_bytes / K;
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     thread_local std::vector<float> wide;  // a panel converted to fp32, for calls of several tiles
     vf res[MF * RS];
@@ -126,10 +117,8 @@ void fma_gemm(const float* xp, int64_t M, int64_t K, const W* packed, int64_t nv
         const int m = static_cast<int>(std::min<int64_t>(tile_m, M - m0));
         if (ahead)
           fma_nv(nv, m, xp + m0 * K, K, K, wf, res);
-        else  // the next tile fetched while this one runs (the panel path reads a converted copy)
-          fma_nv(nv, m, xp + m0 * K, K, K, w, res,
-                 m0 == 0 && blk + 1 < b1 ? reinterpret_cast<const char*>(packed) + (blk + 1) * tile_bytes : nullptr,
-                 pf_step);
+        else
+          fma_nv(nv, m, xp + m0 * K, K, K, w, res);
         for (int v = 0; v < nv; ++v) {
           const int64_t n0 = (v0 + v) * VL;
           const int valid = static_cast<int>(std::min<int64_t>(VL, N - n0));

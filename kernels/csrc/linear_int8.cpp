@@ -60,7 +60,8 @@ constexpr int NW = 4;
 constexpr int RS = NW > NI ? NW : NI;  // stride of a row in a tile's results
 
 // pf: the next tile's weights (or null), fetched pf_step bytes at each k-quad of this tile (see
-// int4_gemm in linear_int4.cpp).
+// int4_gemm in linear_int4.cpp). The FMA GEMM does without: its streams are long enough (16 bytes
+// a k), and fetching ahead cost it 7-20%.
 template <int M, int NV>
 inline void int8_tile(const int8_t* xq, int64_t ldx, int64_t K4, const int8_t* const* w, vi* res,
                       const int8_t* pf, int64_t pf_step) {
