@@ -151,6 +151,17 @@ def core_section(args, t: list) -> list[str]:
     return lines
 
 
+def class_targets(r: dict[str, dict[int, float]], t: list, prefix: str = "") -> None:
+    """One target per weight class: fusedserve ahead of the best peer measured at batch 1, 16, 64."""
+    for cls, (ours, *others) in cpu_peers.CLASSES.items():
+        have = [p for p in others if p in r]
+        if ours in r and have:
+            best = {b: max(r[p][b] for p in have) for b in (1, 16, 64)}
+            t.append((f"{prefix}ahead of the best of {', '.join(have)} at batch 1, 16 and 64 ({cls})",
+                      all(r[ours][b] > best[b] for b in best),
+                      ", ".join(f"B={b}: {r[ours][b] / best[b]:.2f}x" for b in best)))
+
+
 def peer_section(args, t: list) -> list[str]:
     """fusedserve (bf16, int8, int4) against transformers, OpenVINO GenAI and llama.cpp on a
     Qwen3-0.6B-shaped checkpoint, by weight class."""
@@ -185,13 +196,7 @@ def peer_section(args, t: list) -> list[str]:
     lines += ["", f"Long context, batch 8: {fmt(c128['step_ms_spread'])} ms/step at context 128, "
               f"{fmt(c2000['step_ms_spread'])} at 2000 ({grow:.2f}x); the bytes a step must read (weights + "
               f"K/V) grow {bytes_grow:.2f}x, so a step bound by memory bandwidth cannot grow less than that."]
-    for cls, (ours, *others) in cpu_peers.CLASSES.items():
-        have = [p for p in others if p in r]
-        if ours in r and have:
-            best = {b: max(r[p][b] for p in have) for b in (1, 16, 64)}
-            t.append((f"ahead of the best of {', '.join(have)} at batch 1, 16 and 64 ({cls})",
-                      all(r[ours][b] > best[b] for b in best),
-                      ", ".join(f"B={b}: {r[ours][b] / best[b]:.2f}x" for b in best)))
+    class_targets(r, t)
     for q, res in steps.items():
         b1 = res["rows"][0]
         t.append((f"batch-1 decode step >= 80% of read bandwidth, {q or 'bf16'} weights (0.6B)",
@@ -222,13 +227,7 @@ def avx2_peer_section(args, t: list) -> list[str]:
              "MLAS still pick AVX-512), so its figures are if anything above an AVX2 CPU's. Read "
              f"bandwidth in this run: {peers['read_bw_gbps']:.1f} GB/s.", "",
              *cpu_peers.table(peers), "", f"![CPU peers, AVX2]({png.name})"]
-    for cls, (ours, *others) in cpu_peers.CLASSES.items():
-        have = [p for p in others if p in r]
-        if ours in r and have:
-            best = {b: max(r[p][b] for p in have) for b in (1, 16, 64)}
-            t.append((f"held to AVX2: ahead of the best of {', '.join(have)} at batch 1, 16 and 64 ({cls})",
-                      all(r[ours][b] > best[b] for b in best),
-                      ", ".join(f"B={b}: {r[ours][b] / best[b]:.2f}x" for b in best)))
+    class_targets(r, t, "held to AVX2: ")
     return lines
 
 
