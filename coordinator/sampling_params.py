@@ -11,6 +11,7 @@ import random
 import sys
 from dataclasses import dataclass, field
 
+from coordinator.structured.structured_spec import StructuredSpec
 from shared_memory.contract import MAX_TOP_LOGPROBS
 
 
@@ -51,6 +52,8 @@ class SamplingParams:
     # Each prompt token's logprob given the ones before it, and the n most likely tokens'
     # there (None: not asked). A request asking for them computes its whole prompt: no cache.
     prompt_logprobs: int | None = None
+    # Structured outputs: the output is held to this constraint by a token mask on the device.
+    structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -78,6 +81,8 @@ class SamplingParams:
             raise SamplingError(f"seed must be an integer in [0, 2^64), got {self.seed!r}")
         if self.seed is None:
             self.seed = random.getrandbits(63)
+        if self.structured is not None and not isinstance(self.structured, StructuredSpec):
+            raise SamplingError(f"structured must be a StructuredSpec, got {self.structured!r}")
 
     @property
     def greedy(self) -> bool:

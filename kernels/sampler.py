@@ -189,15 +189,26 @@ def _full_draw(logits: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor,
     return _draw(probs, seeds)
 
 
+def allowed_tokens(bitmask: torch.Tensor, vocab: int, bits: torch.Tensor) -> torch.Tensor:
+    """A grammar's token bitmask [B, ceil(V / 32)] int32 (bit v % 32 of word v // 32 allows
+    token v) as [B, V] bool. ``bits`` is ``arange(32)`` (int32) on the device."""
+    b, words = bitmask.shape
+    return ((bitmask[:, :, None] >> bits) & 1).view(b, words * 32)[:, :vocab].bool()
+
+
 def sample(logits: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, out: torch.Tensor,
-           plan: SamplingPlan, candidates: int) -> torch.Tensor:
+           plan: SamplingPlan, candidates: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Write each row's token into ``out`` [B] int32.
 
     logits: [B, V] float32; params: [B, 4] float32 (temperature, top_p, min_p, top_k);
     seeds: [B, 2] int64 (seed, step). A row with temperature > 0 and ``1 <= top_k <=
     candidates`` is sampled among its ``candidates`` most likely tokens (which hold its
-    whole top-k set); any other stochastic row over the whole vocabulary.
+    whole top-k set); any other stochastic row over the whole vocabulary. ``allowed`` [B, V]
+    (structured outputs) leaves each row only its grammar's tokens, before every stage; the
+    caller's ``logits`` stay as they are (logprobs are the model's).
     """
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
     token = torch.argmax(logits, dim=-1)
     t, k = params[:, TEMPERATURE], params[:, TOP_K]
     n = min(candidates, logits.shape[1])

@@ -73,6 +73,8 @@ class RunnerConfig:
             "TL": self.max_num_batched_tokens,  # prompt tokens asking for their logprob
             "NP": MAX_TOP_LOGPROBS,
             "V": vocab,
+            "G": self.max_batch,  # rows of token bitmask (structured outputs)
+            "VW": -(-vocab // 32),
         }
 
 

@@ -7,7 +7,8 @@ worker's scratch pool and never move. There is one launch shape (``step_table``)
 
 Dimensions: B rows (sequences), B1 = B + 1, T packed tokens, W block-table width, NL rows
 asking for logprobs, N top logprobs per such row, TL prompt tokens asking for their
-logprob, NP top logprobs per such token, V vocabulary.
+logprob, NP top logprobs per such token, V vocabulary, G rows of token bitmask (B when a row
+of the launch decodes under a grammar, else 0), VW = ceil(V / 32) bitmask words per row.
 """
 
 from __future__ import annotations
@@ -150,6 +151,8 @@ def step_table() -> SlotTable:
             # Prompt logprobs: the tokens whose next prompt token's logprob is asked, and it.
             Slot("prompt_logprob_index", ("TL",), i64, IN, HS),
             Slot("prompt_logprob_targets", ("TL",), i64, IN, HS),
+            # Structured outputs: bit v of row r allows token v (a row without a grammar: all set).
+            Slot("token_bitmask", ("G", "VW"), i32, IN, HS),
             Slot("sampled_ids", ("B",), i32, OUT, HS),
             Slot("sampled_logprobs", ("NL",), f32, OUT, HS),
             Slot("top_logprob_ids", ("NL", "N"), i32, OUT, HS),

@@ -16,7 +16,7 @@ from shared_memory.arena import SHM_DIR, HostArena, list_segments, remove_stale
 from shared_memory.slots import step_table
 
 ROOT = Path(__file__).resolve().parents[1]
-DIMS = {"B": 4, "B1": 5, "W": 3, "T": 16, "NL": 4, "N": 2, "TL": 16, "NP": 2, "V": 32}
+DIMS = {"B": 4, "B1": 5, "W": 3, "T": 16, "NL": 4, "N": 2, "TL": 16, "NP": 2, "V": 32, "G": 4, "VW": 1}
 TABLE = step_table()
 
 

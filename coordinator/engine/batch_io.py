@@ -33,6 +33,7 @@ def write_batch(arena: HostArena, batch: ScheduledBatch, step: int, candidates: 
     _put(arena, "block_tables", batch.block_tables)
     _put(arena, "feed_rows", batch.feed_rows)
     plan = _write_sampling(arena, batch, dims, candidates, vocab)
+    _write_bitmask(arena, batch, dims, vocab)
     _write_prompt_logprobs(arena, batch, dims)
     return LaunchDescriptor(dims, step, num_decode=nd, prompt_query_lens=batch.query_lens[nd:],
                             prompt_seq_lens=batch.seq_lens[nd:].tolist(), sampling=plan.stages())
@@ -62,6 +63,25 @@ def _write_sampling(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int
     _put(arena, "sampling_seeds", seeds)
     _put(arena, "logprob_rows", np.asarray(rows, dtype=np.int64))
     return SamplingPlan.for_rows(f32, candidates, vocab)
+
+
+def _write_bitmask(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int], vocab: int) -> None:
+    """Structured outputs: each row's allowed next tokens as bits (B rows when any row samples
+    under a grammar, else none). The matchers write straight into the arena bank."""
+    words = -(-vocab // 32)
+    rows = [i for i, s in enumerate(batch.seqs)
+            if s.grammar is not None and s.grammar.constrained and batch.samples[i]]
+    dims["G"], dims["VW"] = (batch.batch_size if rows else 0), words
+    if not rows:
+        return
+    mask = arena.view("token_bitmask", (batch.batch_size, words)).numpy()
+    mask.fill(-1)
+    for i in rows:
+        try:
+            batch.seqs[i].grammar.fill(mask, i)
+        except Exception as exc:  # noqa: BLE001 - a matcher that fails fails its row alone
+            mask[i] = -1
+            batch.invalid[i] = f"the grammar could not give its next tokens: {type(exc).__name__}: {exc}"
 
 
 def _write_prompt_logprobs(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int]) -> None:

@@ -143,6 +143,10 @@ class BlockManager:
             self._hash[block] = h
             self._cached[h] = block
 
+    def committed(self, seq_id: str) -> int:
+        """How many of the sequence's leading blocks are named (computed and reusable)."""
+        return len(self._hashes.get(seq_id, ()))
+
     def table(self, seq_id: str) -> list[int]:
         return self._tables[seq_id]
 

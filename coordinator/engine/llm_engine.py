@@ -18,6 +18,7 @@ from coordinator.engine.request_limits import RequestLimits
 from coordinator.engine.scheduler import Scheduler
 from coordinator.engine.sequence import Sequence
 from coordinator.sampling_params import SamplingParams
+from coordinator.structured.grammar_compiler import GrammarCompiler
 from kernels.model.default_model import resolve_model
 from kernels.model.qwen3 import Qwen3Model
 from kernels.model.tokenizer import TextTokenizer
@@ -69,6 +70,7 @@ class LLMEngine:
         self.core = EngineCore(self.new_scheduler(), self.arenas, InProcessExecutor(self.runner),
                                self.rc.top_k, c.vocab_size, self.rc.async_scheduling)
         self._ids = itertools.count(1)
+        self.grammars = GrammarCompiler.for_model(self.tokenizer, c)
 
     @property
     def arena(self) -> HostArena:
@@ -107,7 +109,12 @@ class LLMEngine:
             for prompt, p in zip(prompts, params):
                 ids = self.encode(prompt)
                 self.limits.check(ids, p)
-                seqs.append(sched.add(f"req-{next(self._ids)}", ids, p, self.detokenizer(p)))
+                seq = sched.add(f"req-{next(self._ids)}", ids, p, self.detokenizer(p))
+                seqs.append(seq)
+                if p.structured is not None:
+                    if self.grammars is None:
+                        raise ValueError("structured outputs need the model's tokenizer")
+                    seq.grammar = self.grammars.state(p.structured)
             while self.core.has_work():
                 for ev in self.core.step():
                     if ev.error is not None:

@@ -111,6 +111,8 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:  # preempted with its newest token still on the device
                 break
+            if self._sibling_computing(seq):  # the same prompt is being computed: share its blocks
+                break
             try:  # room for one generated token too; prompt logprobs need every token computed
                 no_cache = [] if seq.params.prompt_logprobs is not None else None
                 seq.num_computed = self.blocks.allocate(seq.seq_id, seq.all_ids, reserve=1, hit=no_cache)
@@ -171,6 +173,19 @@ class Scheduler:
                 seq.num_pending += 1
                 seq.feed_row = row
 
+    def _sibling_computing(self, seq: Sequence) -> bool:
+        """A running sequence is still computing the full prompt blocks ``seq`` would reuse
+        (``n`` choices of one prompt, or the same prompt sent twice): ``seq`` waits for them to
+        be committed and reads them from the prefix cache, instead of computing them again."""
+        if not self.blocks.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return False
+        ids, bs = seq.all_ids, self.blocks.block_size
+        full = (len(ids) - 1) // bs
+        if not full or len(self.blocks.cached_prefix(ids)) == full:
+            return False
+        return any(r.num_tokens > full * bs and r.all_ids[: full * bs] == ids[: full * bs]
+                   and self.blocks.committed(r.seq_id) < full for r in self.running)
+
     def _input(self, seq: Sequence) -> tuple[int, int]:
         """A decode row's input token and feed row: the token itself once read, else the
         row of the launch in flight that samples it (the device keeps its ids)."""
@@ -196,7 +211,10 @@ class Scheduler:
                 i += 1
             except OutOfBlocks:
                 self._preempt(self.running[-1])
-        return [s for s in self.running if s.prefilled and not self._length_done(s)]
+        # A row under a grammar needs its previous token for its mask: it skips a launch rather
+        # than run one ahead (the other rows stay one launch ahead).
+        return [s for s in self.running if s.prefilled and not self._length_done(s)
+                and not (s.grammar is not None and s.num_pending)]
 
     def _preempt(self, seq: Sequence) -> None:
         self._retire(seq)
@@ -253,6 +271,8 @@ class Scheduler:
             if seq.params.top_logprobs:
                 seq.top_logprobs.append(top)
         seq.output_ids.append(token)
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
         # K/V now exist for every token but the one just sampled: name the full blocks.
         if seq in self.running and self.blocks.needs_commit(seq.seq_id, seq.num_tokens - 1):
             self.blocks.commit(seq.seq_id, seq.all_ids, seq.num_tokens - 1)
@@ -272,6 +292,8 @@ class Scheduler:
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
         if seq.detok is not None and seq.detok.stopped:
+            return "stop"
+        if seq.grammar is not None and seq.grammar.done:
             return "stop"
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos):
             return "stop"

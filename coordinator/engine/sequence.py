@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from coordinator.engine.detokenizer import Detokenizer
 from coordinator.errors import RequestError
 from coordinator.sampling_params import SamplingParams
+from coordinator.structured.grammar_state import GrammarState
 
 
 @dataclass(eq=False)
@@ -32,6 +33,7 @@ class Sequence:
     # scheduling the next launch is scheduled before the previous one's ids are read.
     num_pending: int = 0
     feed_row: int = -1  # the row of the launch in flight that samples the pending token
+    grammar: GrammarState | None = None  # structured outputs: advanced by each sampled token
 
     @property
     def length(self) -> int:

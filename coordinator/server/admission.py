@@ -13,6 +13,8 @@ from coordinator.errors import RequestError
 from coordinator.server.config import ServerConfig
 from coordinator.server.protocol import GenerateRequest
 from coordinator.server.request_table import RequestTable
+from coordinator.structured.grammar_compiler import GrammarCompiler
+from coordinator.structured.structured_spec import StructuredError
 from kernels.model.config import Qwen3Config
 from kernels.model.tokenizer import TextTokenizer
 
@@ -27,6 +29,7 @@ class Admission:
         # Every worker has the same shape: one check answers "can this be served?".
         self.engine_limits = RequestLimits.for_worker(config, cfg.runner, max_model_len,
                                                       self.limits.max_prompt_tokens)
+        self.grammars = GrammarCompiler.for_model(tokenizer, config)
 
     def check_limits(self, identity: bytes, req: GenerateRequest, requests: RequestTable) -> None:
         lim = self.limits
@@ -57,4 +60,12 @@ class Admission:
         prompt_ids = self.prompt_ids(req)
         self.engine_limits.check(prompt_ids, req.params)
         detok = Detokenizer(self.tokenizer, req.params.stop) if self.tokenizer is not None else None
-        return Sequence(seq_id, prompt_ids, req.params, arrival=arrival, detok=detok)
+        seq = Sequence(seq_id, prompt_ids, req.params, arrival=arrival, detok=detok)
+        if req.params.structured is not None:
+            if self.grammars is None:
+                raise RequestError("no_tokenizer", "structured outputs need the model's tokenizer", req.id)
+            try:
+                seq.grammar = self.grammars.state(req.params.structured)
+            except StructuredError as exc:
+                raise RequestError("bad_structured_output", str(exc), req.id) from None
+        return seq

@@ -21,13 +21,14 @@ import msgpack
 from coordinator.engine.sequence import Sequence, TokenEvent
 from coordinator.errors import RequestError
 from coordinator.sampling_params import SamplingError, SamplingParams
+from coordinator.structured.structured_spec import StructuredError, StructuredSpec
 
 MAX_FRAME_BYTES = 4 << 20
 REQUEST_TYPES = ("generate", "abort", "stats", "health", "workers", "scale")
 _SAMPLING_FIELDS = {
     "max_tokens": int, "temperature": (int, float), "top_k": int, "top_p": (int, float),
     "seed": int, "stop_token_ids": list, "stop": list, "ignore_eos": bool, "logprobs": bool,
-    "top_logprobs": int, "min_p": (int, float),
+    "top_logprobs": int, "min_p": (int, float), "prompt_logprobs": int,
 }
 
 
@@ -127,6 +128,11 @@ def _parse_generate(msg: dict, rid: Any) -> GenerateRequest:
     stream = msg.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError("bad_field", "field 'stream' must be a boolean", rid)
+    if msg.get("structured") is not None:
+        try:
+            kwargs["structured"] = StructuredSpec.from_wire(msg["structured"])
+        except StructuredError as exc:
+            raise RequestError("bad_structured_output", str(exc), rid) from None
     try:
         params = SamplingParams(**kwargs)
     except SamplingError as exc:
@@ -160,6 +166,10 @@ def done(rid: Any, seq: Sequence, timings: dict) -> dict:
         msg["logprobs"] = list(seq.logprobs)
         if seq.params.top_logprobs:
             msg["top_logprobs"] = [[list(p) for p in step] for step in seq.top_logprobs]
+    if seq.params.prompt_logprobs is not None:
+        msg["prompt_token_ids"] = list(seq.prompt_ids)
+        msg["prompt_logprobs"] = list(seq.prompt_logprobs) or [None] * len(seq.prompt_ids)
+        msg["prompt_top_logprobs"] = [[list(p) for p in step] for step in seq.prompt_top_logprobs]
     return msg
 
 

@@ -108,6 +108,10 @@ class TextTokenizer:
                 table.append(piece.encode())
         return table
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what a grammar library builds its own from)."""
+        return self._tok.to_str()
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 

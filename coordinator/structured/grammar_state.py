@@ -1,0 +1,63 @@
+"""One request's structured-output state: its llguidance matcher and Qwen3's thinking gate.
+
+The coordinator fills the row's token bitmask before a launch and advances the matcher with
+the token the launch sampled. A row under a grammar is therefore never scheduled one launch
+ahead (its mask needs the previous token). Thinking comes first and is free: with the gate
+"open" tokens pass until ``</think>``; with "may" the first token may also be ``<think>``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import llguidance
+import llguidance.numpy as llnp
+import numpy as np
+
+FREE, MAY_THINK, THINKING = "free", "may_think", "thinking"
+
+
+class GrammarState:
+    def __init__(self, matcher: llguidance.LLMatcher, thinking: str, think_open: np.ndarray,
+                 think_end: bytes, token_bytes: Callable[[int], bytes]):
+        self.matcher = matcher
+        self.phase = {"none": FREE, "may": MAY_THINK, "open": THINKING}[thinking]
+        self._think_open = think_open
+        self._think_end = think_end
+        self._token_bytes = token_bytes
+        self._tail = b""  # the thought's last bytes: where its end marker may be
+
+    @property
+    def constrained(self) -> bool:
+        """The next token is masked (thinking tokens are not)."""
+        return self.phase != THINKING
+
+    def fill(self, bitmask: np.ndarray, row: int) -> None:
+        """Write the allowed next tokens into ``bitmask[row]`` (int32 words, bit v allows v)."""
+        if self.phase == THINKING:
+            bitmask[row] = -1
+            return
+        llnp.fill_next_token_bitmask(self.matcher, bitmask, row)
+        if self.phase == MAY_THINK:
+            words = bitmask.view(np.uint32)
+            for t in self._think_open:
+                words[row, t >> 5] |= np.uint32(1 << (t & 31))
+
+    def accept(self, token: int) -> None:
+        """Advance by the sampled token; raises ValueError if the grammar refuses it."""
+        if self.phase == MAY_THINK and token in self._think_open:
+            self.phase, self._tail = THINKING, b""
+            return
+        if self.phase == THINKING:
+            self._tail = (self._tail + self._token_bytes(token))[-4 * len(self._think_end):]
+            if self._think_end in self._tail:
+                self.phase = FREE
+            return
+        self.phase = FREE
+        if not self.matcher.consume_token(token):
+            raise ValueError(f"token {token} breaks the grammar: {self.matcher.get_error()}")
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete and allows nothing more (the output ends here)."""
+        return self.phase == FREE and self.matcher.is_stopped()
