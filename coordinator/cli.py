@@ -123,7 +123,8 @@ def _serve(coord: Server, args: argparse.Namespace, token: str | None) -> int:
 
             local = coord.address.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")
             gw = Gateway(local, coord.tokenizer, coord.model_dir, args.served_model_name or args.model,
-                         coord.max_model_len, coord.admission.max_tokens, token)
+                         coord.max_model_len, coord.admission.max_tokens, token,
+                         args.reasoning_parser, args.tool_call_parser)
             http = HttpServer(gw, args.host, args.http_port)
             http.start()
             print(f"fusedserve: OpenAI API on {http.url} (model {gw.model_name!r})", flush=True)
@@ -235,6 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--port", type=int, default=5557)
         p.add_argument("--http-port", type=int, default=None,
                        help="also serve the OpenAI-compatible HTTP API on this port (0: a free one)")
+        p.add_argument("--reasoning-parser", default="auto", choices=["auto", "qwen3", "none"],
+                       help="split <think> blocks into reasoning_content (auto: where the chat "
+                       "template has them, as Qwen3's does)")
+        p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "none"],
+                       help="parse <tool_call> JSON into tool_calls for tool_choice auto (auto: where "
+                       "the chat template renders tools that way, as Qwen3's does)")
         p.add_argument("--served-model-name", default=None,
                        help="the model id of the HTTP API (default: --model as given)")
         p.add_argument("--dtype", default=None,

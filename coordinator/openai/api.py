@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from coordinator.client import AsyncClient, ServerError
+from coordinator.openai import chat_output
 from coordinator.openai import protocol as oa
 from coordinator.openai.chat_template import ChatTemplate
 from coordinator.openai.metrics import Metrics
@@ -37,7 +38,8 @@ class Gateway:
     """What the HTTP handlers share: the coordinator client, tokenizer, template, metrics."""
 
     def __init__(self, coordinator: str, tokenizer: TextTokenizer | None, model_dir: str | Path,
-                 model_name: str, max_model_len: int, max_tokens: int, token: str | None = None):
+                 model_name: str, max_model_len: int, max_tokens: int, token: str | None = None,
+                 reasoning_parser: str = "auto", tool_call_parser: str = "auto"):
         self.coordinator = coordinator
         self.tokenizer = tokenizer  # the server's: loaded once per process
         self.template = ChatTemplate.from_dir(model_dir)
@@ -47,6 +49,11 @@ class Gateway:
         self.token = token
         self.metrics = Metrics()
         self.client: AsyncClient | None = None
+        # Qwen3's <think> split and Hermes tool calls: on where the chat template speaks them.
+        source = self.template.source if self.template is not None else ""
+        auto_reasoning, auto_tools = "<think>" in source, "<tool_call>" in source
+        self.reasoning = reasoning_parser == "qwen3" or (reasoning_parser == "auto" and auto_reasoning)
+        self.tool_parser = tool_call_parser == "hermes" or (tool_call_parser == "auto" and auto_tools)
 
     def check_auth(self, request: Request) -> None:
         if self.token is None:
@@ -133,7 +140,8 @@ def build_app(gw: Gateway) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         gw.check_auth(request)
-        prep = oa.chat_request(await _read_body(request), gw.tokenizer, gw.template, gw.max_tokens)
+        prep = oa.chat_request(await _read_body(request), gw.tokenizer, gw.template, gw.max_tokens,
+                               gw.reasoning, gw.tool_parser)
         gw.check_model(prep)
         return await _run(gw, request, prep, chat=True)
 
@@ -145,41 +153,59 @@ async def _run(gw: Gateway, request: Request, prep: oa.Prepared, chat: bool) -> 
         gen = _stream(gw, prep, chat)
         first = await gen.__anext__()  # errors before the first token become a plain HTTP error
         return StreamingResponse(_chain(first, gen), media_type="text/event-stream")
-    rid = gw.client.new_id()
-    task = asyncio.ensure_future(gw.client.generate(prep.prompt_ids, request_id=rid, **prep.params))
+    rids = [gw.client.new_id() for _ in range(prep.n)]
+    tasks = [asyncio.ensure_future(gw.client.generate(prep.prompt_ids, request_id=rid,
+                                                      **prep.choice_params(i))) for i, rid in enumerate(rids)]
     gone = asyncio.ensure_future(_until_disconnect(request))
+    everything = asyncio.ensure_future(asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION))
     try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({everything, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-    if not task.done():  # the client left: stop the request and free its blocks
-        task.cancel()
-        await gw.client.abort(rid)
-        gw.metrics.failed("abort")
-        return Response(status_code=499)
-    try:
-        done = task.result()
-    except ServerError as exc:
+    failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+    if failed or not all(t.done() for t in tasks):  # an error, or the client left: stop every choice
+        for t, rid in zip(tasks, rids):
+            if not t.done():
+                t.cancel()
+                await gw.client.abort(rid)
+        everything.cancel()
+        if not failed:
+            gw.metrics.failed("abort")
+            return Response(status_code=499)
         gw.metrics.failed()
-        raise oa.ApiError.from_reply(exc.reply) from None
-    gw.metrics.finished(done)
-    return JSONResponse(_final(gw, prep, done, chat))
+        exc = failed[0].exception()
+        if isinstance(exc, ServerError):
+            raise oa.ApiError.from_reply(exc.reply) from None
+        raise exc
+    dones = [t.result() for t in tasks]
+    for done in dones:
+        gw.metrics.finished(done)
+    return JSONResponse(_final(gw, prep, dones, chat))
 
 
-def _final(gw: Gateway, prep: oa.Prepared, done: dict, chat: bool) -> dict:
-    ids, lps, tops = done["token_ids"], done.get("logprobs"), done.get("top_logprobs")
-    choice: dict = {"index": 0, "finish_reason": done["finish_reason"], "logprobs": None}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": done["text"]}
-        if prep.logprobs is not None and lps is not None:
-            choice["logprobs"] = oa.chat_logprobs(gw.tokenizer, ids, lps, tops)
-    else:
-        choice["text"] = done["text"]
-        if prep.logprobs is not None and lps is not None:
-            choice["logprobs"] = oa.completion_logprobs(gw.tokenizer, ids, lps, tops)
+def _final(gw: Gateway, prep: oa.Prepared, dones: list[dict], chat: bool) -> dict:
+    choices = []
+    for i, done in enumerate(dones):
+        ids, lps, tops = done["token_ids"], done.get("logprobs"), done.get("top_logprobs")
+        choice: dict = {"index": i, "finish_reason": done["finish_reason"], "logprobs": None}
+        if chat:
+            choice["message"], choice["finish_reason"] = chat_output.message(
+                done["text"], done["finish_reason"], prep.reasoning, prep.thinking_opened, prep.tools)
+            if prep.logprobs is not None and lps is not None:
+                choice["logprobs"] = oa.chat_logprobs(gw.tokenizer, ids, lps, tops)
+        else:
+            text = "" if prep.echo_only else done["text"]
+            if prep.echo_only:
+                ids, lps, tops, choice["finish_reason"] = [], [], [], "length"
+            choice["text"] = (prep.prompt_text if prep.echo else "") + text
+            if prep.logprobs is not None and lps is not None:
+                choice["logprobs"] = oa.completion_logprobs(gw.tokenizer, ids, lps, tops)
+                if prep.echo:
+                    choice["logprobs"] = oa.echo_logprobs(gw.tokenizer, done, choice["logprobs"])
+        choices.append(choice)
     return {"id": oa.new_id("chatcmpl" if chat else "cmpl"), "created": prep.created, "model": prep.model,
-            "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-            "usage": oa.usage(done)}
+            "object": "chat.completion" if chat else "text_completion", "choices": choices,
+            "usage": oa.usage(dones, prep.echo_only)}
 
 
 async def _chain(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -188,57 +214,111 @@ async def _chain(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
         yield item
 
 
+async def _merged(gw: Gateway, prep: oa.Prepared, rids: list[str]) -> AsyncIterator[tuple[int, dict]]:
+    """The frames of every choice, as they come, tagged with the choice's index."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, rid: str) -> None:
+        try:
+            async for frame in gw.client.stream(prep.prompt_ids, request_id=rid, **prep.choice_params(i)):
+                await queue.put((i, frame, None))
+        except ServerError as exc:
+            await queue.put((i, None, exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, None, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, rid)) for i, rid in enumerate(rids)]
+    try:
+        left = len(rids)
+        while left:
+            i, frame, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if frame["type"] == "done":
+                left -= 1
+            yield i, frame
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
 async def _stream(gw: Gateway, prep: oa.Prepared, chat: bool) -> AsyncIterator[str]:
-    """Server-sent events; a client that disconnects cancels this and the request is aborted."""
-    rid, finished = gw.client.new_id(), False
+    """Server-sent events, every choice's chunks interleaved as they come; a client that
+    disconnects cancels this and the requests are aborted."""
+    rids = [gw.client.new_id() for _ in range(prep.n)]
+    finished: set[int] = set()
     cid = oa.new_id("chatcmpl" if chat else "cmpl")
     head = {"id": cid, "created": prep.created, "model": prep.model,
             "object": "chat.completion.chunk" if chat else "text_completion"}
-    frames = gw.client.stream(prep.prompt_ids, request_id=rid, **prep.params)
-    last, offset = None, 0
+    frames = _merged(gw, prep, rids)
+    states = [chat_output.ChatStream(prep.reasoning, prep.thinking_opened, prep.tools) for _ in rids]
+    offsets, last, dones, started = [0] * prep.n, None, [None] * prep.n, set()
     try:
         try:
-            frame = await frames.__anext__()
+            i, frame = await frames.__anext__()
         except ServerError as exc:
-            finished = True
+            finished.update(range(prep.n))
             gw.metrics.failed()
             raise oa.ApiError.from_reply(exc.reply) from None
-        if chat:
-            yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}]})
         while True:
+            if i not in started:  # a choice's first chunk: the role, or the echoed prompt
+                started.add(i)
+                first: dict = {"index": i, "logprobs": None, "finish_reason": None}
+                if chat:
+                    first["delta"] = {"role": "assistant", "content": ""}
+                    yield _sse({**head, "choices": [first]})
+                elif prep.echo:
+                    first["text"] = prep.prompt_text
+                    if prep.logprobs is not None and "prompt_logprobs" in frame:
+                        first["logprobs"] = oa.echo_logprobs(gw.tokenizer, frame, None)
+                    offsets[i] = len(prep.prompt_text)
+                    yield _sse({**head, "choices": [first]})
             if frame["type"] == "done":
-                finished = True
+                finished.add(i)
+                dones[i] = frame
                 gw.metrics.finished(frame)
-                fin = {"index": 0, "finish_reason": frame["finish_reason"], "logprobs": None}
+                reason = "length" if prep.echo_only else frame["finish_reason"]
+                tail: list[dict] = []
+                if chat:
+                    tail, reason = states[i].finish(reason)
+                for delta in tail:
+                    yield _sse({**head, "choices": [{"index": i, "delta": delta, "logprobs": None,
+                                                     "finish_reason": None}]})
+                fin = {"index": i, "finish_reason": reason, "logprobs": None}
                 fin.update({"delta": {}} if chat else {"text": ""})
                 yield _sse({**head, "choices": [fin]})
-                if prep.include_usage:
-                    yield _sse({**head, "choices": [], "usage": oa.usage(frame)})
-                yield _sse("[DONE]")
-                return
-            now = time.perf_counter()
-            if last is not None:
-                gw.metrics.itl.observe(now - last)
-            last = now
-            choice: dict = {"index": 0, "finish_reason": None, "logprobs": None}
-            lp = [frame["logprob"]] if "logprob" in frame else None
-            tops = [frame["top_logprobs"]] if "top_logprobs" in frame else None
-            if chat:
-                choice["delta"] = {"content": frame["text"]}
-                if prep.logprobs is not None and lp:
-                    choice["logprobs"] = oa.chat_logprobs(gw.tokenizer, [frame["token"]], lp, tops)
-            else:
-                choice["text"] = frame["text"]
-                if prep.logprobs is not None and lp:
-                    choice["logprobs"] = oa.completion_logprobs(gw.tokenizer, [frame["token"]], lp, tops,
-                                                                offset)
-            offset += len(frame["text"])
-            yield _sse({**head, "choices": [choice]})  # one chunk a token, even one that ends mid-character
+                if len(finished) == prep.n:
+                    if prep.include_usage:
+                        yield _sse({**head, "choices": [], "usage": oa.usage(dones, prep.echo_only)})
+                    yield _sse("[DONE]")
+                    return
+            elif not prep.echo_only:
+                now = time.perf_counter()
+                if last is not None:
+                    gw.metrics.itl.observe(now - last)
+                last = now
+                lp = [frame["logprob"]] if "logprob" in frame else None
+                tops = [frame["top_logprobs"]] if "top_logprobs" in frame else None
+                if chat:
+                    deltas = states[i].push(frame["text"]) or [{"content": ""}]
+                    for k, delta in enumerate(deltas):
+                        choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+                        if k == 0 and prep.logprobs is not None and lp:
+                            choice["logprobs"] = oa.chat_logprobs(gw.tokenizer, [frame["token"]], lp, tops)
+                        yield _sse({**head, "choices": [choice]})
+                else:
+                    choice = {"index": i, "text": frame["text"], "logprobs": None, "finish_reason": None}
+                    if prep.logprobs is not None and lp:
+                        choice["logprobs"] = oa.completion_logprobs(gw.tokenizer, [frame["token"]], lp, tops,
+                                                                    offsets[i])
+                    offsets[i] += len(frame["text"])
+                    yield _sse({**head, "choices": [choice]})  # one chunk a token, even mid-character
             try:
-                frame = await frames.__anext__()
+                i, frame = await frames.__anext__()
             except ServerError as exc:  # failed mid-stream: an error event, then the end
-                finished = True
+                finished.update(range(prep.n))
                 gw.metrics.failed()
                 yield _sse(oa.ApiError.from_reply(exc.reply).body())
                 yield _sse("[DONE]")
@@ -246,8 +326,10 @@ async def _stream(gw: Gateway, prep: oa.Prepared, chat: bool) -> AsyncIterator[s
     finally:  # shielded: a cancelled scope would cancel these awaits too
         with anyio.CancelScope(shield=True):
             await frames.aclose()
-            if not finished:  # cancelled: the client disconnected
-                await gw.client.abort(rid)
+            for i, rid in enumerate(rids):
+                if i not in finished:  # cancelled (the client disconnected) or failed
+                    await gw.client.abort(rid)
+            if len(finished) < prep.n:
                 gw.metrics.failed("abort")
 
 

@@ -14,34 +14,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from coordinator.openai import output_constraint, tool_choice
+from coordinator.openai.api_error import ApiError
 from coordinator.openai.chat_template import ChatTemplate, ChatTemplateError
+from coordinator.openai.tool_choice import ToolPlan
 from kernels.model.tokenizer import TextTokenizer
 
 MAX_BODY_BYTES = 4 << 20  # the ZeroMQ front end's frame limit
-# Coordinator error codes that are not a 400 (a bad request).
-STATUS = {"unauthorized": 401, "prompt_too_long": 413, "too_many_requests": 429, "server_busy": 429,
-          "no_workers": 503, "shutdown": 503, "internal": 500, "sampling_error": 500, "worker_error": 500,
-          "slow_client": 500}
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-         413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
-         503: "service_unavailable"}
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.param, self.code = status, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": str(self), "type": TYPES.get(self.status, "invalid_request_error"),
-                          "param": self.param, "code": self.code}}
-
-    @classmethod
-    def from_reply(cls, reply: dict) -> ApiError:
-        code = reply.get("code") or "internal"
-        return cls(STATUS.get(code, 400), reply.get("message") or code, code=code)
-
-
+MAX_N = 16  # choices per request
 def _no_constant(name: str) -> float:
     raise ApiError(400, f"{name} is not a valid JSON number", code="bad_json")
 
@@ -95,12 +75,44 @@ class Prepared:
     include_usage: bool
     logprobs: int | None = None  # None: not asked; else how many top alternatives per token
     created: int = field(default_factory=lambda: int(time.time()))
+    n: int = 1  # choices: n requests of one prompt (its blocks shared), seeds seed, seed + 1, ...
+    echo: bool = False  # completions: the prompt (and its logprobs) before the output
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (one token drawn, dropped)
+    prompt_text: str = ""  # echo: the prompt as text
+    reasoning: bool = False  # chat: split <think> blocks into reasoning_content
+    thinking_opened: bool = False  # the prompt opened a think block: the output starts in it
+    tools: ToolPlan = field(default_factory=lambda: ToolPlan("none"))
+
+    def choice_params(self, i: int) -> dict:
+        """Choice ``i``'s generate fields: its own seed stream when a seed is given."""
+        if i == 0 or "seed" not in self.params:
+            return self.params
+        return {**self.params, "seed": (self.params["seed"] + i) % (1 << 64)}
+
+
+def _choices(body: dict) -> int:
+    n = _get(body, "n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise ApiError(400, f"n must be in [1, {MAX_N}], got {n}", param="n", code="bad_field")
+    best_of = _get(body, "best_of", int)
+    if best_of is not None and best_of != n:
+        raise ApiError(400, "best_of is not supported (it would rank choices by logprob on the server); "
+                       "ask for n choices and pick on the client", param="best_of", code="unsupported")
+    return n
+
+
+def _constrain(params: dict, body: dict, thinking: str = "none",
+               forced: tuple[str, Any] | None = None) -> None:
+    found = output_constraint.constraint(body)
+    if forced is not None and found is not None:
+        raise ApiError(400, "a required or named tool_choice already constrains the output; drop "
+                       "response_format / structured_outputs", param="tool_choice", code="bad_field")
+    found = forced or found
+    if found is not None:
+        params["structured"] = {"kind": found[0], "value": found[1], "thinking": thinking}
 
 
 def _sampling(body: dict, default_max: int) -> dict:
-    n = _get(body, "n", int, 1)
-    if n != 1:
-        raise ApiError(400, "only n=1 is supported", param="n", code="bad_field")
     max_tokens = _get(body, "max_completion_tokens", int) or _get(body, "max_tokens", int, default_max)
     top_k = _get(body, "top_k", int, 0)
     params = {"max_tokens": max_tokens, "temperature": _get(body, "temperature", float, 1.0),
@@ -141,12 +153,19 @@ def completion_request(body: dict, tok: TextTokenizer | None, default_max: int =
     else:
         raise ApiError(400, "'prompt' must be a string or a list of token ids (one prompt)", param="prompt",
                        code="bad_field")
-    params = _sampling(body, default_max)
+    n, echo = _choices(body), _get(body, "echo", bool, False)
+    echo_only = echo and body.get("max_tokens") == 0
+    params = _sampling({**body, "max_tokens": 1} if echo_only else body, default_max)
     logprobs = _get(body, "logprobs", int)
     if logprobs is not None:
         params["logprobs"], params["top_logprobs"] = True, logprobs
+        if echo:  # the prompt's own logprobs: what lm-eval's loglikelihood reads
+            params["prompt_logprobs"] = logprobs
+    _constrain(params, body)
     stream, usage = _stream_opts(body)
-    return Prepared(_get(body, "model", str, ""), ids, params, stream, usage, logprobs)
+    text = prompt if isinstance(prompt, str) else (tok.decode(ids) if tok is not None and echo else "")
+    return Prepared(_get(body, "model", str, ""), ids, params, stream, usage, logprobs, n=n, echo=echo,
+                    echo_only=echo_only, prompt_text=text)
 
 
 def _message_text(content: Any, i: int) -> str:
@@ -159,27 +178,57 @@ def _message_text(content: Any, i: int) -> str:
                    param="messages", code="bad_field")
 
 
+def _message(m: Any, i: int) -> dict:
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", param="messages",
+                       code="bad_field")
+    out = {**m, "content": _message_text(m.get("content"), i)}
+    if "reasoning_content" not in out and isinstance(m.get("reasoning"), str):
+        out["reasoning_content"] = m["reasoning"]  # vLLM's newer name for it
+    calls = m.get("tool_calls")
+    if calls is not None and (not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict)
+            and isinstance(c["function"].get("name"), str) for c in calls)):
+        raise ApiError(400, f"messages[{i}].tool_calls must be a list of {{'function': {{'name', "
+                       "'arguments'}}}", param="messages", code="bad_field")
+    return out
+
+
+def thinking_state(prompt: str, reasoning: bool) -> str:
+    """Where the output starts relative to a think block: "open" (the prompt opened one),
+    "none" (no reasoning, or the prompt already closed this turn's block: enable_thinking=false)
+    or "may" (the model may open one)."""
+    turn = prompt.rfind("<|im_start|>")
+    opened, closed = prompt.rfind("<think>"), prompt.rfind("</think>")
+    if opened > closed and opened > turn:
+        return "open"
+    if not reasoning or closed > turn:
+        return "none"
+    return "may"
+
+
 def chat_request(body: dict, tok: TextTokenizer | None, template: ChatTemplate | None,
-                 default_max: int) -> Prepared:
+                 default_max: int, reasoning: bool = False, tool_parser: bool = False) -> Prepared:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages", code="bad_field")
-    clean = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", param="messages",
-                           code="bad_field")
-        clean.append({**m, "content": _message_text(m.get("content"), i)})
+    clean = [_message(m, i) for i, m in enumerate(messages)]
     if template is None or tok is None:
         raise ApiError(400, "this model has no chat template (tokenizer_config.json)",
                        code="no_chat_template")
+    tools = tool_choice.plan(body, tool_parser)
     kwargs = _get(body, "chat_template_kwargs", dict, {})
+    if tools.tools:
+        kwargs = {**kwargs, "tools": tools.tools}
     try:
         text = template.render(clean, _get(body, "add_generation_prompt", bool, True), **kwargs)
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), param="messages", code="bad_field") from None
     ids = tok.encode(text)
+    n = _choices(body)
     params = _sampling(body, default_max)
+    thinking = thinking_state(text, reasoning)
+    _constrain(params, body, thinking, ("json", tools.schema) if tools.forced else None)
     eos = tok.token_id(template.eos_token) if template.eos_token else None
     if eos is not None and not params["ignore_eos"]:
         params["stop_token_ids"] = [eos]
@@ -188,7 +237,8 @@ def chat_request(body: dict, tok: TextTokenizer | None, template: ChatTemplate |
         logprobs = _get(body, "top_logprobs", int, 0)
         params["logprobs"], params["top_logprobs"] = True, logprobs
     stream, usage = _stream_opts(body)
-    return Prepared(_get(body, "model", str, ""), ids, params, stream, usage, logprobs)
+    return Prepared(_get(body, "model", str, ""), ids, params, stream, usage, logprobs, n=n,
+                    reasoning=reasoning, thinking_opened=thinking == "open", tools=tools)
 
 
 # --------------------------------------------------------------------- responses
@@ -197,10 +247,11 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(done: dict) -> dict:
-    u = done["usage"]
-    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
-            "total_tokens": u["prompt_tokens"] + u["completion_tokens"]}
+def usage(dones: list[dict], echo_only: bool = False) -> dict:
+    """OpenAI's count: the prompt once, every choice's output tokens."""
+    prompt = dones[0]["usage"]["prompt_tokens"]
+    completion = 0 if echo_only else sum(d["usage"]["completion_tokens"] for d in dones)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _token_entry(tok: TextTokenizer, token: int, lp: float) -> dict:
@@ -225,3 +276,21 @@ def completion_logprobs(tok: TextTokenizer, ids: list[int], lps: list[float], to
         pos += len(tok.decode([t]))
     top = [{tok.token_text(a): b for a, b in step} for step in tops] if tops else [None] * len(ids)
     return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": top, "text_offset": offsets}
+
+
+def echo_logprobs(tok: TextTokenizer, done: dict, output: dict | None) -> dict:
+    """Completions' logprobs with ``echo``: the prompt's tokens first (the first has none), then
+    the output's (``output``, from ``completion_logprobs``), offsets counted from the prompt."""
+    ids, lps = done["prompt_token_ids"], done["prompt_logprobs"]
+    tops = done.get("prompt_top_logprobs") or [[] for _ in ids]
+    prompt = {"tokens": [tok.token_text(t) for t in ids], "token_logprobs": list(lps),
+              "top_logprobs": [None if lp is None else {tok.token_text(a): b for a, b in top}
+                               for lp, top in zip(lps, tops)], "text_offset": []}
+    pos = 0
+    for t in ids:
+        prompt["text_offset"].append(pos)
+        pos += len(tok.decode([t]))
+    if output is None:
+        return prompt
+    return {key: prompt[key] + (output[key] if key != "text_offset" else [o + pos for o in output[key]])
+            for key in prompt}

@@ -152,7 +152,15 @@ def token(rid: Any, ev: TokenEvent) -> dict:
         msg["logprob"] = seq.logprobs[-1]
         if seq.params.top_logprobs:
             msg["top_logprobs"] = [list(p) for p in seq.top_logprobs[-1]]
+    if seq.params.prompt_logprobs is not None and msg["index"] == 0:  # known once the prompt is done
+        _prompt_logprobs(msg, seq)
     return msg
+
+
+def _prompt_logprobs(msg: dict, seq: Sequence) -> None:
+    msg["prompt_token_ids"] = list(seq.prompt_ids)
+    msg["prompt_logprobs"] = list(seq.prompt_logprobs) or [None] * len(seq.prompt_ids)
+    msg["prompt_top_logprobs"] = [[list(p) for p in step] for step in seq.prompt_top_logprobs]
 
 
 def done(rid: Any, seq: Sequence, timings: dict) -> dict:
@@ -167,9 +175,7 @@ def done(rid: Any, seq: Sequence, timings: dict) -> dict:
         if seq.params.top_logprobs:
             msg["top_logprobs"] = [[list(p) for p in step] for step in seq.top_logprobs]
     if seq.params.prompt_logprobs is not None:
-        msg["prompt_token_ids"] = list(seq.prompt_ids)
-        msg["prompt_logprobs"] = list(seq.prompt_logprobs) or [None] * len(seq.prompt_ids)
-        msg["prompt_top_logprobs"] = [[list(p) for p in step] for step in seq.prompt_top_logprobs]
+        _prompt_logprobs(msg, seq)
     return msg
 
 

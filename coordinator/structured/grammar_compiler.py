@@ -15,6 +15,7 @@ from collections import OrderedDict
 
 import llguidance
 import numpy as np
+from llguidance.gbnf_to_lark import any_to_lark
 
 from coordinator.structured.grammar_state import GrammarState
 from coordinator.structured.structured_spec import StructuredError, StructuredSpec
@@ -42,8 +43,8 @@ def grammar_text(spec: StructuredSpec) -> str:
             return M.grammar_from_regex(spec.value)
         if spec.kind == "choice":
             return "start: " + " | ".join(json.dumps(c) for c in spec.value)
-        text = spec.value  # grammar: Lark (llguidance's), or GBNF/EBNF as llama.cpp writes it
-        return llguidance.gbnf_to_lark(text) if "::=" in text else M.grammar_from_lark(text)
+        # grammar: Lark (llguidance's), or GBNF/EBNF as llama.cpp and xgrammar write it
+        return M.grammar_from_lark(any_to_lark(spec.value))
     except (ValueError, TypeError, RuntimeError) as exc:
         raise StructuredError(f"invalid {spec.kind} constraint: {exc}") from None
 

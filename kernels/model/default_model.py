@@ -25,16 +25,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_NAME = "fusedserve-qwen3"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# ChatML, as Qwen's models use it: each message between <|im_start|>ROLE and <|im_end|>.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-    "{% if enable_thinking is defined and not enable_thinking %}"
-    "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
-    "{% endif %}"
-)
+# Qwen3's chat format: ChatML turns, tools in the system turn, Hermes <tool_call> blocks,
+# tool results as <tool_response> in a user turn, <think> blocks, and enable_thinking.
+CHAT_TEMPLATE = "".join(  # one line per tag in the file; its text's newlines are '\n' escapes
+    line.strip() for line in (Path(__file__).with_name("qwen3_chat_template.jinja")).read_text().splitlines())
 FORMAT = 2  # bump when the written files change: a cache of an older format is rewritten
 
 #: Shape of the embedded model; ``benchmark`` is large enough to spill the CPU caches.

@@ -1,0 +1,93 @@
+"""One chat choice's output -> OpenAI's message (whole) or deltas (streamed): the reasoning
+split, then tool calls (parsed in ``auto`` mode, read from the constrained JSON when forced).
+Streamed and whole outputs go through the same parsers, so they always agree."""
+
+from __future__ import annotations
+
+from coordinator.openai import reasoning_parser, tool_parser
+from coordinator.openai.tool_choice import ToolPlan
+from coordinator.openai.tool_parser import ToolCall, ToolStream
+
+
+def message(text: str, finish_reason: str, reasoning: bool, opened: bool,
+            tools: ToolPlan) -> tuple[dict, str]:
+    """(message, finish_reason) of a whole output."""
+    thought, content = reasoning_parser.split(text, opened) if reasoning else (None, text)
+    msg: dict = {"role": "assistant", "content": content}
+    if thought is not None:
+        msg["reasoning_content"] = msg["reasoning"] = thought
+    calls: list[ToolCall] | None = None
+    if tools.forced:
+        calls = tools.calls_from(content)
+    elif tools.mode == "auto":
+        msg["content"], calls = tool_parser.extract(content)
+    if calls:
+        msg["tool_calls"] = [c.to_openai() for c in calls]
+        if tools.forced:
+            msg["content"] = None
+        return msg, "tool_calls"
+    return msg, finish_reason
+
+
+def _call_deltas(k: int, call: ToolCall) -> list[dict]:
+    """OpenAI's order: the call's id and name (empty arguments), then its arguments."""
+    head = {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+    return [{"tool_calls": [head]}, {"tool_calls": [{"index": k, "function": {"arguments": call.arguments}}]}]
+
+
+class ChatStream:
+    """Text deltas of one choice in, lists of OpenAI ``delta`` objects out."""
+
+    def __init__(self, reasoning: bool, opened: bool, tools: ToolPlan):
+        self.reasoning = reasoning_parser.ReasoningStream(opened) if reasoning else None
+        self.tools = tools
+        self.auto = ToolStream() if tools.mode == "auto" else None
+        self.forced_text = ""  # required/named: the constrained JSON so far
+        self.named: ToolCall | None = None  # named: streamed as it is generated
+        self.calls = 0
+
+    def push(self, text: str) -> list[dict]:
+        thought, content = self.reasoning.push(text) if self.reasoning else ("", text)
+        return self._deltas(thought, content)
+
+    def finish(self, finish_reason: str) -> tuple[list[dict], str]:
+        """The rest of the output's deltas and the choice's finish reason."""
+        thought, content = self.reasoning.finish() if self.reasoning else ("", "")
+        deltas = self._deltas(thought, content)
+        if self.auto is not None:
+            rest = self.auto.finish()
+            if rest:
+                deltas.append({"content": rest})
+        if self.tools.mode == "required":
+            for call in self.tools.calls_from(self.forced_text) or []:
+                deltas.extend(_call_deltas(self.calls, call))
+                self.calls += 1
+        if self.tools.mode == "named" and self.tools.calls_from(self.forced_text) is None:
+            return deltas, finish_reason  # cut short: what streamed is not a complete call
+        return deltas, "tool_calls" if self.calls else finish_reason
+
+    def _deltas(self, thought: str, content: str) -> list[dict]:
+        out: list[dict] = []
+        if thought:
+            out.append({"reasoning_content": thought, "reasoning": thought})
+        if not content:
+            return out
+        if self.tools.mode == "named":
+            self.forced_text += content
+            if self.named is None:
+                self.named = ToolCall(self.tools.name, "")
+                self.calls = 1
+                out.append(_call_deltas(0, self.named)[0])
+            out.append({"tool_calls": [{"index": 0, "function": {"arguments": content}}]})
+        elif self.tools.mode == "required":
+            self.forced_text += content  # a list of calls: emitted whole at the end
+        elif self.auto is not None:
+            text, calls = self.auto.push(content)
+            if text:
+                out.append({"content": text})
+            for call in calls:
+                out.extend(_call_deltas(self.calls, call))
+                self.calls += 1
+        else:
+            out.append({"content": content})
+        return out
