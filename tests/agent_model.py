@@ -35,7 +35,8 @@ CHATS = [
      "<think>\nA greeting is asked.\n</think>\n\nHello there, friend!"),
     ([{"role": "user", "content": "Say hello."}], None, False, "Hello there, friend!"),
     ([{"role": "user", "content": "Should I check the weather in Lima?"}], TOOLS, True,
-     "<think>\nI could write " + _call("Lima") + " but it is not needed.\n</think>\n\nNo need: just look outside."),
+     "<think>\nI could write " + _call("Lima") + " but it is not needed.\n</think>\n\n"
+     "No need: just look outside."),
     ([{"role": "user", "content": "Weather in Kyiv, tersely."}], TOOLS, False, _call("Kyiv")),
     ([{"role": "user", "content": "Describe a cat as JSON."}], None, True,
      '<think>\nA cat object.\n</think>\n\n{"name": "Tom", "legs": 4}'),

@@ -43,10 +43,12 @@ def _json(seed: int, temperature: float = 1.0, max_tokens: int = 80) -> Sampling
 
 def test_every_kind_holds_its_constraint(engine):
     specs = [StructuredSpec("json", SCHEMA), StructuredSpec("json_object"),
-             StructuredSpec("regex", r"[0-9]{3}-[a-z]{2,4}"), StructuredSpec("choice", ["yes", "no", "maybe"]),
+             StructuredSpec("regex", r"[0-9]{3}-[a-z]{2,4}"),
+             StructuredSpec("choice", ["yes", "no", "maybe"]),
              StructuredSpec("grammar", 'start: "x=" NUM ";"\nNUM: /[0-9]{1,4}/'),
              StructuredSpec("grammar", 'root ::= "v" [0-9] [0-9]')]
-    params = [SamplingParams(max_tokens=60, temperature=1.0, seed=i, structured=s) for i, s in enumerate(specs)]
+    params = [SamplingParams(max_tokens=60, temperature=1.0, seed=i, structured=s)
+              for i, s in enumerate(specs)]
     outs = engine.generate(PROMPTS[: len(specs)], params)
     assert all(o.finish_reason == "stop" for o in outs), [(o.text, o.finish_reason) for o in outs]
     jsonschema.validate(json.loads(outs[0].text), SCHEMA)
@@ -61,7 +63,8 @@ def test_every_kind_holds_its_constraint(engine):
 def test_constrained_rows_leave_their_neighbours_unchanged(async_scheduling):
     rc = RunnerConfig(max_batch=16, num_blocks=256, block_size=8, async_scheduling=async_scheduling)
     with LLMEngine("default", dtype="float32", runner=rc) as eng:
-        free = [SamplingParams(max_tokens=24, temperature=0.9, seed=100 + i, ignore_eos=True) for i in range(8)]
+        free = [SamplingParams(max_tokens=24, temperature=0.9, seed=100 + i, ignore_eos=True)
+                for i in range(8)]
         alone = eng.generate(PROMPTS, free)
         mixed = eng.generate(PROMPTS + PROMPTS, free + [_json(i) for i in range(8)])
     assert [o.token_ids for o in mixed[:8]] == [o.token_ids for o in alone]
@@ -120,7 +123,8 @@ def test_identical_prompts_share_their_blocks(engine):
     blocks = engine.core.scheduler.blocks
     blocks.flush()
     before = blocks.stats.hit_tokens
-    outs = engine.generate([prompt] * 3, [SamplingParams(max_tokens=4, temperature=1.0, seed=i) for i in range(3)])
+    outs = engine.generate([prompt] * 3,
+                           [SamplingParams(max_tokens=4, temperature=1.0, seed=i) for i in range(3)])
     full = (len(outs[0].prompt_ids) - 1) // blocks.block_size * blocks.block_size
     assert blocks.stats.hit_tokens - before == 2 * full  # the 2nd and 3rd read the 1st's blocks
 
@@ -152,13 +156,15 @@ def test_thinking_gate_frees_tokens_until_the_end_marker(engine):
     tok = engine.tokenizer
     words = -(-engine.model.config.vocab_size // 32)
     mask = np.zeros((1, words), dtype=np.int32)
+    bits = torch.arange(32, dtype=torch.int32)
+    vocab = engine.model.config.vocab_size
     for t in tok.encode("hmm </think>"):
-        assert not state.constrained
+        state.fill(mask, 0)  # thinking: anything but the end of the output
+        free = sampler.allowed_tokens(torch.from_numpy(mask), vocab, bits)[0]
+        assert int(free.sum()) == vocab - len(engine.grammars.ends) and not free[engine.grammars.ends].any()
         state.accept(t)
-    assert state.constrained
     state.fill(mask, 0)
-    allowed = sampler.allowed_tokens(torch.from_numpy(mask), engine.model.config.vocab_size,
-                                     torch.arange(32, dtype=torch.int32))[0]
+    allowed = sampler.allowed_tokens(torch.from_numpy(mask), vocab, bits)[0]
     texts = {tok.decode([int(t)]) for t in allowed.nonzero().flatten()}
     assert texts and all("yes".startswith(t) or "no".startswith(t) for t in texts if t)
 
@@ -170,5 +176,6 @@ def test_allowed_tokens_unpacks_bits_in_order():
     packed = np.zeros((3, words), dtype=np.uint32)
     for r, v in want.nonzero().tolist():
         packed[r, v >> 5] |= np.uint32(1 << (v & 31))
-    got = sampler.allowed_tokens(torch.from_numpy(packed.view(np.int32)), vocab, torch.arange(32, dtype=torch.int32))
+    bits = torch.arange(32, dtype=torch.int32)
+    got = sampler.allowed_tokens(torch.from_numpy(packed.view(np.int32)), vocab, bits)
     assert torch.equal(got, want)

@@ -69,8 +69,7 @@ def _write_bitmask(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int]
     """Structured outputs: each row's allowed next tokens as bits (B rows when any row samples
     under a grammar, else none). The matchers write straight into the arena bank."""
     words = -(-vocab // 32)
-    rows = [i for i, s in enumerate(batch.seqs)
-            if s.grammar is not None and s.grammar.constrained and batch.samples[i]]
+    rows = [i for i, s in enumerate(batch.seqs) if s.grammar is not None and batch.samples[i]]
     dims["G"], dims["VW"] = (batch.batch_size if rows else 0), words
     if not rows:
         return

@@ -1,6 +1,6 @@
 """One chat choice's output -> OpenAI's message (whole) or deltas (streamed): the reasoning
-split, then tool calls (parsed in ``auto`` mode, read from the constrained JSON when forced).
-Streamed and whole outputs go through the same parsers, so they always agree."""
+split, then Hermes tool calls (free in ``auto`` mode, held to the functions' schemas when
+forced). Streamed and whole outputs go through the same parsers, so they always agree."""
 
 from __future__ import annotations
 
@@ -16,16 +16,11 @@ def message(text: str, finish_reason: str, reasoning: bool, opened: bool,
     msg: dict = {"role": "assistant", "content": content}
     if thought is not None:
         msg["reasoning_content"] = msg["reasoning"] = thought
-    calls: list[ToolCall] | None = None
-    if tools.forced:
-        calls = tools.calls_from(content)
-    elif tools.mode == "auto":
+    if tools.parsed:
         msg["content"], calls = tool_parser.extract(content)
-    if calls:
-        msg["tool_calls"] = [c.to_openai() for c in calls]
-        if tools.forced:
-            msg["content"] = None
-        return msg, "tool_calls"
+        if calls:
+            msg["tool_calls"] = [c.to_openai() for c in calls]
+            return msg, "tool_calls"
     return msg, finish_reason
 
 
@@ -40,10 +35,7 @@ class ChatStream:
 
     def __init__(self, reasoning: bool, opened: bool, tools: ToolPlan):
         self.reasoning = reasoning_parser.ReasoningStream(opened) if reasoning else None
-        self.tools = tools
-        self.auto = ToolStream() if tools.mode == "auto" else None
-        self.forced_text = ""  # required/named: the constrained JSON so far
-        self.named: ToolCall | None = None  # named: streamed as it is generated
+        self.tools = ToolStream() if tools.parsed else None
         self.calls = 0
 
     def push(self, text: str) -> list[dict]:
@@ -54,16 +46,10 @@ class ChatStream:
         """The rest of the output's deltas and the choice's finish reason."""
         thought, content = self.reasoning.finish() if self.reasoning else ("", "")
         deltas = self._deltas(thought, content)
-        if self.auto is not None:
-            rest = self.auto.finish()
+        if self.tools is not None:
+            rest = self.tools.finish()
             if rest:
                 deltas.append({"content": rest})
-        if self.tools.mode == "required":
-            for call in self.tools.calls_from(self.forced_text) or []:
-                deltas.extend(_call_deltas(self.calls, call))
-                self.calls += 1
-        if self.tools.mode == "named" and self.tools.calls_from(self.forced_text) is None:
-            return deltas, finish_reason  # cut short: what streamed is not a complete call
         return deltas, "tool_calls" if self.calls else finish_reason
 
     def _deltas(self, thought: str, content: str) -> list[dict]:
@@ -72,22 +58,13 @@ class ChatStream:
             out.append({"reasoning_content": thought, "reasoning": thought})
         if not content:
             return out
-        if self.tools.mode == "named":
-            self.forced_text += content
-            if self.named is None:
-                self.named = ToolCall(self.tools.name, "")
-                self.calls = 1
-                out.append(_call_deltas(0, self.named)[0])
-            out.append({"tool_calls": [{"index": 0, "function": {"arguments": content}}]})
-        elif self.tools.mode == "required":
-            self.forced_text += content  # a list of calls: emitted whole at the end
-        elif self.auto is not None:
-            text, calls = self.auto.push(content)
-            if text:
-                out.append({"content": text})
-            for call in calls:
-                out.extend(_call_deltas(self.calls, call))
-                self.calls += 1
-        else:
+        if self.tools is None:
             out.append({"content": content})
+            return out
+        text, calls = self.tools.push(content)
+        if text:
+            out.append({"content": text})
+        for call in calls:
+            out.extend(_call_deltas(self.calls, call))
+            self.calls += 1
         return out

@@ -216,7 +216,7 @@ def chat_request(body: dict, tok: TextTokenizer | None, template: ChatTemplate |
     if template is None or tok is None:
         raise ApiError(400, "this model has no chat template (tokenizer_config.json)",
                        code="no_chat_template")
-    tools = tool_choice.plan(body, tool_parser)
+    tools = tool_choice.plan(body, tool_parser, tok.token_id("<tool_call>") is not None)
     kwargs = _get(body, "chat_template_kwargs", dict, {})
     if tools.tools:
         kwargs = {**kwargs, "tools": tools.tools}
@@ -228,7 +228,7 @@ def chat_request(body: dict, tok: TextTokenizer | None, template: ChatTemplate |
     n = _choices(body)
     params = _sampling(body, default_max)
     thinking = thinking_state(text, reasoning)
-    _constrain(params, body, thinking, ("json", tools.schema) if tools.forced else None)
+    _constrain(params, body, thinking, ("grammar", tools.grammar) if tools.forced else None)
     eos = tok.token_id(template.eos_token) if template.eos_token else None
     if eos is not None and not params["ignore_eos"]:
         params["stop_token_ids"] = [eos]

@@ -4,9 +4,11 @@ output is parsed for calls, and the constraint that forces a call.
 - ``none``: the tools are not rendered and nothing is parsed.
 - ``auto`` (the default with tools): the template renders them; Hermes calls in the output
   become ``tool_calls`` (``tool_parser``).
-- ``required``: the output is held (constrained decoding) to a JSON list of one or more
-  ``{"name", "arguments"}`` calls of the given functions; a named function: to an object
-  matching its parameters' schema. Even a model never trained on tools returns a valid call.
+- ``required``: the output is held (constrained decoding) to one or more Hermes calls of the
+  given functions, each ``{"name", "arguments"}`` JSON matching its function's schema; a named
+  function: to one call of it. The calls are written in the model's own format (so a Qwen3
+  model can end after its last call, as it was trained to) and parsed as in ``auto``. Even a
+  model never trained on tools returns a valid call.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.openai.api_error import ApiError
-from coordinator.openai.tool_parser import ToolCall
+
+# Calls' JSON as json.dumps writes it (free whitespace could run on until max_tokens).
+LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass
@@ -24,25 +28,16 @@ class ToolPlan:
     mode: str  # none | auto | required | named
     tools: list[dict] = field(default_factory=list)  # as the template gets them
     name: str | None = None  # named: the function
-    schema: dict | None = None  # required / named: the output's JSON schema
+    grammar: str | None = None  # required / named: the output's grammar (llguidance Lark)
 
     @property
     def forced(self) -> bool:
         return self.mode in ("required", "named")
 
-    def calls_from(self, text: str) -> list[ToolCall] | None:
-        """The calls a forced output holds (None if it is not valid, e.g. cut by max_tokens)."""
-        try:
-            obj = json.loads(text)
-        except ValueError:
-            return None
-        if self.mode == "named":
-            return [ToolCall(self.name, text.strip())] if isinstance(obj, dict) else None
-        if not isinstance(obj, list):
-            return None
-        calls = [ToolCall(c["name"], json.dumps(c.get("arguments", {}), ensure_ascii=False))
-                 for c in obj if isinstance(c, dict) and isinstance(c.get("name"), str)]
-        return calls or None
+    @property
+    def parsed(self) -> bool:
+        """The output is parsed for Hermes calls."""
+        return self.mode != "none"
 
 
 def _bad(message: str, param: str = "tools") -> ApiError:
@@ -62,8 +57,21 @@ def _function(tool: Any, i: int) -> dict:
     return {**fn, "parameters": params}
 
 
-def plan(body: dict, parser_on: bool) -> ToolPlan:
-    """The request's tool plan; ``parser_on``: the server parses tool calls for this model."""
+def _grammar(functions: dict[str, dict], several: bool, marker_tokens: bool) -> str:
+    """Lark for Hermes calls of ``functions``; the markers as the model's own tokens where its
+    tokenizer has them (``<tool_call>``), else as text."""
+    one_of = [{"type": "object", "properties": {"name": {"const": n}, "arguments": f["parameters"]},
+               "required": ["name", "arguments"], "additionalProperties": False}
+              for n, f in functions.items()]
+    schema = {**(one_of[0] if len(one_of) == 1 else {"anyOf": one_of}), "x-guidance": LAYOUT}
+    start, end = ("<tool_call>", "</tool_call>") if marker_tokens else ('"<tool_call>"', '"</tool_call>"')
+    head = 'start: call ("\\n" call)*' if several else "start: call"
+    return f'{head}\ncall: {start} "\\n" body "\\n" {end}\nbody: %json {json.dumps(schema)}'
+
+
+def plan(body: dict, parser_on: bool, marker_tokens: bool = False) -> ToolPlan:
+    """The request's tool plan; ``parser_on``: the server parses tool calls for this model;
+    ``marker_tokens``: ``<tool_call>`` and ``</tool_call>`` are tokens of its vocabulary."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
     if tools is None:
@@ -85,15 +93,12 @@ def plan(body: dict, parser_on: bool) -> ToolPlan:
     if choice == "none":
         return ToolPlan("none")
     if choice == "required":
-        one_of = [{"type": "object", "properties": {"name": {"const": n}, "arguments": f["parameters"]},
-                   "required": ["name", "arguments"], "additionalProperties": False}
-                  for n, f in by_name.items()]
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": one_of}}
-        return ToolPlan("required", rendered, schema=schema)
+        return ToolPlan("required", rendered, grammar=_grammar(by_name, True, marker_tokens))
     if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in by_name:
             raise _bad(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
-        return ToolPlan("named", rendered, name=name, schema=by_name[name]["parameters"])
+        return ToolPlan("named", rendered, name=name,
+                        grammar=_grammar({name: by_name[name]}, False, marker_tokens))
     raise _bad("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
                "{'name': ...}}", "tool_choice")

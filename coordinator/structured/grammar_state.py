@@ -2,8 +2,10 @@
 
 The coordinator fills the row's token bitmask before a launch and advances the matcher with
 the token the launch sampled. A row under a grammar is therefore never scheduled one launch
-ahead (its mask needs the previous token). Thinking comes first and is free: with the gate
-"open" tokens pass until ``</think>``; with "may" the first token may also be ``<think>``.
+ahead (its mask needs the previous token). Thinking comes first and is free but for the end
+tokens (an output that stopped while thinking would never reach its constrained part): with
+the gate "open" tokens pass until ``</think>``; with "may" the first token may also be
+``<think>``.
 """
 
 from __future__ import annotations
@@ -19,23 +21,22 @@ FREE, MAY_THINK, THINKING = "free", "may_think", "thinking"
 
 class GrammarState:
     def __init__(self, matcher: llguidance.LLMatcher, thinking: str, think_open: np.ndarray,
-                 think_end: bytes, token_bytes: Callable[[int], bytes]):
+                 think_end: bytes, token_bytes: Callable[[int], bytes], ends: np.ndarray):
         self.matcher = matcher
         self.phase = {"none": FREE, "may": MAY_THINK, "open": THINKING}[thinking]
         self._think_open = think_open
         self._think_end = think_end
         self._token_bytes = token_bytes
         self._tail = b""  # the thought's last bytes: where its end marker may be
-
-    @property
-    def constrained(self) -> bool:
-        """The next token is masked (thinking tokens are not)."""
-        return self.phase != THINKING
+        self._ends = ends  # token ids that end the output: refused while thinking
 
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         """Write the allowed next tokens into ``bitmask[row]`` (int32 words, bit v allows v)."""
         if self.phase == THINKING:
             bitmask[row] = -1
+            words = bitmask.view(np.uint32)
+            for t in self._ends:
+                words[row, t >> 5] &= ~np.uint32(1 << (t & 31))
             return
         llnp.fill_next_token_bitmask(self.matcher, bitmask, row)
         if self.phase == MAY_THINK:
