@@ -22,7 +22,8 @@ MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 
 
 def _call(city: str) -> str:
-    return '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>' % city
+    body = json.dumps({"name": "get_weather", "arguments": {"city": city}})
+    return f"<tool_call>\n{body}\n</tool_call>"
 
 
 # (messages, tools, enable_thinking, the assistant's reply as the model is fitted to write it)
