@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -24,7 +26,7 @@ from tests.support import settled, wait_for
 TOKEN = "http-test-token-0123456789"
 RC = RunnerConfig(max_batch=16, block_size=16, num_blocks=256)
 ARGS = ("--workers", "1", "--dtype", "float32", "--max-batch", "16", "--num-blocks", "256",
-        "--max-prompt-tokens", "200", "--http-port", "0")
+        "--max-prompt-tokens", "400", "--http-port", "0")
 
 
 @pytest.fixture(scope="module")
@@ -152,9 +154,19 @@ def _post(server, path: str, body, headers: dict | None = None, raw: bytes | Non
     ({"prompt": "x", "temperature": True}, None, 400, "temperature"),
     ({"prompt": "x", "temperature": 1e-320}, None, 400, None),
     ({"prompt": "x", "temperature": 500}, None, 400, None),
-    ({"prompt": "x", "n": 2}, None, 400, "n"),
+    ({"prompt": "x", "n": 100}, None, 400, "n"),
+    ({"prompt": "x", "n": 2, "best_of": 4}, None, 400, "best_of"),
+    ({"prompt": "x", "response_format": {"type": "xml"}}, None, 400, "response_format"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     None, 400, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, None, 400,
+     "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "bogus"}}}}},
+     None, 400, None),
+    ({"prompt": "x", "structured_outputs": {"regex": "(unclosed"}}, None, 400, None),
+    ({"prompt": "x", "structured_outputs": {"choice": []}}, None, 400, None),
     ({"prompt": "x", "model": "gpt-4"}, None, 404, "model"),
-    ({"prompt": "word " * 400}, None, 413, None),
+    ({"prompt": "word " * 800}, None, 413, None),
     ({"prompt": "x", "max_tokens": 10**6}, None, 400, None),
     ({"prompt": [1, 10**7]}, None, 400, None),
     # Integers beyond what a ZeroMQ frame can carry: refused, never a 500.
@@ -184,6 +196,13 @@ def test_auth_body_limits_and_unknown_fields(server):
     assert r.status_code == 413
     r = _post(server, "/v1/chat/completions", {"messages": "hi"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    hi = [{"role": "user", "content": "hi"}]
+    for bad in ({"tools": "get_weather"}, {"tools": [{"type": "function", "function": {}}]},
+                {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+                {"tool_choice": "required"},
+                {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}):
+        r = _post(server, "/v1/chat/completions", {"messages": hi, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("tools", "tool_choice"), (bad, r.text)
 
 
 def test_100_concurrent_streams_equal_offline(server, offline):
@@ -296,3 +315,115 @@ def test_coordinator_codes_map_to_http_statuses(code, status):
 
     err = ApiError.from_reply({"type": "error", "code": code, "message": "m"})
     assert err.status == status and err.body()["error"]["code"] == code
+
+
+# ----------------------------------------------------------- what Qwen3 clients send
+
+SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 24},
+                                           "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+                                           "tags": {"type": "array", "items": {"enum": ["py", "c"]},
+                                                    "maxItems": 3}},
+          "required": ["title", "year", "tags"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                     "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+def test_json_schema_and_json_object_on_chat(oai):
+    messages = [{"role": "user", "content": "Describe a book."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "book", "schema": SCHEMA, "strict": True}}
+    for seed in range(3):
+        r = oai.chat.completions.create(model="default", messages=messages, max_tokens=80, temperature=1.0,
+                                        seed=seed, response_format=fmt)
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    whole = oai.chat.completions.create(model="default", messages=messages, max_tokens=80, temperature=0,
+                                        response_format=fmt).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(
+        model="default", messages=messages, max_tokens=80, temperature=0, response_format=fmt, stream=True)
+        if c.choices)
+    assert streamed == whole
+    obj = oai.chat.completions.create(model="default", messages=messages, max_tokens=60, temperature=0,
+                                      response_format={"type": "json_object"})
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+def test_structured_outputs_on_completions(oai):
+    def ask(so: dict, max_tokens: int = 40) -> str:
+        r = oai.completions.create(model="default", prompt="The answer is", max_tokens=max_tokens,
+                                   temperature=1.0, seed=3, extra_body={"structured_outputs": so})
+        return r.choices[0].text
+    assert ask({"choice": ["left", "right"]}) in ("left", "right")
+    assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}", ask({"regex": r"[A-Z]{2}-[0-9]{3}"}))
+    assert re.fullmatch(r"(yes|no)!", ask({"grammar": 'root ::= ("yes" | "no") "!"'}))
+    jsonschema.validate(json.loads(ask({"json": SCHEMA}, max_tokens=80)), SCHEMA)
+    fmt = {"type": "json_schema", "json_schema": {"name": "book", "schema": SCHEMA}}
+    r = oai.completions.create(model="default", prompt="{", max_tokens=80, temperature=0,
+                               extra_body={"response_format": fmt})
+    jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
+
+
+def test_a_named_tool_choice_makes_even_the_default_model_call_it(oai):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    calls = []
+    for seed in range(3):
+        r = oai.chat.completions.create(model="default", messages=messages, tools=[WEATHER],
+                                        tool_choice=choice, max_tokens=80, temperature=0.8, seed=seed)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls", ch
+        (call,) = ch.message.tool_calls
+        assert call.id.startswith("call_") and call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+        calls.append(call)
+    chunks = list(oai.chat.completions.create(model="default", messages=messages, tools=[WEATHER],
+                                              tool_choice=choice, max_tokens=80, temperature=0.8, seed=0,
+                                              stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id
+    streamed = json.loads("".join(d.function.arguments or "" for d in deltas))
+    assert streamed == json.loads(calls[0].function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_n_choices_share_a_prompt_and_draw_their_own_seeds(oai):
+    kw = dict(model="default", prompt="The module provides", max_tokens=12, temperature=1.0, seed=11,
+              extra_body={"ignore_eos": True})
+    r = oai.completions.create(n=3, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.text for c in r.choices]
+    assert len(set(texts)) == 3  # three seed streams
+    assert r.usage.completion_tokens == 36 and r.usage.prompt_tokens == r.usage.total_tokens - 36
+    one = oai.completions.create(n=1, **kw).choices[0].text
+    assert one == texts[0]  # choice 0 draws from the request's seed; choice i from seed + i
+    streamed = {i: "" for i in range(3)}
+    for c in oai.completions.create(n=3, stream=True, **kw):
+        for ch in c.choices:
+            streamed[ch.index] += ch.text
+    assert [streamed[i] for i in range(3)] == texts
+    chat = oai.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}], n=2,
+                                       max_tokens=6, temperature=1.0, seed=5)
+    assert len(chat.choices) == 2 and chat.choices[1].index == 1
+
+
+def test_echo_gives_the_prompt_and_its_logprobs(oai, offline):
+    prompt = "The quick brown fox jumps over the lazy dog."
+    want = offline.generate([prompt], SamplingParams(max_tokens=3, prompt_logprobs=2, ignore_eos=True))[0]
+    r = oai.completions.create(model="default", prompt=prompt, max_tokens=3, temperature=0, logprobs=2,
+                               echo=True, extra_body={"ignore_eos": True})
+    ch = r.choices[0]
+    assert ch.text.startswith(prompt) and len(ch.text) > len(prompt)
+    lp = ch.logprobs
+    n = len(want.prompt_ids)
+    assert len(lp.tokens) == n + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n] == pytest.approx(want.prompt_logprobs[1:], abs=1e-4)
+    assert lp.text_offset[0] == 0 and lp.text_offset[n] == len(prompt)
+    only = oai.completions.create(model="default", prompt=prompt, max_tokens=0, temperature=0, logprobs=0,
+                                  echo=True)
+    assert only.choices[0].text == prompt and len(only.choices[0].logprobs.tokens) == n
+    assert only.usage.completion_tokens == 0
+    chunks = list(oai.completions.create(model="default", prompt=prompt, max_tokens=3, temperature=0,
+                                         logprobs=2, echo=True, stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ch.text
+    assert chunks[0].choices[0].logprobs.token_logprobs[1:n] == pytest.approx(lp.token_logprobs[1:n])
