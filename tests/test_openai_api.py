@@ -161,7 +161,7 @@ def _post(server, path: str, body, headers: dict | None = None, raw: bytes | Non
      None, 400, "structured_outputs"),
     ({"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, None, 400,
      "structured_outputs"),
-    ({"prompt": "x", "structured_outputs": {"json": {"properties": {"a": {"type": "bogus"}}}}}, None, 400, None),
+    ({"prompt": "x", "structured_outputs": {"json": {"properties": {"a": {"type": "no"}}}}}, None, 400, None),
     ({"prompt": "x", "structured_outputs": {"regex": "(unclosed"}}, None, 400, None),
     ({"prompt": "x", "structured_outputs": {"choice": []}}, None, 400, None),
     ({"prompt": "x", "model": "gpt-4"}, None, 404, "model"),
