@@ -153,8 +153,8 @@ async def _run(gw: Gateway, request: Request, prep: oa.Prepared, chat: bool) -> 
         gen = _stream(gw, prep, chat)
         first = await gen.__anext__()  # errors before the first token become a plain HTTP error
         return StreamingResponse(_chain(first, gen), media_type="text/event-stream")
-    rids = [gw.client.new_id() for _ in range(prep.n)]
-    tasks = [asyncio.ensure_future(gw.client.generate(prep.prompt_ids, request_id=rid,
+    rids = [gw.client.new_id() for _ in range(prep.choices)]
+    tasks = [asyncio.ensure_future(gw.client.generate(prep.prompt(i)[0], request_id=rid,
                                                       **prep.choice_params(i))) for i, rid in enumerate(rids)]
     gone = asyncio.ensure_future(_until_disconnect(request))
     everything = asyncio.ensure_future(asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION))
@@ -197,7 +197,7 @@ def _final(gw: Gateway, prep: oa.Prepared, dones: list[dict], chat: bool) -> dic
             text = "" if prep.echo_only else done["text"]
             if prep.echo_only:
                 ids, lps, tops, choice["finish_reason"] = [], [], [], "length"
-            choice["text"] = (prep.prompt_text if prep.echo else "") + text
+            choice["text"] = (prep.prompt(i)[1] if prep.echo else "") + text
             if prep.logprobs is not None and lps is not None:
                 choice["logprobs"] = oa.completion_logprobs(gw.tokenizer, ids, lps, tops)
                 if prep.echo:
@@ -205,7 +205,7 @@ def _final(gw: Gateway, prep: oa.Prepared, dones: list[dict], chat: bool) -> dic
         choices.append(choice)
     return {"id": oa.new_id("chatcmpl" if chat else "cmpl"), "created": prep.created, "model": prep.model,
             "object": "chat.completion" if chat else "text_completion", "choices": choices,
-            "usage": oa.usage(dones, prep.echo_only)}
+            "usage": oa.usage(dones, prep.n, prep.echo_only)}
 
 
 async def _chain(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -220,7 +220,7 @@ async def _merged(gw: Gateway, prep: oa.Prepared, rids: list[str]) -> AsyncItera
 
     async def pump(i: int, rid: str) -> None:
         try:
-            async for frame in gw.client.stream(prep.prompt_ids, request_id=rid, **prep.choice_params(i)):
+            async for frame in gw.client.stream(prep.prompt(i)[0], request_id=rid, **prep.choice_params(i)):
                 await queue.put((i, frame, None))
         except ServerError as exc:
             await queue.put((i, None, exc))
@@ -247,19 +247,19 @@ async def _merged(gw: Gateway, prep: oa.Prepared, rids: list[str]) -> AsyncItera
 async def _stream(gw: Gateway, prep: oa.Prepared, chat: bool) -> AsyncIterator[str]:
     """Server-sent events, every choice's chunks interleaved as they come; a client that
     disconnects cancels this and the requests are aborted."""
-    rids = [gw.client.new_id() for _ in range(prep.n)]
+    rids = [gw.client.new_id() for _ in range(prep.choices)]
     finished: set[int] = set()
     cid = oa.new_id("chatcmpl" if chat else "cmpl")
     head = {"id": cid, "created": prep.created, "model": prep.model,
             "object": "chat.completion.chunk" if chat else "text_completion"}
     frames = _merged(gw, prep, rids)
     states = [chat_output.ChatStream(prep.reasoning, prep.thinking_opened, prep.tools) for _ in rids]
-    offsets, last, dones, started = [0] * prep.n, None, [None] * prep.n, set()
+    offsets, last, dones, started = [0] * len(rids), None, [None] * len(rids), set()
     try:
         try:
             i, frame = await frames.__anext__()
         except ServerError as exc:
-            finished.update(range(prep.n))
+            finished.update(range(len(rids)))
             gw.metrics.failed()
             raise oa.ApiError.from_reply(exc.reply) from None
         while True:
@@ -270,10 +270,10 @@ async def _stream(gw: Gateway, prep: oa.Prepared, chat: bool) -> AsyncIterator[s
                     first["delta"] = {"role": "assistant", "content": ""}
                     yield _sse({**head, "choices": [first]})
                 elif prep.echo:
-                    first["text"] = prep.prompt_text
+                    first["text"] = prep.prompt(i)[1]
                     if prep.logprobs is not None and "prompt_logprobs" in frame:
                         first["logprobs"] = oa.echo_logprobs(gw.tokenizer, frame, None)
-                    offsets[i] = len(prep.prompt_text)
+                    offsets[i] = len(first["text"])
                     yield _sse({**head, "choices": [first]})
             if frame["type"] == "done":
                 finished.add(i)
@@ -289,9 +289,9 @@ async def _stream(gw: Gateway, prep: oa.Prepared, chat: bool) -> AsyncIterator[s
                 fin = {"index": i, "finish_reason": reason, "logprobs": None}
                 fin.update({"delta": {}} if chat else {"text": ""})
                 yield _sse({**head, "choices": [fin]})
-                if len(finished) == prep.n:
+                if len(finished) == len(rids):
                     if prep.include_usage:
-                        yield _sse({**head, "choices": [], "usage": oa.usage(dones, prep.echo_only)})
+                        yield _sse({**head, "choices": [], "usage": oa.usage(dones, prep.n, prep.echo_only)})
                     yield _sse("[DONE]")
                     return
             elif not prep.echo_only:
@@ -318,7 +318,7 @@ async def _stream(gw: Gateway, prep: oa.Prepared, chat: bool) -> AsyncIterator[s
             try:
                 i, frame = await frames.__anext__()
             except ServerError as exc:  # failed mid-stream: an error event, then the end
-                finished.update(range(prep.n))
+                finished.update(range(len(rids)))
                 gw.metrics.failed()
                 yield _sse(oa.ApiError.from_reply(exc.reply).body())
                 yield _sse("[DONE]")
@@ -329,7 +329,7 @@ async def _stream(gw: Gateway, prep: oa.Prepared, chat: bool) -> AsyncIterator[s
             for i, rid in enumerate(rids):
                 if i not in finished:  # cancelled (the client disconnected) or failed
                     await gw.client.abort(rid)
-            if len(finished) < prep.n:
+            if len(finished) < len(rids):
                 gw.metrics.failed("abort")
 
 

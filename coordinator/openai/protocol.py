@@ -21,7 +21,8 @@ from coordinator.openai.tool_choice import ToolPlan
 from kernels.model.tokenizer import TextTokenizer
 
 MAX_BODY_BYTES = 4 << 20  # the ZeroMQ front end's frame limit
-MAX_N = 16  # choices per request
+MAX_N = 16  # choices per prompt
+MAX_CHOICES = 64  # choices per request: prompts x n
 def _no_constant(name: str) -> float:
     raise ApiError(400, f"{name} is not a valid JSON number", code="bad_json")
 
@@ -69,7 +70,7 @@ class Prepared:
     """One OpenAI request, ready for the coordinator."""
 
     model: str
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # the (first) prompt
     params: dict  # the generate frame's sampling fields
     stream: bool
     include_usage: bool
@@ -79,15 +80,28 @@ class Prepared:
     echo: bool = False  # completions: the prompt (and its logprobs) before the output
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (one token drawn, dropped)
     prompt_text: str = ""  # echo: the prompt as text
+    # Completions may send several prompts: choice i is prompt i // n's choice i % n.
+    more_prompts: list[tuple[list[int], str]] = field(default_factory=list)
+
+    @property
+    def choices(self) -> int:
+        return self.n * (1 + len(self.more_prompts))
+
+    def prompt(self, i: int) -> tuple[list[int], str]:
+        """Choice ``i``'s prompt: its ids and (echo) its text."""
+        k = i // self.n
+        return (self.prompt_ids, self.prompt_text) if k == 0 else self.more_prompts[k - 1]
     reasoning: bool = False  # chat: split <think> blocks into reasoning_content
     thinking_opened: bool = False  # the prompt opened a think block: the output starts in it
     tools: ToolPlan = field(default_factory=lambda: ToolPlan("none"))
 
     def choice_params(self, i: int) -> dict:
-        """Choice ``i``'s generate fields: its own seed stream when a seed is given."""
-        if i == 0 or "seed" not in self.params:
+        """Choice ``i``'s generate fields: its own seed stream when a seed is given (prompt k's
+        choices draw from seed, seed + 1, ..., as if each prompt came alone)."""
+        j = i % self.n
+        if j == 0 or "seed" not in self.params:
             return self.params
-        return {**self.params, "seed": (self.params["seed"] + i) % (1 << 64)}
+        return {**self.params, "seed": (self.params["seed"] + j) % (1 << 64)}
 
 
 def _choices(body: dict) -> int:
@@ -137,23 +151,33 @@ def _stream_opts(body: dict) -> tuple[bool, bool]:
     return stream, bool(stream and _get(opts, "include_usage", bool, False))
 
 
-def completion_request(body: dict, tok: TextTokenizer | None, default_max: int = 16) -> Prepared:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+def _prompt_ids(prompt: Any, tok: TextTokenizer | None) -> list[int]:
     if isinstance(prompt, str):
         if tok is None:
             raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
-        ids = tok.encode(prompt)
-    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        ids = list(prompt)
-        if not all(_wire_int(t) for t in ids):
+        return tok.encode(prompt)
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(_wire_int(t) for t in prompt):
             raise ApiError(400, "a prompt token id is beyond any vocabulary", param="prompt",
                            code="token_out_of_range")
-    else:
-        raise ApiError(400, "'prompt' must be a string or a list of token ids (one prompt)", param="prompt",
-                       code="bad_field")
+        return list(prompt)
+    raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list of either", param="prompt",
+                   code="bad_field")
+
+
+def completion_request(body: dict, tok: TextTokenizer | None, default_max: int = 16) -> Prepared:
+    prompt = body.get("prompt")
+    batch = [prompt] if isinstance(prompt, str) or (
+        isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        and prompt) else prompt
+    if not isinstance(batch, list) or not batch:
+        raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list of either",
+                       param="prompt", code="bad_field")
+    ids = [_prompt_ids(p, tok) for p in batch]
     n, echo = _choices(body), _get(body, "echo", bool, False)
+    if n * len(ids) > MAX_CHOICES:
+        raise ApiError(400, f"{len(ids)} prompts x n={n} exceeds {MAX_CHOICES} choices", param="prompt",
+                       code="bad_field")
     echo_only = echo and body.get("max_tokens") == 0
     params = _sampling({**body, "max_tokens": 1} if echo_only else body, default_max)
     logprobs = _get(body, "logprobs", int)
@@ -163,9 +187,10 @@ def completion_request(body: dict, tok: TextTokenizer | None, default_max: int =
             params["prompt_logprobs"] = logprobs
     _constrain(params, body)
     stream, usage = _stream_opts(body)
-    text = prompt if isinstance(prompt, str) else (tok.decode(ids) if tok is not None and echo else "")
-    return Prepared(_get(body, "model", str, ""), ids, params, stream, usage, logprobs, n=n, echo=echo,
-                    echo_only=echo_only, prompt_text=text)
+    texts = [p if isinstance(p, str) else (tok.decode(i) if tok is not None and echo else "")
+             for p, i in zip(batch, ids)]
+    return Prepared(_get(body, "model", str, ""), ids[0], params, stream, usage, logprobs, n=n, echo=echo,
+                    echo_only=echo_only, prompt_text=texts[0], more_prompts=list(zip(ids[1:], texts[1:])))
 
 
 def _message_text(content: Any, i: int) -> str:
@@ -247,9 +272,9 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(dones: list[dict], echo_only: bool = False) -> dict:
-    """OpenAI's count: the prompt once, every choice's output tokens."""
-    prompt = dones[0]["usage"]["prompt_tokens"]
+def usage(dones: list[dict], n: int = 1, echo_only: bool = False) -> dict:
+    """OpenAI's count: each prompt once (choice i is prompt i // n's), every choice's output."""
+    prompt = sum(d["usage"]["prompt_tokens"] for d in dones[::n])
     completion = 0 if echo_only else sum(d["usage"]["completion_tokens"] for d in dones)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
