@@ -3,8 +3,9 @@
 ``NativeLayerOps`` and ``TorchLayerOps`` are the two implementations of one interface, chosen
 once per model (``kernels/backend.py``): a fused residual add + RMSNorm; the per-head q/k
 RMSNorm + rotary that Qwen3 applies before attention, with this launch's K and V written into
-their cache slots; and the MLP's SiLU x up. Both write into tensors the caller owns, so a
-decode step allocates nothing. The math follows transformers' Qwen3 (RMSNorm in float32,
+their cache slots; the MLP's SiLU x up; and, before sampling, a grammar's token bitmask. Both
+write into tensors the caller owns, so a decode step allocates nothing. The math follows
+transformers' Qwen3 (RMSNorm in float32,
 rotate-half rotary embedding), rounded in the model's dtype as it rounds.
 """
 
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+
+from kernels import sampler
 
 
 @dataclass
@@ -118,6 +121,10 @@ class NativeLayerOps:
         """``out = silu(gate) * up`` for ``gate_up = [gate, up]``."""
         self.native.silu_mul(gate_up, out)
 
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """``logits[b, v] = -inf`` where bit v of ``bitmask[b]`` is clear (one pass, in place)."""
+        self.native.apply_token_bitmask(logits, bitmask)
+
 
 class TorchLayerOps:
     """ATen's ops over the layer buffers' float32 scratch (eight ops a norm)."""
@@ -130,6 +137,7 @@ class TorchLayerOps:
         self.inv_hidden = torch.tensor(1.0 / hidden, **f32)
         self.inv_head = torch.tensor(1.0 / head_dim, **f32)
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.bit_table = sampler.bit_table(device)
 
     def add_rms_norm(self, x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor,
                      out: torch.Tensor, buf: NormScratch) -> None:
@@ -156,3 +164,7 @@ class TorchLayerOps:
         gate = gate_up[:, : out.shape[1]]
         torch.nn.functional.silu(gate, inplace=True)
         torch.mul(gate, gate_up[:, out.shape[1] :], out=out)
+
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        allowed = sampler.allowed_tokens(bitmask, logits.shape[1], self.bit_table)
+        logits.masked_fill_(allowed.logical_not_(), float("-inf"))

@@ -189,26 +189,29 @@ def _full_draw(logits: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor,
     return _draw(probs, seeds)
 
 
-def allowed_tokens(bitmask: torch.Tensor, vocab: int, bits: torch.Tensor) -> torch.Tensor:
+def bit_table(device: torch.device | str) -> torch.Tensor:
+    """[256, 8] bool: the bits of each byte value, lowest first (``allowed_tokens``' lookup)."""
+    return ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool().to(device)
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab: int, table: torch.Tensor) -> torch.Tensor:
     """A grammar's token bitmask [B, ceil(V / 32)] int32 (bit v % 32 of word v // 32 allows
-    token v) as [B, V] bool. ``bits`` is ``arange(32)`` (int32) on the device."""
-    b, words = bitmask.shape
-    return ((bitmask[:, :, None] >> bits) & 1).view(b, words * 32)[:, :vocab].bool()
+    token v) as [B, V] bool: one lookup per byte in ``bit_table`` (little-endian words, as
+    x86, Arm and CUDA store them, so token v is bit v % 8 of byte v // 8)."""
+    b = bitmask.shape[0]
+    return table[bitmask.view(torch.uint8).long()].view(b, -1)[:, :vocab]
 
 
 def sample(logits: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, out: torch.Tensor,
-           plan: SamplingPlan, candidates: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
+           plan: SamplingPlan, candidates: int) -> torch.Tensor:
     """Write each row's token into ``out`` [B] int32.
 
     logits: [B, V] float32; params: [B, 4] float32 (temperature, top_p, min_p, top_k);
     seeds: [B, 2] int64 (seed, step). A row with temperature > 0 and ``1 <= top_k <=
     candidates`` is sampled among its ``candidates`` most likely tokens (which hold its
-    whole top-k set); any other stochastic row over the whole vocabulary. ``allowed`` [B, V]
-    (structured outputs) leaves each row only its grammar's tokens, before every stage; the
-    caller's ``logits`` stay as they are (logprobs are the model's).
+    whole top-k set); any other stochastic row over the whole vocabulary. Rows under a grammar
+    come with their refused tokens already at -inf (``apply_token_bitmask``).
     """
-    if allowed is not None:
-        logits = logits.masked_fill(~allowed, float("-inf"))
     token = torch.argmax(logits, dim=-1)
     t, k = params[:, TEMPERATURE], params[:, TOP_K]
     n = min(candidates, logits.shape[1])

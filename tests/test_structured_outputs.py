@@ -156,7 +156,7 @@ def test_thinking_gate_frees_tokens_until_the_end_marker(engine):
     tok = engine.tokenizer
     words = -(-engine.model.config.vocab_size // 32)
     mask = np.zeros((1, words), dtype=np.int32)
-    bits = torch.arange(32, dtype=torch.int32)
+    bits = sampler.bit_table("cpu")
     vocab = engine.model.config.vocab_size
     for t in tok.encode("hmm </think>"):
         state.fill(mask, 0)  # thinking: anything but the end of the output
@@ -176,6 +176,39 @@ def test_allowed_tokens_unpacks_bits_in_order():
     packed = np.zeros((3, words), dtype=np.uint32)
     for r, v in want.nonzero().tolist():
         packed[r, v >> 5] |= np.uint32(1 << (v & 31))
-    bits = torch.arange(32, dtype=torch.int32)
+    bits = sampler.bit_table("cpu")
     got = sampler.allowed_tokens(torch.from_numpy(packed.view(np.int32)), vocab, bits)
     assert torch.equal(got, want)
+
+
+def test_native_bitmask_pass_equals_the_torch_one():
+    from kernels import native
+    from kernels.layer_ops import NativeLayerOps, TorchLayerOps
+
+    vocab = 1000  # not a multiple of 32: the last word's tail is past the vocabulary
+    words = -(-vocab // 32)
+    gen = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, words), dtype=torch.int32, generator=gen)
+    bitmask[1] = -1  # a row without a grammar
+    bitmask[2, 3:9] = 0  # whole words refused
+    logits = torch.randn(5, vocab, generator=gen)
+    want = logits.clone()
+    TorchLayerOps(1e-6, 8, 2, 1, 4, torch.device("cpu")).apply_token_bitmask(want, bitmask)
+    allowed = sampler.allowed_tokens(bitmask, vocab, sampler.bit_table("cpu"))
+    assert torch.equal(torch.isinf(want), ~allowed) and torch.equal(want[allowed], logits[allowed])
+    if native.kernels() is None:
+        pytest.skip("no native CPU kernels here")
+    got = logits.clone()
+    NativeLayerOps(native.kernels(), 1e-6, 2, 1).apply_token_bitmask(got, bitmask)
+    assert torch.equal(got, want)
+
+
+def test_constrained_logprobs_are_the_models(engine):
+    """A constrained row's logprobs are the unmasked distribution's, as vLLM reports them."""
+    spec = StructuredSpec("choice", ["alpha", "beta"])
+    prompt = engine.encode("The default is")
+    held = engine.generate([prompt], SamplingParams(max_tokens=4, logprobs=True, structured=spec))[0]
+    assert held.text in ("alpha", "beta")
+    ids = prompt + held.token_ids
+    raw = engine.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0].prompt_logprobs
+    assert held.logprobs == pytest.approx(raw[len(prompt):], abs=1e-4)

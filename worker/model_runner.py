@@ -49,7 +49,7 @@ class ModelRunner:
         # Prompt logprobs: their logits, max_batch tokens at a time.
         self._prompt_logits = torch.empty(rc.max_batch, model.config.vocab_size, dtype=torch.float32,
                                           device=dev)
-        self._bits = torch.arange(32, dtype=torch.int32, device=dev)  # unpacks grammar bitmasks
+        self._masked: torch.Tensor | None = None  # grammar-masked logits, when logprobs need the raw ones
         self.graphs: DecodeGraphs | None = None
         has_graphs = model.device.type in ("cuda", "npu")
         if rc.graphs == "padded" or (rc.graphs == "auto" and has_graphs):
@@ -92,11 +92,16 @@ class ModelRunner:
             self.graphs.run(batch)
         else:
             hidden = self.model.forward(batch, self.kv, self.ws, logits)
-        allowed = None
+        sampled = logits
         if dims["G"]:  # rows under a grammar: its bitmask, applied here on the device
-            allowed = sampler.allowed_tokens(v["token_bitmask"], logits.shape[1], self._bits)
-        sampler.sample(logits, v["sampling_params"], v["sampling_seeds"], v["sampled_ids"],
-                       SamplingPlan.of(desc.sampling), self.rc.top_k, allowed)
+            if dims["NL"]:  # logprobs are the model's: mask a copy
+                if self._masked is None:
+                    self._masked = torch.empty_like(self.logits)
+                sampled = self._masked[:b]
+                sampled.copy_(logits)
+            self.model.kernels.ops.apply_token_bitmask(sampled, v["token_bitmask"])
+        sampler.sample(sampled, v["sampling_params"], v["sampling_seeds"], v["sampled_ids"],
+                       SamplingPlan.of(desc.sampling), self.rc.top_k)
         if dims["NL"]:
             rows = v["logprob_rows"]
             sampler.token_logprobs(logits.index_select(0, rows), v["sampled_ids"].index_select(0, rows),

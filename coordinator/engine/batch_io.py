@@ -12,6 +12,7 @@ import torch
 
 from coordinator.engine.scheduled_batch import PromptSpan, ScheduledBatch
 from coordinator.engine.step_outputs import StepOutputs
+from coordinator.structured.grammar_state import fill_rows
 from kernels.sampler import SamplingPlan
 from shared_memory.arena import HostArena
 from shared_memory.contract import LaunchDescriptor
@@ -75,12 +76,15 @@ def _write_bitmask(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int]
         return
     mask = arena.view("token_bitmask", (batch.batch_size, words)).numpy()
     mask.fill(-1)
-    for i in rows:
-        try:
-            batch.seqs[i].grammar.fill(mask, i)
-        except Exception as exc:  # noqa: BLE001 - a matcher that fails fails its row alone
-            mask[i] = -1
-            batch.invalid[i] = f"the grammar could not give its next tokens: {type(exc).__name__}: {exc}"
+    try:
+        fill_rows([(batch.seqs[i].grammar, i) for i in rows], mask)
+    except Exception:  # noqa: BLE001 - row by row, so that a matcher that fails fails its row alone
+        for i in rows:
+            try:
+                batch.seqs[i].grammar.fill(mask, i)
+            except Exception as exc:  # noqa: BLE001
+                mask[i] = -1
+                batch.invalid[i] = f"the grammar could not give its next tokens: {type(exc).__name__}: {exc}"
 
 
 def _write_prompt_logprobs(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int]) -> None:

@@ -61,6 +61,7 @@ class GrammarCompiler:
         eos = sorted({t for t in eos_token_ids if 0 <= t < vocab_size})
         self.ends = np.asarray(eos, dtype=np.int64)
         self.lltok = llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=eos or None)
+        self.executor = llguidance.LLExecutor()
         self.cache_size = cache_size
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self.hits = self.misses = 0
@@ -106,4 +107,4 @@ class GrammarCompiler:
             thinking = "none"  # the model has no <think> token: nothing to wait for
         think_open = np.asarray([] if self.think_start is None else [self.think_start], dtype=np.int64)
         return GrammarState(self.matcher(spec), thinking, think_open, self.think_end,
-                            self.tokenizer.token_bytes, self.ends)
+                            self.tokenizer.token_bytes, self.ends, self.executor)

@@ -21,7 +21,8 @@ FREE, MAY_THINK, THINKING = "free", "may_think", "thinking"
 
 class GrammarState:
     def __init__(self, matcher: llguidance.LLMatcher, thinking: str, think_open: np.ndarray,
-                 think_end: bytes, token_bytes: Callable[[int], bytes], ends: np.ndarray):
+                 think_end: bytes, token_bytes: Callable[[int], bytes], ends: np.ndarray,
+                 executor: llguidance.LLExecutor | None = None):
         self.matcher = matcher
         self.phase = {"none": FREE, "may": MAY_THINK, "open": THINKING}[thinking]
         self._think_open = think_open
@@ -29,18 +30,22 @@ class GrammarState:
         self._token_bytes = token_bytes
         self._tail = b""  # the thought's last bytes: where its end marker may be
         self._ends = ends  # token ids that end the output: refused while thinking
+        self.executor = executor  # fills many rows' masks at once, on its own threads
 
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         """Write the allowed next tokens into ``bitmask[row]`` (int32 words, bit v allows v)."""
+        if self.phase != THINKING:
+            llnp.fill_next_token_bitmask(self.matcher, bitmask, row)
+        self.adjust(bitmask, row)
+
+    def adjust(self, bitmask: np.ndarray, row: int) -> None:
+        """The thinking gate's part of the row's mask, over the grammar's (when it applies)."""
+        words = bitmask.view(np.uint32)
         if self.phase == THINKING:
             bitmask[row] = -1
-            words = bitmask.view(np.uint32)
             for t in self._ends:
                 words[row, t >> 5] &= ~np.uint32(1 << (t & 31))
-            return
-        llnp.fill_next_token_bitmask(self.matcher, bitmask, row)
-        if self.phase == MAY_THINK:
-            words = bitmask.view(np.uint32)
+        elif self.phase == MAY_THINK:
             for t in self._think_open:
                 words[row, t >> 5] |= np.uint32(1 << (t & 31))
 
@@ -62,3 +67,17 @@ class GrammarState:
     def done(self) -> bool:
         """The grammar is complete and allows nothing more (the output ends here)."""
         return self.phase == FREE and self.matcher.is_stopped()
+
+
+def fill_rows(rows: list[tuple[GrammarState, int]], bitmask: np.ndarray) -> None:
+    """Every listed row's mask: the grammars' all at once on llguidance's threads (one call,
+    not one per row), then each row's thinking gate."""
+    grammar = [(s.matcher, r) for s, r in rows if s.phase != THINKING]
+    executor = rows[0][0].executor if rows else None
+    if executor is not None and len(grammar) > 1:
+        llnp.fill_next_token_bitmask_par(executor, grammar, bitmask)
+    else:
+        for matcher, r in grammar:
+            llnp.fill_next_token_bitmask(matcher, bitmask, r)
+    for s, r in rows:
+        s.adjust(bitmask, r)

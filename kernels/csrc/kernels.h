@@ -222,5 +222,6 @@ void qk_norm_rope(at::Tensor qkv, const at::Tensor& qw, const at::Tensor& kw, co
                   const c10::optional<at::Tensor>& k_cache, const c10::optional<at::Tensor>& v_cache,
                   const c10::optional<at::Tensor>& slot_mapping);
 void silu_mul(const at::Tensor& gate_up, at::Tensor out);
+void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask);
 
 }  // namespace fusedserve

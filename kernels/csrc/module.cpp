@@ -52,5 +52,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v_cache") = py::none(), py::arg("slot_mapping") = py::none());
   m.def("silu_mul", &silu_mul, "out = silu(gate) * up for gate_up = [gate, up]", py::arg("gate_up"),
         py::arg("out"));
+  m.def("apply_token_bitmask", &apply_token_bitmask, "logits[b, v] = -inf where bit v of bitmask[b] is 0",
+        py::arg("logits"), py::arg("bitmask"));
 }
 
