@@ -285,6 +285,13 @@ def structured_section(args, t: list) -> list[str]:
                      f"| **{r['ratio']:.2f}** |")
         t.append((f"structured decoding costs <= 10% of decode throughput at batch 16 ({key})", r["ratio"] >= 0.9,
                   f"{r['ratio']:.2f}x of free"))
+    p = sd["parsers"]
+    lines += ["", f"The gateway's reasoning split and Hermes tool-call parsing, per streamed token of a "
+              f"{p['tokens']}-token Qwen3 turn (a think block, prose, two calls): {fmt(p['parsed_us'], '.2f')} us, "
+              f"against {fmt(p['plain_us'], '.2f')} us passing the same text through as content; a decode step "
+              "is milliseconds."]
+    t.append(("reasoning and tool parsing add no measurable per-token cost (< 1% of a 1 ms step)",
+              median(p["parsed_us"]) < 10, f"{fmt(p['parsed_us'], '.2f')} us/token"))
     lines += ["", "`python -m benchmarks.grammar_libs`: building a constraint's matcher, and filling one row's "
               "token mask per generated token (the coordinator does both on its loop), llguidance (used) against "
               "xgrammar, on the default model's vocabulary and a Qwen3-sized one:", "",

@@ -79,6 +79,36 @@ def run(name: str, batch: int, tokens: int, runs: int, dtype: str) -> dict:
             "ratio": median(spread(held)) / median(spread(free)), "vocab": eng.model.config.vocab_size}
 
 
+def parser_cost(runs: int) -> dict:
+    """The gateway's reasoning split and tool-call parsing, per streamed token: a Qwen3 turn
+    (a think block, prose, two calls) pushed through ``ChatStream`` one token's text at a time,
+    against the same text passed through as plain content."""
+    from coordinator.openai.chat_output import ChatStream
+    from coordinator.openai.tool_choice import ToolPlan
+    from kernels.model.default_model import resolve_model
+    from kernels.model.tokenizer import TextTokenizer
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s", "unit": "C"}}\n</tool_call>'
+    turn = ("<think>\nThe user wants the weather in two cities, so I call the tool twice and compare "
+            "the results before I answer.\n</think>\n\nLet me check both cities.\n" + call % "Paris" + "\n"
+            + call % "Rome")
+    tok = TextTokenizer.from_dir(resolve_model("default"))
+    pieces = [tok.decode([t]) for t in tok.encode(turn)]
+    tools = ToolPlan("auto", [{"type": "function", "function": {"name": "get_weather"}}])
+
+    def per_token(parse: bool) -> float:
+        t0 = time.perf_counter()
+        for _ in range(20):
+            stream = ChatStream(parse, False, tools if parse else ToolPlan("none"))
+            for p in pieces:
+                stream.push(p)
+            stream.finish("stop")
+        return (time.perf_counter() - t0) / (20 * len(pieces)) * 1e6
+
+    return {"tokens": len(pieces), "parsed_us": spread([per_token(True) for _ in range(runs)]),
+            "plain_us": spread([per_token(False) for _ in range(runs)])}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="default,qwen3-0.6b")
@@ -96,6 +126,9 @@ def main(argv: list[str] | None = None) -> dict:
         res[name] = r
         print(f"{name:12s} {r['vocab']:7d} {fmt(r['free_tok_s']):>22s} {fmt(r['constrained_tok_s']):>22s} "
               f"{r['ratio']:6.2f}")
+    res["parsers"] = p = parser_cost(args.runs)
+    print(f"gateway per streamed token: reasoning + tool-call parsing {fmt(p['parsed_us'], '.2f')} us, "
+          f"plain content {fmt(p['plain_us'], '.2f')} us ({p['tokens']}-token Qwen3 turn)")
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2))
     return res
