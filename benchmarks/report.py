@@ -310,7 +310,7 @@ def splice(path: Path, heading: str, section: list[str], targets: list) -> None:
     text = path.read_text().split("\n")
     start = text.index(heading)
     end = next(i for i in range(start + 1, len(text)) if text[i].startswith("## "))
-    text[start - 1 : end] = section
+    text[start - 1 : end] = [*section, ""]
     names = {name for name, _, _ in targets}
     table = text.index("## Targets")
     rows = [i for i in range(table, len(text)) if text[i].startswith("| ")]
