@@ -51,7 +51,8 @@ class ModelRunner:
                                           device=dev)
         self._masked: torch.Tensor | None = None  # grammar-masked logits, when logprobs need the raw ones
         self.graphs: DecodeGraphs | None = None
-        has_graphs = model.device.type in ("cuda", "npu")
+        # A Qwen3-MoE layer reads its routing back to the host: no device graph can capture it.
+        has_graphs = model.device.type in ("cuda", "npu") and not model.config.num_experts
         if rc.graphs == "padded" or (rc.graphs == "auto" and has_graphs):
             self.graphs = DecodeGraphs(model, self.kv, self.ws, self.logits, rc.max_batch, rc.pad_slot,
                                        capture=rc.graphs == "auto")

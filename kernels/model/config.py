@@ -43,7 +43,8 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class Qwen3Config:
-    """The fields of a Qwen3 dense checkpoint that the kernels use."""
+    """The fields of a Qwen3 checkpoint that the kernels use: dense (``qwen3``) or mixture of
+    experts (``qwen3_moe``: ``num_experts`` > 0)."""
 
     vocab_size: int
     hidden_size: int
@@ -60,6 +61,20 @@ class Qwen3Config:
     eos_token_ids: tuple[int, ...] = field(default=())
     bos_token_id: int | None = None
     dtype: str = "bfloat16"
+    # Qwen3-MoE: a sparse layer routes each token to its num_experts_per_tok best experts (of
+    # num_experts, each an MLP of moe_intermediate_size); layers in mlp_only_layers, and those
+    # off the decoder_sparse_step grid, keep a dense MLP of intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def sparse(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts (transformers' rule)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @property
     def q_size(self) -> int:
@@ -75,8 +90,9 @@ class Qwen3Config:
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         model_type = raw.get("model_type", "qwen3")
-        if model_type != "qwen3":
-            raise ConfigError(f"{source}: model_type {model_type!r} is not supported (want 'qwen3')")
+        if model_type not in ("qwen3", "qwen3_moe"):
+            raise ConfigError(f"{source}: model_type {model_type!r} is not supported (want 'qwen3' or "
+                              "'qwen3_moe')")
 
         def need_int(key: str, default: int | None = None, minimum: int = 1) -> int:
             value = raw.get(key, default)
@@ -135,6 +151,20 @@ class Qwen3Config:
 
         dtype = raw.get("dtype", raw.get("torch_dtype")) or "bfloat16"
         parse_dtype(dtype)
+        moe = {}
+        if model_type == "qwen3_moe":
+            layers = need_int("num_hidden_layers")
+            only = raw.get("mlp_only_layers") or []
+            if not isinstance(only, list) or not all(isinstance(i, int) and 0 <= i < layers for i in only):
+                raise ConfigError(f"{source}: mlp_only_layers must be a list of layer indices, got {only!r}")
+            experts = need_int("num_experts", raw.get("num_local_experts"))
+            moe = dict(num_experts=experts, moe_intermediate_size=need_int("moe_intermediate_size"),
+                       num_experts_per_tok=need_int("num_experts_per_tok"),
+                       norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                       decoder_sparse_step=need_int("decoder_sparse_step", 1), mlp_only_layers=tuple(only))
+            if moe["num_experts_per_tok"] > experts:
+                raise ConfigError(f"{source}: num_experts_per_tok ({moe['num_experts_per_tok']}) exceeds "
+                                  f"num_experts ({experts})")
         return cls(
             vocab_size=need_int("vocab_size"),
             hidden_size=hidden,
@@ -151,6 +181,7 @@ class Qwen3Config:
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             dtype=dtype,
+            **moe,
         )
 
     @classmethod

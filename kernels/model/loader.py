@@ -1,7 +1,7 @@
 """Hugging Face-layout weight loading: ``model.safetensors`` or a sharded index.
 
-Weights are fused at load time (q/k/v into one matrix, gate/up into another) so the
-decode step runs one matmul where the checkpoint has three or two.
+Weights are fused at load time (q/k/v into one matrix, gate/up into another, per expert in a
+Qwen3-MoE layer) so the decode step runs one matmul where the checkpoint has three or two.
 """
 
 from __future__ import annotations
@@ -29,8 +29,11 @@ class LayerWeights:
     k_norm: torch.Tensor  # [head_dim]
     o_proj: torch.Tensor  # [hidden, q_size]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None in a sparse (MoE) layer
+    down: torch.Tensor | None  # [hidden, intermediate]
+    router: torch.Tensor | None = None  # [experts, hidden]: a sparse layer's gate
+    # A sparse layer's experts: each its (gate_up [2 * moe_intermediate, hidden], down).
+    experts: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 @dataclass
@@ -105,8 +108,22 @@ def load_weights(model_dir: str | Path, config: Qwen3Config, dtype: torch.dtype)
                     reader.get(p + "self_attn.v_proj.bias", (c.kv_size,)),
                 ]
             )
-        gate = reader.get(p + "mlp.gate_proj.weight", (inter, hidden))
-        up = reader.get(p + "mlp.up_proj.weight", (inter, hidden))
+        if c.sparse(i):
+            gate_up = down = None
+            mi = c.moe_intermediate_size
+            router = reader.get(p + "mlp.gate.weight", (c.num_experts, hidden))
+            experts = []
+            for e in range(c.num_experts):
+                q_ = f"{p}mlp.experts.{e}."
+                experts.append((torch.cat([reader.get(q_ + "gate_proj.weight", (mi, hidden)),
+                                           reader.get(q_ + "up_proj.weight", (mi, hidden))]).contiguous(),
+                                reader.get(q_ + "down_proj.weight", (hidden, mi))))
+        else:
+            gate = reader.get(p + "mlp.gate_proj.weight", (inter, hidden))
+            up = reader.get(p + "mlp.up_proj.weight", (inter, hidden))
+            gate_up = torch.cat([gate, up]).contiguous()
+            down = reader.get(p + "mlp.down_proj.weight", (hidden, inter))
+            router = experts = None
         layers.append(
             LayerWeights(
                 input_norm=reader.get(p + "input_layernorm.weight", (hidden,)),
@@ -116,8 +133,10 @@ def load_weights(model_dir: str | Path, config: Qwen3Config, dtype: torch.dtype)
                 k_norm=reader.get(p + "self_attn.k_norm.weight", (hd,)),
                 o_proj=reader.get(p + "self_attn.o_proj.weight", (hidden, c.q_size)),
                 post_norm=reader.get(p + "post_attention_layernorm.weight", (hidden,)),
-                gate_up=torch.cat([gate, up]).contiguous(),
-                down=reader.get(p + "mlp.down_proj.weight", (hidden, inter)),
+                gate_up=gate_up,
+                down=down,
+                router=router,
+                experts=experts,
             )
         )
     embed = reader.get("model.embed_tokens.weight", (c.vocab_size, hidden))

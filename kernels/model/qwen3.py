@@ -1,4 +1,4 @@
-"""The Qwen3 dense model: one forward over a phase-less batch.
+"""The Qwen3 model, dense or mixture of experts: one forward over a phase-less batch.
 
 ``forward`` embeds the launch's packed tokens on the device, runs every layer over the
 paged KV cache (writing this launch's K/V), and writes each row's next-token logits into a
@@ -127,10 +127,49 @@ class Qwen3Model:
         ws.attention.attend(buf.q, k_cache, v_cache, buf.attn)
         linear(buf.attn.view(n, c.q_size), lw.o_proj, buf.o)
         ops.add_rms_norm(x, buf.o, lw.post_norm, buf.h, buf.norm)
+        if lw.experts is not None:
+            self._moe(lw, buf.h, buf.o)
+            return buf.o
         linear(buf.h, lw.gate_up, buf.gate_up)
         ops.silu_mul(buf.gate_up, buf.act)
         linear(buf.act, lw.down, buf.o)
         return buf.o
+
+    def _moe(self, lw, h: torch.Tensor, out: torch.Tensor) -> None:
+        """A Qwen3-MoE layer's MLP over n tokens, as transformers computes it: the router's
+        softmax (float32), each token's top-k experts (their weights renormalised with
+        ``norm_topk_prob``), then, expert by expert in index order, one GEMM of every token
+        routed to it, scaled by its weight and added into ``out`` [n, D].
+
+        The tokens of each expert are known only from the router's output, so this reads the
+        routing back to the host (on a CPU that is no copy; a device graph cannot capture it)."""
+        c, ops, linear = self.config, self.kernels.ops, self.kernels.linear
+        n, k, mi = h.shape[0], c.num_experts_per_tok, c.moe_intermediate_size
+        logits = torch.empty(n, c.num_experts, dtype=h.dtype, device=h.device)
+        linear(h, lw.router, logits)
+        weights, ids = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1)
+        if c.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(h.dtype).flatten()
+        order = torch.argsort(ids.flatten(), stable=True)
+        counts = torch.bincount(ids.flatten(), minlength=c.num_experts).tolist()
+        tokens = order // k
+        out.zero_()
+        start = 0
+        for e, count in enumerate(counts):
+            if not count:
+                continue
+            rows, slots = tokens[start : start + count], order[start : start + count]
+            start += count
+            gate_up, down = lw.experts[e]
+            x = h.index_select(0, rows)
+            gu = torch.empty(count, 2 * mi, dtype=h.dtype, device=h.device)
+            linear(x, gate_up, gu)
+            act = torch.empty(count, mi, dtype=h.dtype, device=h.device)
+            ops.silu_mul(gu, act)
+            y = torch.empty(count, c.hidden_size, dtype=h.dtype, device=h.device)
+            linear(act, down, y)
+            out.index_add_(0, rows, y * weights.index_select(0, slots)[:, None])
 
     def compute_logits(self, x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, ws: Workspace) -> None:
         """``out`` [R, V] float32 = lm_head(final_norm(x[rows])), ``ws.max_rows`` rows at a time."""
@@ -171,11 +210,17 @@ def _quantize(w: Qwen3Weights, mode: str, dtype: torch.dtype, device: torch.devi
     stays near the 16-bit model's). int8: per channel, everything. int4: groups of 32 for the
     projections, the lm_head int8 (the logits keep 8 bits, as llama.cpp keeps 6 there). The
     embedding gather stays 16-bit."""
+    def q(weight: torch.Tensor) -> Int4Weight | Int8Weight:
+        if mode == "int4":
+            return Int4Weight.quantize(weight, device)
+        return Int8Weight.quantize(weight, dtype, device)
+
     for lw in w.layers:
         for name in ("qkv", "o_proj", "gate_up", "down"):
-            weight = getattr(lw, name)
-            setattr(lw, name, Int4Weight.quantize(weight, device) if mode == "int4"
-                    else Int8Weight.quantize(weight, dtype, device))
+            if getattr(lw, name) is not None:
+                setattr(lw, name, q(getattr(lw, name)))
+        if lw.experts is not None:  # the experts; the router stays 16-bit (routing is sensitive)
+            lw.experts = [(q(gu), q(d)) for gu, d in lw.experts]
     w.lm_head = Int8Weight.quantize(w.lm_head, dtype, device)
 
 
@@ -183,8 +228,11 @@ def _prepare(w: Qwen3Weights, linear: LinearOp) -> None:
     """Every projection and the lm_head in its kernel's layout, in place (the embedding gather
     keeps its own tensor, so a tied lm_head is then a packed copy)."""
     for lw in w.layers:
-        for name in ("qkv", "o_proj", "gate_up", "down"):
-            setattr(lw, name, linear.prepare(getattr(lw, name)))
+        for name in ("qkv", "o_proj", "gate_up", "down", "router"):
+            if getattr(lw, name) is not None:
+                setattr(lw, name, linear.prepare(getattr(lw, name)))
+        if lw.experts is not None:
+            lw.experts = [(linear.prepare(gu), linear.prepare(d)) for gu, d in lw.experts]
     w.lm_head = linear.prepare(w.lm_head)
 
 
@@ -192,10 +240,15 @@ def _to_device(w: Qwen3Weights, device: torch.device) -> Qwen3Weights:
     if device.type == "cpu":
         return w
     embed = w.embed.to(device)
+
+    def move(t):
+        if isinstance(t, list):  # a sparse layer's experts
+            return [(gu.to(device), d.to(device)) for gu, d in t]
+        return None if t is None else t.to(device)
+
     return Qwen3Weights(
         embed=embed,
-        layers=[type(lw)(**{k: (None if t is None else t.to(device)) for k, t in vars(lw).items()})
-                for lw in w.layers],
+        layers=[type(lw)(**{k: move(t) for k, t in vars(lw).items()}) for lw in w.layers],
         final_norm=w.final_norm.to(device),
         lm_head=embed if w.lm_head is w.embed else w.lm_head.to(device),
     )
