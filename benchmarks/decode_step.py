@@ -30,11 +30,16 @@ from worker.model_runner import ModelRunner, model_dims
 
 
 def weight_bytes(model: Qwen3Model) -> int:
-    """Bytes a decode step reads from weights: every layer, final norm and lm_head."""
+    """Bytes a decode step reads from weights: every layer, final norm and lm_head (for a MoE
+    model, every expert: what all of them hold, not what one token reads)."""
     w = model.w
     n = w.final_norm.nbytes + _nbytes(w.lm_head)
     for lw in w.layers:
-        n += sum(_nbytes(t) for t in vars(lw).values() if t is not None)
+        for t in vars(lw).values():
+            if isinstance(t, list):
+                n += sum(_nbytes(gu) + _nbytes(d) for gu, d in t)
+            elif t is not None:
+                n += _nbytes(t)
     return n
 
 
