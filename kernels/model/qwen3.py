@@ -150,18 +150,15 @@ class Qwen3Model:
         weights, ids = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1)
         if c.norm_topk_prob:
             weights /= weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(h.dtype).flatten()
-        order = torch.argsort(ids.flatten(), stable=True)
-        counts = torch.bincount(ids.flatten(), minlength=c.num_experts).tolist()
-        tokens = order // k
+        weights = weights.to(h.dtype)
+        if n == 1:  # decode of one row: k experts, the routing read once, no gather or scatter
+            self._experts_one_row(lw, h, out, ids[0].tolist(), weights[0].tolist())
+            return
+        weights = weights.flatten()
         out.zero_()
-        start = 0
-        for e, count in enumerate(counts):
-            if not count:
-                continue
-            rows, slots = tokens[start : start + count], order[start : start + count]
-            start += count
+        for e, rows, slots in _by_expert(ids, c.num_experts):
             gate_up, down = lw.experts[e]
+            count = rows.shape[0]
             x = h.index_select(0, rows)
             gu = torch.empty(count, 2 * mi, dtype=h.dtype, device=h.device)
             linear(x, gate_up, gu)
@@ -169,7 +166,24 @@ class Qwen3Model:
             ops.silu_mul(gu, act)
             y = torch.empty(count, c.hidden_size, dtype=h.dtype, device=h.device)
             linear(act, down, y)
-            out.index_add_(0, rows, y * weights.index_select(0, slots)[:, None])
+            y.mul_(weights.index_select(0, slots)[:, None])
+            out.index_add_(0, rows, y)
+
+    def _experts_one_row(self, lw, h: torch.Tensor, out: torch.Tensor, experts: list[int],
+                         weights: list[float]) -> None:
+        """One token's experts, in index order (as the batched path adds them), into ``out`` [1, D]."""
+        c, ops, linear = self.config, self.kernels.ops, self.kernels.linear
+        mi = c.moe_intermediate_size
+        kw = {"dtype": h.dtype, "device": h.device}
+        gu, act = torch.empty(1, 2 * mi, **kw), torch.empty(1, mi, **kw)
+        y = torch.empty(1, c.hidden_size, **kw)
+        out.zero_()
+        for e, w in sorted(zip(experts, weights)):
+            gate_up, down = lw.experts[e]
+            linear(h, gate_up, gu)
+            ops.silu_mul(gu, act)
+            linear(act, down, y)
+            out.add_(y.mul_(w))
 
     def compute_logits(self, x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, ws: Workspace) -> None:
         """``out`` [R, V] float32 = lm_head(final_norm(x[rows])), ``ws.max_rows`` rows at a time."""
@@ -184,6 +198,30 @@ class Qwen3Model:
             else:
                 self.kernels.linear(h, self.w.lm_head, ws.logits16[:n])
                 out[s : s + n].copy_(ws.logits16[:n])
+
+
+def _by_expert(ids: torch.Tensor, num_experts: int):
+    """For each expert with tokens, in index order: (expert, token rows [m], routing slots [m])
+    of the tokens routed to it; ``ids`` [n, k] are each token's experts. Few slots (decode) are
+    grouped on the host from one read; many (prefill) by a sort on the device."""
+    n, k = ids.shape
+    if n * k <= 256:
+        groups: dict[int, list[int]] = {}
+        for slot, e in enumerate(ids.flatten().tolist()):
+            groups.setdefault(e, []).append(slot)
+        for e in sorted(groups):
+            slots = torch.tensor(groups[e], device=ids.device)
+            yield e, slots // k, slots
+        return
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            slots = order[start : start + count]
+            yield e, slots // k, slots
+            start += count
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, checkpoint: torch.dtype,
