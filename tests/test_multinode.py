@@ -1,0 +1,159 @@
+"""Two Ray nodes on one machine as real network hosts: a network namespace joined to this
+one by a veth pair, with its own /dev/shm (a private mount), runs the second raylet. The
+server's worker there cannot map the coordinator's arenas, so it serves over the serializing
+transport; killing that node mid-stream loses no request.
+
+Needs root, iproute2 (``ip netns``) and util-linux (``unshare``); skipped without them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+
+import pytest
+
+from coordinator.client import Client
+from coordinator.engine.llm_engine import LLMEngine
+from coordinator.sampling_params import SamplingParams
+from coordinator.server.ray_cluster import free_port, stop_head
+from shared_memory.contract import RunnerConfig
+from tests.serve_proc import ServeProcess
+from tests.support import wait_for
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"),
+    reason="network namespaces need root, iproute2 and unshare")
+
+RAY = str(os.path.join(os.path.dirname(sys.executable), "ray"))
+ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+ENV.pop("RAY_ADDRESS", None)
+ARGS = ("--workers", "2", "--dtype", "float32", "--max-batch", "8", "--num-blocks", "128")
+PROMPTS = [f"Request {i}: the module provides" for i in range(8)]
+
+
+def _sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, timeout=30)
+
+
+def _agent_ports() -> list[str]:
+    return [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+            f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+            f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}"]
+
+
+class TwoNodes:
+    """A Ray head on this host's end of a veth pair, a second node inside a namespace."""
+
+    def __init__(self) -> None:
+        tag = os.getpid() % 200 + 20
+        self.ns, self.veth = f"fsn{tag}", f"fsv{tag}"
+        self.head_ip, self.node_ip = f"10.77.{tag}.1", f"10.77.{tag}.2"
+        self.head_tmp = tempfile.mkdtemp(prefix="fsh", dir="/tmp")
+        self.node_tmp = tempfile.mkdtemp(prefix="fsn", dir="/tmp")
+        self.node: subprocess.Popen | None = None
+        self.gcs = free_port()
+
+    def start(self) -> None:
+        _sh("ip", "netns", "add", self.ns)
+        _sh("ip", "link", "add", self.veth + "a", "type", "veth", "peer", "name", self.veth + "b")
+        _sh("ip", "link", "set", self.veth + "b", "netns", self.ns)
+        _sh("ip", "addr", "add", f"{self.head_ip}/24", "dev", self.veth + "a")
+        _sh("ip", "link", "set", self.veth + "a", "up")
+        for cmd in (("ip", "addr", "add", f"{self.node_ip}/24", "dev", self.veth + "b"),
+                    ("ip", "link", "set", self.veth + "b", "up"), ("ip", "link", "set", "lo", "up")):
+            _sh("ip", "netns", "exec", self.ns, *cmd)
+        # One CPU a node: each worker (one CPU) goes to a node of its own.
+        subprocess.run([RAY, "start", "--head", f"--port={self.gcs}", f"--node-ip-address={self.head_ip}",
+                        "--num-cpus=1", "--include-dashboard=false", "--disable-usage-stats",
+                        f"--temp-dir={self.head_tmp}", *_agent_ports()],
+                       env=ENV, check=True, capture_output=True, timeout=120)
+        node = (f"mount -t tmpfs tmpfs /dev/shm && exec {RAY} start --address={self.address} "
+                f"--node-ip-address={self.node_ip} --num-cpus=1 --disable-usage-stats "
+                f"--temp-dir={self.node_tmp} --block " + " ".join(_agent_ports()))
+        self.node = subprocess.Popen(["ip", "netns", "exec", self.ns, "unshare", "-m", "--propagation",
+                                      "private", "sh", "-c", node], env=ENV, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+
+    @property
+    def address(self) -> str:
+        return f"{self.head_ip}:{self.gcs}"
+
+    def node_pids(self) -> list[int]:
+        out = subprocess.run(["ip", "netns", "pids", self.ns], capture_output=True, text=True, timeout=30)
+        return [int(p) for p in out.stdout.split()]
+
+    def kill_node(self) -> None:
+        """The second host is lost: every process in its namespace killed at once."""
+        for pid in self.node_pids():
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+
+    def stop(self) -> None:
+        self.kill_node()
+        if self.node is not None:
+            self.node.wait(timeout=30)
+        stop_head(self.head_tmp, grace_s=5)
+        shutil.rmtree(self.node_tmp, ignore_errors=True)
+        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True, timeout=30)
+        subprocess.run(["ip", "link", "del", self.veth + "a"], capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def nodes():
+    cluster = TwoNodes()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_a_remote_node_serves_serially_and_losing_it_loses_nothing(nodes, tmp_path):
+    rc = RunnerConfig(max_batch=8, num_blocks=128)
+    params = [SamplingParams(max_tokens=48, temperature=0.8, seed=i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    with LLMEngine("default", dtype="float32", runner=rc) as eng:
+        want = [o.token_ids for o in eng.generate(PROMPTS, params)]
+    srv = ServeProcess.start(tmp_path / "serve.log", *ARGS, "--ray-address", nodes.address,
+                             join_session=False)
+    try:
+        with Client(srv.address, timeout_s=120) as c:
+            workers = c.workers()
+        assert sorted(w["transport"] for w in workers) == ["serial", "shm"], workers
+        assert len({w["node_id"] for w in workers}) == 2
+        got: dict[int, list[int]] = {}
+        first = threading.Event()
+
+        def stream(i: int) -> None:
+            with Client(srv.address, timeout_s=120) as c:
+                ids = []
+                for frame in c.stream(PROMPTS[i], max_tokens=48, temperature=0.8, seed=i, ignore_eos=True):
+                    if frame["type"] == "token":
+                        ids.append(frame["token"])
+                        if len(ids) == 8:
+                            first.set()
+                    else:
+                        assert frame["token_ids"] == ids
+                got[i] = ids
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        assert first.wait(120), "no stream got going"
+        nodes.kill_node()  # mid-stream: the remote worker's requests re-run on the head's worker
+        for t in threads:
+            t.join(timeout=300)
+        assert [got.get(i) for i in range(len(PROMPTS))] == want
+        with Client(srv.address, timeout_s=30) as c:
+            faults = c.stats()["faults"]
+        assert faults["reruns"] >= 1, faults  # the lost node's requests moved and re-ran
+    finally:
+        srv.stop()
+    wait_for(lambda: not nodes.node_pids(), 30, "the lost node's processes to be gone")
