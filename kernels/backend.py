@@ -7,12 +7,14 @@ with the vendors' int8 matmuls. Triton and Ascend kernels slot in here as furthe
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
 from kernels import native as native_build
+from kernels import triton as triton_kernels
 from kernels.attention import AttentionBackend
 from kernels.attention.native import NativeAttention
 from kernels.attention.torch_gather import AttentionScratch, TorchAttention
@@ -27,7 +29,7 @@ class Kernels:
     dtype: torch.dtype
     device: torch.device
     linear: LinearOp
-    ops: NativeLayerOps | TorchLayerOps
+    ops: NativeLayerOps | TorchLayerOps  # or TritonLayerOps (kernels/triton/)
     native: ModuleType | None  # the native CPU build, where it runs
 
     @property
@@ -51,6 +53,11 @@ def select_kernels(config: Qwen3Config, dtype: torch.dtype, device: torch.device
     c = config
     if native is not None:
         ops = NativeLayerOps(native, c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads)
+    elif device.type == "cuda" and os.environ.get("FUSEDSERVE_TRITON") == "1" and triton_kernels.available():
+        # Opt-in until a GPU run has checked the Triton layer ops compiled (kernels/triton/).
+        from kernels.triton.layer_ops import TritonLayerOps
+
+        ops = TritonLayerOps(c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads)
     else:
         ops = TorchLayerOps(c.rms_norm_eps, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
                             c.head_dim, device)

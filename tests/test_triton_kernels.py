@@ -1,0 +1,127 @@
+"""The Triton layer kernels against ``TorchLayerOps`` on the CPU, under Triton's interpreter,
+with tails in every dimension, scattered cache slots and GQA; and each kernel compiled ahead
+of time for the H200's sm_90 on this CPU host (ptxas ships with triton), which catches the
+register, shared-memory and layout errors the interpreter cannot."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+if "triton" not in sys.modules:  # the interpreter is chosen when triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
+elif os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("triton was imported before the interpreter could be chosen", allow_module_level=True)
+
+from kernels import sampler  # noqa: E402
+from kernels.layer_ops import NormScratch, TorchLayerOps, rope_tables  # noqa: E402
+from kernels.triton.layer_ops import TritonLayerOps  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16]
+CPU = torch.device("cpu")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """fp32: to rounding (the logic: indexing, masks, slots, tails). bf16: to bf16's precision
+    only, a few percent: the interpreter rounds fp32 -> bf16 toward zero where a GPU and ATen
+    round to nearest, and each kernel rounds two or three times in a row (the GPU run of the
+    same tests compares bf16 as the model runs it)."""
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=4e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,d", [(1, 64), (5, 100), (9, 257)])
+def test_add_rms_norm(dtype, n, d):
+    g = torch.Generator().manual_seed(n * d)
+    x, add = torch.randn(n, d, generator=g).to(dtype), torch.randn(n, d, generator=g).to(dtype)
+    w = (torch.rand(d, generator=g) + 0.5).to(dtype)
+    ref = TorchLayerOps(1e-6, d, 2, 1, 8, CPU)
+    buf = NormScratch.allocate(n, d, 2, 1, 8, dtype, CPU)
+    xa, outa = x.clone(), torch.empty_like(x)
+    ref.add_rms_norm(xa, add, w, outa, buf)
+    xb, outb = x.clone(), torch.empty_like(x)
+    TritonLayerOps(1e-6, 2, 1).add_rms_norm(xb, add, w, outb, buf)
+    _close(xb, xa)  # the residual sum, rounded once
+    _close(outb, outa)
+    outc = torch.empty_like(x)
+    TritonLayerOps(1e-6, 2, 1).add_rms_norm(x.clone(), None, w, outc, buf)
+    ref.add_rms_norm(x.clone(), None, w, outa, buf)
+    _close(outc, outa)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 1), (2, 2)])
+def test_qk_norm_rope_writes_the_cache_slots(dtype, heads, kv_heads):
+    n, hd, slots = 7, 32, 40
+    g = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * hd, generator=g).to(dtype)
+    qw, kw = (torch.rand(hd, generator=g) + 0.5).to(dtype), (torch.rand(hd, generator=g) + 0.5).to(dtype)
+    cos_t, sin_t = rope_tables(hd, 10000.0, 64, dtype)
+    positions = torch.tensor([0, 5, 17, 3, 63, 8, 9])
+    cos, sin = cos_t[positions], sin_t[positions]
+    slot_mapping = torch.tensor([33, 2, 17, 39, 0, 21, 8])  # scattered, out of order
+    outs = []
+    for ops in (TorchLayerOps(1e-6, heads * hd, heads, kv_heads, hd, CPU),
+                TritonLayerOps(1e-6, heads, kv_heads)):
+        q = qkv.clone()
+        q_out = torch.empty(n, heads, hd, dtype=dtype)
+        kc, vc = torch.zeros(slots, kv_heads, hd, dtype=dtype), torch.zeros(slots, kv_heads, hd, dtype=dtype)
+        buf = NormScratch.allocate(n, heads * hd, heads, kv_heads, hd, dtype, CPU)
+        ops.qk_norm_rope(q, qw, kw, cos, sin, q_out, buf, kc, vc, slot_mapping)
+        outs.append((q, q_out, kc, vc))
+    (qa, qoa, kca, vca), (qb, qob, kcb, vcb) = outs
+    _close(qob, qoa)
+    _close(qb, qa)  # k normed and rotated in place (v untouched)
+    _close(kcb, kca)
+    assert torch.equal(vcb, vca)  # v copied as is
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[slot_mapping] = False
+    assert not kcb[untouched].any() and not vcb[untouched].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    g = torch.Generator().manual_seed(5)
+    gate_up = torch.randn(6, 2 * 1100, generator=g).to(dtype)  # 1100: a tail past one block of 1024
+    want, got = torch.empty(6, 1100, dtype=dtype), torch.empty(6, 1100, dtype=dtype)
+    TorchLayerOps(1e-6, 8, 2, 1, 4, CPU).silu_mul(gate_up.clone(), want)
+    TritonLayerOps(1e-6, 2, 1).silu_mul(gate_up, got)
+    _close(got, want)
+
+
+def test_token_bitmask():
+    vocab = 5000  # past one block of 4096, and not a multiple of 32
+    words = -(-vocab // 32)
+    g = torch.Generator().manual_seed(7)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, words), dtype=torch.int32, generator=g)
+    bitmask[1] = -1
+    logits = torch.randn(3, vocab, generator=g)
+    want, got = logits.clone(), logits.clone()
+    TorchLayerOps(1e-6, 8, 2, 1, 4, CPU).apply_token_bitmask(want, bitmask)
+    TritonLayerOps(1e-6, 2, 1).apply_token_bitmask(got, bitmask)
+    assert torch.equal(got, want)
+    assert torch.isinf(got).any() and torch.equal(got[1], logits[1])
+    allowed = sampler.allowed_tokens(bitmask, vocab, sampler.bit_table("cpu"))
+    assert torch.equal(torch.isinf(got), ~allowed)
+
+
+def test_kernels_compile_ahead_of_time_for_sm90():
+    """Compiled for the H200 (sm_90) on this CPU host, outside the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    run = subprocess.run([sys.executable, "-m", "kernels.triton.aot_check", "--arch", "90"], capture_output=True,
+                         text=True, timeout=600, env=env)
+    if run.returncode and ("ptxas" in run.stderr and "not found" in run.stderr):
+        pytest.skip("no ptxas for ahead-of-time compilation here")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count(": cubin ") == 4, run.stdout
