@@ -119,8 +119,8 @@ def test_kernels_compile_ahead_of_time_for_sm90():
     """Compiled for the H200 (sm_90) on this CPU host, outside the interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    run = subprocess.run([sys.executable, "-m", "kernels.triton.aot_check", "--arch", "90"], capture_output=True,
-                         text=True, timeout=600, env=env)
+    run = subprocess.run([sys.executable, "-m", "kernels.triton.aot_check", "--arch", "90"],
+                         capture_output=True, text=True, timeout=600, env=env)
     if run.returncode and ("ptxas" in run.stderr and "not found" in run.stderr):
         pytest.skip("no ptxas for ahead-of-time compilation here")
     assert run.returncode == 0, run.stderr[-3000:]
