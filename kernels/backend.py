@@ -31,16 +31,23 @@ class Kernels:
     linear: LinearOp
     ops: NativeLayerOps | TorchLayerOps  # or TritonLayerOps (kernels/triton/)
     native: ModuleType | None  # the native CPU build, where it runs
+    triton: bool = False  # the Triton layer ops and paged decode attention (kernels/triton/)
 
     @property
     def attention_name(self) -> str:
-        return f"native-{self.native.isa()}" if self.native is not None else "aten-gather"
+        if self.native is not None:
+            return f"native-{self.native.isa()}"
+        return "triton-paged" if self.triton else "aten-gather"
 
     def new_attention(self, max_batch: int, max_ctx: int, block_size: int) -> AttentionBackend:
         """An attention backend with its own scratch (one per workspace)."""
         c, scale = self.config, self.config.head_dim ** -0.5
         if self.native is not None:
             return NativeAttention(self.native, scale)
+        if self.triton:
+            from kernels.triton.attention import TritonAttention
+
+            return TritonAttention(max_batch, max_ctx, c.num_attention_heads, c.head_dim, scale, self.device)
         scratch = AttentionScratch(max_batch, max_ctx, c.num_attention_heads, c.num_key_value_heads,
                                    c.head_dim, block_size, self.dtype, self.device)
         return TorchAttention(scratch, scale)
@@ -54,10 +61,12 @@ def select_kernels(config: Qwen3Config, dtype: torch.dtype, device: torch.device
     if native is not None:
         ops = NativeLayerOps(native, c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads)
     elif device.type == "cuda" and os.environ.get("FUSEDSERVE_TRITON") == "1" and triton_kernels.available():
-        # Opt-in until a GPU run has checked the Triton layer ops compiled (kernels/triton/).
+        # Opt-in until a GPU run has checked the Triton kernels compiled (kernels/triton/).
         from kernels.triton.layer_ops import TritonLayerOps
 
         ops = TritonLayerOps(c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads)
+        return Kernels(config, dtype, device, LinearOp(device, native, dtype, int8_activations), ops, native,
+                       triton=True)
     else:
         ops = TorchLayerOps(c.rms_norm_eps, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
                             c.head_dim, device)

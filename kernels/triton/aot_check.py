@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 
+from kernels.triton import decode_attention as attn
 from kernels.triton import layer_kernels as k
 
 P16, I32, F32 = "*bf16", "i32", "fp32"
@@ -34,6 +35,18 @@ def jobs() -> dict[str, tuple]:
         "silu_mul": (k._silu_mul_kernel,
                      dict(gu_ptr=P16, out_ptr=P16, N=I32, stride_gu=I32, stride_o=I32, BLOCK=C),
                      {"BLOCK": 1024}),
+        "decode_attention_split": (
+            attn._split_kernel,
+            dict(q_ptr=P16, k_ptr=P16, v_ptr=P16, tables_ptr="*i32", lens_ptr="*i32", m_ptr="*fp32",
+                 l_ptr="*fp32", acc_ptr="*fp32", scale=F32, stride_qb=I32, stride_qh=I32, stride_slot=I32,
+                 stride_kvh=I32, stride_tb=I32, chunk=I32, GROUP=C, GROUP_P=C, HD=C, BLOCK_N=C, BS=C,
+                 SPLITS=C, NH=C),
+            {"GROUP": 4, "GROUP_P": 4, "HD": 128, "BLOCK_N": 16, "BS": 16, "SPLITS": 8, "NH": 32}),
+        "decode_attention_merge": (
+            attn._merge_kernel,
+            dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr=P16, stride_ob=I32, stride_oh=I32,
+                 NH=C, SPLITS=C, SPLITS_P=C, HD=C),
+            {"NH": 32, "SPLITS": 8, "SPLITS_P": 8, "HD": 128}),
         "token_bitmask": (k._token_bitmask_kernel,
                           dict(logits_ptr="*fp32", mask_ptr="*i32", V=I32, W=I32, stride_l=I32, BLOCK=C),
                           {"BLOCK": 4096}),
