@@ -14,6 +14,7 @@ import argparse
 
 from kernels.triton import decode_attention as attn
 from kernels.triton import layer_kernels as k
+from kernels.triton import prompt_attention as prompt
 
 P16, I32, F32 = "*bf16", "i32", "fp32"
 C = "constexpr"
@@ -47,6 +48,13 @@ def jobs() -> dict[str, tuple]:
             dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr=P16, stride_ob=I32, stride_oh=I32,
                  NH=C, SPLITS=C, SPLITS_P=C, HD=C),
             {"NH": 32, "SPLITS": 8, "SPLITS_P": 8, "HD": 128}),
+        "prompt_attention": (
+            prompt._prompt_kernel,
+            dict(q_ptr=P16, k_ptr=P16, v_ptr=P16, out_ptr=P16, qsl_ptr="*i32", lens_ptr="*i32",
+                 tables_ptr="*i32", scale=F32, first_row=I32, stride_qt=I32, stride_qh=I32, stride_ot=I32,
+                 stride_oh=I32, stride_slot=I32, stride_kvh=I32, stride_tb=I32, GROUP=C, HD=C, BS=C,
+                 BLOCK_M=C, BLOCK_N=C, DOT_F32=C),
+            {"GROUP": 4, "HD": 128, "BS": 16, "BLOCK_M": 64, "BLOCK_N": 64, "DOT_F32": False}),
         "token_bitmask": (k._token_bitmask_kernel,
                           dict(logits_ptr="*fp32", mask_ptr="*i32", V=I32, W=I32, stride_l=I32, BLOCK=C),
                           {"BLOCK": 4096}),

@@ -1,14 +1,14 @@
 """``TritonAttention``: decode rows through the paged flash-decoding kernels (K/V read in place,
-split-K); prompt chunks through ``prompt_rows`` as in the other backends. Chosen on CUDA with
-``FUSEDSERVE_TRITON=1`` (``kernels/backend.py``)."""
+split-K); prompt chunks through one varlen kernel over the pages (no loop per prompt, no gather
+of a cached prefix). Chosen on CUDA with ``FUSEDSERVE_TRITON=1`` (``kernels/backend.py``)."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels.attention.prompt_rows import PromptChunk, attend_chunks, plan_chunks
 from kernels.forward_batch import ForwardBatch
 from kernels.triton.decode_attention import DecodeAttentionScratch, decode_attention
+from kernels.triton.prompt_attention import prompt_attention
 
 TOKENS_PER_SPLIT = 256  # a long context is cut into splits of about this many tokens (at most 16)
 
@@ -23,16 +23,15 @@ class TritonAttention:
         self.scratch = DecodeAttentionScratch(max_batch, heads, head_dim, splits, device)
         self._batch: ForwardBatch | None = None
         self._block_size = 0
-        self._chunks: list[PromptChunk] = []
 
     def begin(self, batch: ForwardBatch, block_size: int) -> None:
         self._batch, self._block_size = batch, block_size
-        self._chunks = plan_chunks(batch, block_size) if batch.prompt_query_lens else []
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                out: torch.Tensor) -> None:
         b, nd = self._batch, self._batch.num_decode
         if nd:
-            decode_attention(q[:nd], k_cache, v_cache, b.block_tables[:nd], b.seq_lens[:nd], self._block_size,
-                             self.scale, out[:nd], self.scratch, self.max_ctx)
-        attend_chunks(self._chunks, q, k_cache, v_cache, out, self.scale)
+            decode_attention(q[:nd], k_cache, v_cache, b.block_tables[:nd], b.seq_lens[:nd],
+                             self._block_size, self.scale, out[:nd], self.scratch, self.max_ctx)
+        prompt_attention(q, k_cache, v_cache, b.query_start_loc, b.seq_lens, b.block_tables, nd,
+                         b.prompt_query_lens, self._block_size, self.scale, out)
