@@ -21,4 +21,6 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
   | tee -a "$out/gpu.txt"
 timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_graphs.py \
   tests/test_quantization.py -k "cuda or aten" 2>&1 | tee "$out/tests.log"
+FUSEDSERVE_TRITON_COMPILED=1 timeout 180 python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_kernels.py \
+  2>&1 | tee "$out/triton_tests.log"
 timeout 270 python3 -m benchmarks.cuda_peers --json "$out/cuda_peers.json" 2>&1 | tee "$out/bench.log"

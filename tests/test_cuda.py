@@ -156,3 +156,19 @@ def test_the_sampler_is_captured_in_a_cuda_graph_and_replays_exactly():
     sample(logits, params, seeds, eager, plan, 64)
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+def test_the_triton_kernels_run_the_engine_as_aten_does(monkeypatch):
+    """``FUSEDSERVE_TRITON=1``: the Triton layer ops and paged attention (kernels/triton/) give the
+    ATen path's greedy tokens, in float32, under the same graphs and async scheduling."""
+    pytest.importorskip("triton")
+    runner = RunnerConfig(max_batch=4, block_size=8, num_blocks=64, top_k=16)
+    params = [SamplingParams(max_tokens=24, ignore_eos=True) for _ in PROMPTS]
+    outs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("FUSEDSERVE_TRITON", flag)
+        model, tok = load_model("default", "float32", "cuda", 128)
+        assert model.kernels.triton == (flag == "1")
+        with LLMEngine(model, runner=runner, tokenizer=tok) as eng:
+            outs[flag] = [o.token_ids for o in eng.generate(PROMPTS, params)]
+    assert outs["1"] == outs["0"]

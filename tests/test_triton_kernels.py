@@ -1,7 +1,10 @@
 """The Triton layer kernels against ``TorchLayerOps`` on the CPU, under Triton's interpreter,
 with tails in every dimension, scattered cache slots and GQA; and each kernel compiled ahead
 of time for the H200's sm_90 on this CPU host (ptxas ships with triton), which catches the
-register, shared-memory and layout errors the interpreter cannot."""
+register, shared-memory and layout errors the interpreter cannot.
+
+On a GPU machine, ``FUSEDSERVE_TRITON_COMPILED=1`` runs the same tests compiled, on CUDA
+(``benchmarks/gpu_check.sh``)."""
 
 from __future__ import annotations
 
@@ -15,10 +18,12 @@ import torch
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
-if "triton" not in sys.modules:  # the interpreter is chosen when triton is imported
-    os.environ["TRITON_INTERPRET"] = "1"
-elif os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("triton was imported before the interpreter could be chosen", allow_module_level=True)
+COMPILED = os.environ.get("FUSEDSERVE_TRITON_COMPILED") == "1" and torch.cuda.is_available()
+if not COMPILED:
+    if "triton" not in sys.modules:  # the interpreter is chosen when triton is imported
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported before the interpreter could be chosen", allow_module_level=True)
 
 from kernels import sampler  # noqa: E402
 from kernels.layer_ops import NormScratch, TorchLayerOps, rope_tables  # noqa: E402
@@ -28,6 +33,27 @@ from kernels.triton.prompt_attention import prompt_attention  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 CPU = torch.device("cpu")
+DEV = torch.device("cuda" if COMPILED else "cpu")  # where the Triton kernels run
+
+
+def _on_dev(fn, *args) -> None:
+    """``fn(*args)`` with the tensors on ``DEV`` (the interpreter: the CPU, as they are), and
+    what it wrote copied back into the caller's tensors."""
+    moved = [a.to(DEV) if isinstance(a, torch.Tensor) else a for a in args]
+    fn(*moved)
+    for a, m in zip(args, moved):
+        if isinstance(a, torch.Tensor) and m is not a:
+            a.copy_(m.cpu())
+
+
+class _Triton:
+    """``TritonLayerOps`` run through ``_on_dev``."""
+
+    def __init__(self, *args):
+        self.ops = TritonLayerOps(*args)
+
+    def __getattr__(self, name: str):
+        return lambda *args: _on_dev(getattr(self.ops, name), *args)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -52,11 +78,11 @@ def test_add_rms_norm(dtype, n, d):
     xa, outa = x.clone(), torch.empty_like(x)
     ref.add_rms_norm(xa, add, w, outa, buf)
     xb, outb = x.clone(), torch.empty_like(x)
-    TritonLayerOps(1e-6, 2, 1).add_rms_norm(xb, add, w, outb, buf)
+    _Triton(1e-6, 2, 1).add_rms_norm(xb, add, w, outb, buf)
     _close(xb, xa)  # the residual sum, rounded once
     _close(outb, outa)
     outc = torch.empty_like(x)
-    TritonLayerOps(1e-6, 2, 1).add_rms_norm(x.clone(), None, w, outc, buf)
+    _Triton(1e-6, 2, 1).add_rms_norm(x.clone(), None, w, outc, buf)
     ref.add_rms_norm(x.clone(), None, w, outa, buf)
     _close(outc, outa)
 
@@ -74,7 +100,7 @@ def test_qk_norm_rope_writes_the_cache_slots(dtype, heads, kv_heads):
     slot_mapping = torch.tensor([33, 2, 17, 39, 0, 21, 8])  # scattered, out of order
     outs = []
     for ops in (TorchLayerOps(1e-6, heads * hd, heads, kv_heads, hd, CPU),
-                TritonLayerOps(1e-6, heads, kv_heads)):
+                _Triton(1e-6, heads, kv_heads)):
         q = qkv.clone()
         q_out = torch.empty(n, heads, hd, dtype=dtype)
         kc, vc = torch.zeros(slots, kv_heads, hd, dtype=dtype), torch.zeros(slots, kv_heads, hd, dtype=dtype)
@@ -97,7 +123,7 @@ def test_silu_mul(dtype):
     gate_up = torch.randn(6, 2 * 1100, generator=g).to(dtype)  # 1100: a tail past one block of 1024
     want, got = torch.empty(6, 1100, dtype=dtype), torch.empty(6, 1100, dtype=dtype)
     TorchLayerOps(1e-6, 8, 2, 1, 4, CPU).silu_mul(gate_up.clone(), want)
-    TritonLayerOps(1e-6, 2, 1).silu_mul(gate_up, got)
+    _Triton(1e-6, 2, 1).silu_mul(gate_up, got)
     _close(got, want)
 
 
@@ -110,7 +136,7 @@ def test_token_bitmask():
     logits = torch.randn(3, vocab, generator=g)
     want, got = logits.clone(), logits.clone()
     TorchLayerOps(1e-6, 8, 2, 1, 4, CPU).apply_token_bitmask(want, bitmask)
-    TritonLayerOps(1e-6, 2, 1).apply_token_bitmask(got, bitmask)
+    _Triton(1e-6, 2, 1).apply_token_bitmask(got, bitmask)
     assert torch.equal(got, want)
     assert torch.isinf(got).any() and torch.equal(got[1], logits[1])
     allowed = sampler.allowed_tokens(bitmask, vocab, sampler.bit_table("cpu"))
@@ -146,8 +172,8 @@ def test_paged_decode_attention_reads_the_pages_in_place(dtype, heads, kv_heads,
     tables = perm[: 5 * 24].view(5, 24)  # every row's pages scattered over the cache
     q = torch.randn(5, heads, hd, generator=g).to(dtype)
     out = torch.empty_like(q)
-    scratch = DecodeAttentionScratch(8, heads, hd, splits, "cpu")
-    decode_attention(q, k_cache, v_cache, tables, lens, bs, hd**-0.5, out, scratch, max_ctx)
+    scratch = DecodeAttentionScratch(8, heads, hd, splits, DEV)
+    _on_dev(decode_attention, q, k_cache, v_cache, tables, lens, bs, hd**-0.5, out, scratch, max_ctx)
     want = _reference_attention(q, k_cache, v_cache, tables, lens, bs)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
@@ -175,7 +201,8 @@ def test_prompt_attention_over_the_pages_equals_the_chunk_path(dtype, heads, kv_
     q = torch.randn(t, heads, hd, generator=g).to(dtype)
     want, got = torch.zeros_like(q), torch.zeros_like(q)
     attend_chunks(plan_chunks(batch, bs), q, k_cache, v_cache, want, hd**-0.5)
-    prompt_attention(q, k_cache, v_cache, qsl, batch.seq_lens, tables, 2, query_lens[2:], bs, hd**-0.5, got)
+    _on_dev(prompt_attention, q, k_cache, v_cache, qsl, batch.seq_lens, tables, 2, query_lens[2:], bs,
+            hd**-0.5, got)
     assert not got[:2].any()  # decode rows are not this kernel's
     tol = 2e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got[2:].float(), want[2:].float(), atol=tol, rtol=tol)
@@ -193,6 +220,7 @@ def test_kernels_compile_ahead_of_time_for_sm90():
     assert run.stdout.count(": cubin ") == 7, run.stdout
 
 
+@pytest.mark.skipif(COMPILED, reason="on a GPU, tests/test_cuda.py runs the engine on these kernels")
 def test_a_model_forward_on_the_triton_kernels_equals_the_aten_one():
     """The whole model, prefill then decode steps, with ``TritonLayerOps`` and ``TritonAttention``
     (under the interpreter) against ATen's ops and the gathering attention, in float32."""
