@@ -5,8 +5,8 @@ once per model (``kernels/backend.py``): a fused residual add + RMSNorm; the per
 RMSNorm + rotary that Qwen3 applies before attention, with this launch's K and V written into
 their cache slots; the MLP's SiLU x up; and, before sampling, a grammar's token bitmask. Both
 write into tensors the caller owns, so a decode step allocates nothing. The math follows
-transformers' Qwen3 (RMSNorm in float32,
-rotate-half rotary embedding), rounded in the model's dtype as it rounds.
+transformers' Qwen3 (RMSNorm in float32, rotate-half rotary embedding), rounded in the model's
+dtype as it rounds.
 """
 
 from __future__ import annotations

@@ -111,11 +111,13 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:  # preempted with its newest token still on the device
                 break
-            if self._sibling_computing(seq):  # the same prompt is being computed: share its blocks
+            # Prompt logprobs need every token computed: no cached prefix. One lookup serves both
+            # the sibling check and the allocation.
+            hit = [] if seq.params.prompt_logprobs is not None else self.blocks.cached_prefix(seq.all_ids)
+            if self._sibling_computing(seq, len(hit)):  # the same prompt is being computed: share it
                 break
-            try:  # room for one generated token too; prompt logprobs need every token computed
-                no_cache = [] if seq.params.prompt_logprobs is not None else None
-                seq.num_computed = self.blocks.allocate(seq.seq_id, seq.all_ids, reserve=1, hit=no_cache)
+            try:  # room for one generated token too
+                seq.num_computed = self.blocks.allocate(seq.seq_id, seq.all_ids, reserve=1, hit=hit)
             except OutOfBlocks:
                 break
             self.waiting.popleft()
@@ -173,15 +175,16 @@ class Scheduler:
                 seq.num_pending += 1
                 seq.feed_row = row
 
-    def _sibling_computing(self, seq: Sequence) -> bool:
+    def _sibling_computing(self, seq: Sequence, hit_blocks: int) -> bool:
         """A running sequence is still computing the full prompt blocks ``seq`` would reuse
         (``n`` choices of one prompt, or the same prompt sent twice): ``seq`` waits for them to
-        be committed and reads them from the prefix cache, instead of computing them again."""
+        be committed and reads them from the prefix cache, instead of computing them again.
+        ``hit_blocks``: how many of its blocks the cache already has."""
         if not self.blocks.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return False
         ids, bs = seq.all_ids, self.blocks.block_size
         full = (len(ids) - 1) // bs
-        if not full or len(self.blocks.cached_prefix(ids)) == full:
+        if not full or hit_blocks == full:
             return False
         return any(r.num_tokens > full * bs and r.all_ids[: full * bs] == ids[: full * bs]
                    and self.blocks.committed(r.seq_id) < full for r in self.running)

@@ -222,11 +222,7 @@ async def _merged(gw: Gateway, prep: oa.Prepared, rids: list[str]) -> AsyncItera
         try:
             async for frame in gw.client.stream(prep.prompt(i)[0], request_id=rid, **prep.choice_params(i)):
                 await queue.put((i, frame, None))
-        except ServerError as exc:
-            await queue.put((i, None, exc))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+        except Exception as exc:  # noqa: BLE001 - a ServerError or a bug: handed to the consumer
             await queue.put((i, None, exc))
 
     tasks = [asyncio.ensure_future(pump(i, rid)) for i, rid in enumerate(rids)]

@@ -18,6 +18,7 @@ from coordinator.openai import output_constraint, tool_choice
 from coordinator.openai.api_error import ApiError
 from coordinator.openai.chat_template import ChatTemplate, ChatTemplateError
 from coordinator.openai.tool_choice import ToolPlan
+from coordinator.structured.structured_spec import StructuredError, StructuredSpec
 from kernels.model.tokenizer import TextTokenizer
 
 MAX_BODY_BYTES = 4 << 20  # the ZeroMQ front end's frame limit
@@ -123,7 +124,10 @@ def _constrain(params: dict, body: dict, thinking: str = "none",
                        "response_format / structured_outputs", param="tool_choice", code="bad_field")
     found = forced or found
     if found is not None:
-        params["structured"] = {"kind": found[0], "value": found[1], "thinking": thinking}
+        try:
+            params["structured"] = StructuredSpec(found[0], found[1], thinking).to_wire()
+        except StructuredError as exc:
+            raise ApiError(400, str(exc), code="bad_structured_output") from None
 
 
 def _sampling(body: dict, default_max: int) -> dict:
