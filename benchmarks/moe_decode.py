@@ -8,7 +8,8 @@ intermediate 4 x 256 = 1024, so that one token reads the same weight bytes in bo
 router's 32 x 1024 aside). The step is the real launch path (``decode_step.run``: arena,
 forward, sampler), greedy, context 128. Target: MoE at batch 1 <= 1.3x the dense step. At
 batch 16 the MoE step reads more experts than a token's 4 (up to all 32): a comparison of
-work, not of bytes. Each figure is the median (min-max) over the measured steps.
+work, not of bytes. Each figure is the median (min-max) over ``--runs`` runs (dense and MoE
+alternating) of a run's median step; the ratio is of those medians.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import decode_step
-from benchmarks.common import fmt, machine
+from benchmarks.common import fmt, machine, median, spread
 from kernels.model.default_model import cache_root
 
 SHAPE = dict(vocab_size=32768, hidden_size=1024, num_hidden_layers=6, num_attention_heads=16,
@@ -53,21 +54,26 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     dirs = checkpoints()
-    res: dict = {"machine": machine(), "dtype": args.dtype}
-    for name, path in dirs.items():
-        res[name] = decode_step.run(batches, 128, args.steps, args.dtype, model_dir=str(path))
-    print(f"{machine()}; {args.dtype}, context 128, greedy; step ms, median (min-max)")
+    res: dict = {"machine": machine(), "dtype": args.dtype, "runs": args.runs}
+    steps: dict[str, dict[int, list[float]]] = {name: {b: [] for b in batches} for name in dirs}
+    for _ in range(args.runs):
+        for name, path in dirs.items():
+            run = decode_step.run(batches, 128, args.steps, args.dtype, model_dir=str(path))
+            for row in run["rows"]:
+                steps[name][row["batch"]].append(row["step_ms"])
+    print(f"{machine()}; {args.dtype}, context 128, greedy; step ms, median (min-max) of {args.runs} runs")
     print(f"{'batch':>5s} {'dense':>22s} {'MoE':>22s} {'MoE / dense':>12s}")
-    res["ratios"] = {}
-    for d, m in zip(res["dense"]["rows"], res["moe"]["rows"]):
-        ratio = m["step_ms"] / d["step_ms"]
-        res["ratios"][d["batch"]] = ratio
-        print(f"{d['batch']:5d} {fmt(d['step_ms_spread'], '.2f'):>22s} "
-              f"{fmt(m['step_ms_spread'], '.2f'):>22s} {ratio:12.2f}")
+    res["step_ms"], res["ratios"] = {}, {}
+    for b in batches:
+        d, m = spread(steps["dense"][b]), spread(steps["moe"][b])
+        res["step_ms"][b] = {"dense": d, "moe": m}
+        res["ratios"][b] = median(m) / median(d)
+        print(f"{b:5d} {fmt(d, '.2f'):>22s} {fmt(m, '.2f'):>22s} {res['ratios'][b]:12.2f}")
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2))
     return res
