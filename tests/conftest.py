@@ -46,6 +46,27 @@ def hf_checkpoints(tmp_path_factory) -> dict[str, Path]:
     }
 
 
+@pytest.fixture(scope="session")
+def moe_dir(tmp_path_factory):
+    """4 layers: 8 experts, top 2, renormalised, in layers 0, 2 and 3; layer 1 dense
+    (``mlp_only_layers``)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                         mlp_only_layers=[1], max_position_embeddings=256, tie_word_embeddings=False)
+    model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():  # routers with some spread, so that routing is decided, not a near tie
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.weight.mul_(8)
+    out = tmp_path_factory.mktemp("moe")
+    model.save_pretrained(out)
+    return out
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _native_kernels():
     """Build the native CPU kernels once, before any worker process would (they load the cache).

@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from kernels.model.config import Qwen3Config
+from kernels.model.tensor_parallel import SINGLE, TensorParallel
 
 
 class WeightError(ValueError):
@@ -32,8 +33,9 @@ class LayerWeights:
     gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None in a sparse (MoE) layer
     down: torch.Tensor | None  # [hidden, intermediate]
     router: torch.Tensor | None = None  # [experts, hidden]: a sparse layer's gate
-    # A sparse layer's experts: each its (gate_up [2 * moe_intermediate, hidden], down).
-    experts: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # A sparse layer's experts: each its (gate_up [2 * moe_intermediate, hidden], down); None for
+    # an expert another rank holds (expert parallelism).
+    experts: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
 
 @dataclass
@@ -75,63 +77,80 @@ class _Reader:
     def has(self, name: str) -> bool:
         return name in self.files
 
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...], rows: range | None = None,
+            cols: range | None = None) -> torch.Tensor:
+        """The tensor ``name`` of ``shape``, or only its ``rows`` / ``cols`` (a rank's share: only
+        those bytes are read)."""
         path = self.files.get(name)
         if path is None:
             raise WeightError(f"{self.model_dir}: missing weight tensor {name!r}")
         with safe_open(str(path), framework="pt") as f:
-            tensor = f.get_tensor(name)
-        if tuple(tensor.shape) != shape:
-            raise WeightError(
-                f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}"
-            )
+            part = f.get_slice(name)
+            if tuple(part.get_shape()) != shape:
+                raise WeightError(
+                    f"{path.name}: tensor {name!r} has shape {tuple(part.get_shape())}, expected {shape}"
+                )
+            r = slice(None) if rows is None else slice(rows.start, rows.stop)
+            tensor = part[r] if cols is None else part[r, cols.start : cols.stop]
         return tensor.to(self.dtype).contiguous()
 
+    def heads(self, name: str, heads: range, head_dim: int, total: int, cols: int | None) -> torch.Tensor:
+        """Rows of the heads ``heads`` of a projection with ``total`` heads (a bias when ``cols``
+        is None)."""
+        shape = (total * head_dim,) if cols is None else (total * head_dim, cols)
+        return self.get(name, shape, rows=range(heads.start * head_dim, heads.stop * head_dim))
 
-def load_weights(model_dir: str | Path, config: Qwen3Config, dtype: torch.dtype) -> Qwen3Weights:
-    """Read and fuse a Qwen3 checkpoint into ``dtype`` tensors on the CPU."""
+
+def load_weights(model_dir: str | Path, config: Qwen3Config, dtype: torch.dtype,
+                 tp: TensorParallel = SINGLE) -> Qwen3Weights:
+    """Read and fuse a Qwen3 checkpoint into ``dtype`` tensors on the CPU: the whole model, or
+    one tensor-parallel rank's share of it (``kernels/model/tensor_parallel.py``), reading only
+    that share from the files."""
     reader = _Reader(Path(model_dir), dtype)
     c = config
-    hidden, inter, hd = c.hidden_size, c.intermediate_size, c.head_dim
+    tp.check(c)
+    hidden, hd = c.hidden_size, c.head_dim
+    heads, kv_heads = tp.heads(c), tp.kv_heads(c)
+    nh, nkv = c.num_attention_heads, c.num_key_value_heads
+    q_cols = range(heads.start * hd, heads.stop * hd)  # o_proj's inputs from this rank's heads
+    inter = tp.split(c.intermediate_size)
+
+    def gate_up_down(prefix: str, width: int, share: range | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """An MLP's fused gate/up (column-parallel) and down (row-parallel), or ``share`` of them."""
+        gate = reader.get(prefix + "gate_proj.weight", (width, hidden), rows=share)
+        up = reader.get(prefix + "up_proj.weight", (width, hidden), rows=share)
+        return (torch.cat([gate, up]).contiguous(),
+                reader.get(prefix + "down_proj.weight", (hidden, width), cols=share))
+
     layers = []
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
-        q = reader.get(p + "self_attn.q_proj.weight", (c.q_size, hidden))
-        k = reader.get(p + "self_attn.k_proj.weight", (c.kv_size, hidden))
-        v = reader.get(p + "self_attn.v_proj.weight", (c.kv_size, hidden))
+        a = p + "self_attn."
+        q = reader.heads(a + "q_proj.weight", heads, hd, nh, hidden)
+        k = reader.heads(a + "k_proj.weight", kv_heads, hd, nkv, hidden)
+        v = reader.heads(a + "v_proj.weight", kv_heads, hd, nkv, hidden)
         bias = None
         if c.attention_bias:
-            bias = torch.cat(
-                [
-                    reader.get(p + "self_attn.q_proj.bias", (c.q_size,)),
-                    reader.get(p + "self_attn.k_proj.bias", (c.kv_size,)),
-                    reader.get(p + "self_attn.v_proj.bias", (c.kv_size,)),
-                ]
-            )
+            bias = torch.cat([reader.heads(a + "q_proj.bias", heads, hd, nh, None),
+                              reader.heads(a + "k_proj.bias", kv_heads, hd, nkv, None),
+                              reader.heads(a + "v_proj.bias", kv_heads, hd, nkv, None)])
+        router = experts = gate_up = down = None
         if c.sparse(i):
-            gate_up = down = None
             mi = c.moe_intermediate_size
             router = reader.get(p + "mlp.gate.weight", (c.num_experts, hidden))
-            experts = []
-            for e in range(c.num_experts):
-                q_ = f"{p}mlp.experts.{e}."
-                experts.append((torch.cat([reader.get(q_ + "gate_proj.weight", (mi, hidden)),
-                                           reader.get(q_ + "up_proj.weight", (mi, hidden))]).contiguous(),
-                                reader.get(q_ + "down_proj.weight", (hidden, mi))))
+            share = None if tp.expert_parallel else tp.split(mi)
+            experts = [gate_up_down(f"{p}mlp.experts.{e}.", mi, share) if tp.owns_expert(e, c.num_experts)
+                       else None for e in range(c.num_experts)]
         else:
-            gate = reader.get(p + "mlp.gate_proj.weight", (inter, hidden))
-            up = reader.get(p + "mlp.up_proj.weight", (inter, hidden))
-            gate_up = torch.cat([gate, up]).contiguous()
-            down = reader.get(p + "mlp.down_proj.weight", (hidden, inter))
-            router = experts = None
+            gate_up, down = gate_up_down(p + "mlp.", c.intermediate_size, inter)
         layers.append(
             LayerWeights(
                 input_norm=reader.get(p + "input_layernorm.weight", (hidden,)),
                 qkv=torch.cat([q, k, v]).contiguous(),
                 qkv_bias=bias,
-                q_norm=reader.get(p + "self_attn.q_norm.weight", (hd,)),
-                k_norm=reader.get(p + "self_attn.k_norm.weight", (hd,)),
-                o_proj=reader.get(p + "self_attn.o_proj.weight", (hidden, c.q_size)),
+                q_norm=reader.get(a + "q_norm.weight", (hd,)),
+                k_norm=reader.get(a + "k_norm.weight", (hd,)),
+                o_proj=reader.get(a + "o_proj.weight", (hidden, c.q_size), cols=q_cols),
                 post_norm=reader.get(p + "post_attention_layernorm.weight", (hidden,)),
                 gate_up=gate_up,
                 down=down,
@@ -139,14 +158,21 @@ def load_weights(model_dir: str | Path, config: Qwen3Config, dtype: torch.dtype)
                 experts=experts,
             )
         )
-    embed = reader.get("model.embed_tokens.weight", (c.vocab_size, hidden))
-    if c.tie_word_embeddings:
-        lm_head = embed
-    else:
-        lm_head = reader.get("lm_head.weight", (c.vocab_size, hidden))
+    embed = _vocab_rows(reader, "model.embed_tokens.weight", c, tp)
+    lm_head = embed if c.tie_word_embeddings else _vocab_rows(reader, "lm_head.weight", c, tp)
     return Qwen3Weights(
         embed=embed,
         layers=layers,
         final_norm=reader.get("model.norm.weight", (hidden,)),
         lm_head=lm_head,
     )
+
+
+def _vocab_rows(reader: _Reader, name: str, c: Qwen3Config, tp: TensorParallel) -> torch.Tensor:
+    """The whole [V, D] table, or this rank's ``ceil(V / N)`` rows of it (zeros past the vocab)."""
+    if tp.size == 1:
+        return reader.get(name, (c.vocab_size, c.hidden_size))
+    rows = tp.vocab(c.vocab_size)
+    part = reader.get(name, (c.vocab_size, c.hidden_size), rows=rows)
+    pad = tp.vocab_rows(c.vocab_size) - len(rows)
+    return torch.cat([part, part.new_zeros(pad, c.hidden_size)]) if pad else part

@@ -21,6 +21,7 @@ from kernels.layer_ops import rope_tables
 from kernels.linear import Int4Weight, Int8Weight, LinearOp
 from kernels.model.config import ConfigError, Qwen3Config, parse_dtype
 from kernels.model.loader import Qwen3Weights, load_weights
+from kernels.model.tensor_parallel import SINGLE, TensorParallel
 from kernels.model.workspace import LayerBuffers, Workspace
 
 # int8 and int4 multiply with int8 activations on the native CPU kernels; int8-weight-only keeps
@@ -33,17 +34,20 @@ class Qwen3Model:
 
     def __init__(self, config: Qwen3Config, weights: Qwen3Weights, dtype: torch.dtype,
                  device: torch.device | str = "cpu", max_model_len: int | None = None,
-                 quantization: str | None = None):
+                 quantization: str | None = None, tp: TensorParallel = SINGLE):
         if quantization not in QUANTIZATIONS:
             raise ConfigError(f"unknown quantization {quantization!r}; use one of {QUANTIZATIONS[1:]}")
         self.config = config
+        # What this rank computes: its heads and MLP slice under tensor parallelism, else the model.
+        self.local = tp.local_config(config)
+        self.tp = tp
         self.quantization = None if quantization == "none" else quantization
         self.dtype = dtype
         self.device = torch.device(device)
         self.max_model_len = min(max_model_len or config.max_position_embeddings,
                                  config.max_position_embeddings)
         self.w = _to_device(weights, self.device)
-        self.kernels = select_kernels(config, dtype, self.device,
+        self.kernels = select_kernels(self.local, dtype, self.device,
                                       int8_activations=self.quantization != "int8-weight-only")
         if self.quantization == "int4" and not self.kernels.linear.int4:
             raise ConfigError("int4 weights run on the native CPU kernels (AVX2 or AVX-512 builds); this "
@@ -57,12 +61,13 @@ class Qwen3Model:
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: str | torch.dtype | None = None,
                         device: torch.device | str = "cpu", max_model_len: int | None = None,
-                        quantization: str | None = None) -> Qwen3Model:
-        """``dtype``: a name, None (the checkpoint's) or ``"auto"`` (``resolve_dtype``)."""
+                        quantization: str | None = None, tp: TensorParallel = SINGLE) -> Qwen3Model:
+        """``dtype``: a name, None (the checkpoint's) or ``"auto"`` (``resolve_dtype``). ``tp``: load
+        and run one tensor-parallel rank's share."""
         config = Qwen3Config.from_dir(model_dir)
         torch_dtype = resolve_dtype(dtype, parse_dtype(config.dtype), torch.device(device))
-        weights = load_weights(model_dir, config, torch_dtype)
-        return cls(config, weights, torch_dtype, device, max_model_len, quantization=quantization)
+        weights = load_weights(model_dir, config, torch_dtype, tp)
+        return cls(config, weights, torch_dtype, device, max_model_len, quantization=quantization, tp=tp)
 
     def kernel_info(self) -> dict[str, str]:
         """Which kernels this model runs (``stats`` and the startup log report it)."""
@@ -77,13 +82,13 @@ class Qwen3Model:
     # ----------------------------------------------------------------- allocation
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
-        return PagedKVCache(self.config, num_blocks, block_size, self.dtype, self.device)
+        return PagedKVCache(self.local, num_blocks, block_size, self.dtype, self.device)
 
     def new_workspace(self, max_rows: int, block_size: int) -> Workspace:
         """Buffers for launches of up to ``max_rows`` tokens (and rows)."""
         max_ctx = -(-self.max_model_len // block_size) * block_size
         attention = self.kernels.new_attention(max_rows, max_ctx, block_size)
-        return Workspace(self.config, max_rows, attention, self.dtype, self.device)
+        return Workspace(self.local, max_rows, attention, self.dtype, self.device, self.tp)
 
     # -------------------------------------------------------------------- forward
 
@@ -94,7 +99,7 @@ class Qwen3Model:
         residual stream [T, D] (``compute_logits`` reads other tokens' from it)."""
         t, b = batch.num_tokens, batch.num_rows
         x = ws.residual(t)
-        torch.index_select(self.w.embed, 0, batch.token_ids, out=x)
+        self.tp.embed(self.w.embed, batch.token_ids, x)
         cos, sin = ws.rope(t)
         torch.index_select(self.cos, 0, batch.positions, out=cos)
         torch.index_select(self.sin, 0, batch.positions, out=sin)
@@ -115,7 +120,7 @@ class Qwen3Model:
                ws: Workspace) -> torch.Tensor:
         """One transformer layer over n tokens: the residual ``x`` [n, D] gets ``pending`` and the
         attention output in place; returns the MLP's output, for the next layer to add."""
-        c, ops, linear = self.config, self.kernels.ops, self.kernels.linear
+        c, ops, linear, tp = self.local, self.kernels.ops, self.kernels.linear, self.tp
         n = x.shape[0]
         ops.add_rms_norm(x, pending, lw.input_norm, buf.h, buf.norm)
         linear(buf.h, lw.qkv, buf.qkv)
@@ -126,13 +131,15 @@ class Qwen3Model:
                          slot_mapping)
         ws.attention.attend(buf.q, k_cache, v_cache, buf.attn)
         linear(buf.attn.view(n, c.q_size), lw.o_proj, buf.o)
+        tp.all_reduce(buf.o)
         ops.add_rms_norm(x, buf.o, lw.post_norm, buf.h, buf.norm)
         if lw.experts is not None:
             self._moe(lw, buf.h, buf.o)
-            return buf.o
-        linear(buf.h, lw.gate_up, buf.gate_up)
-        ops.silu_mul(buf.gate_up, buf.act)
-        linear(buf.act, lw.down, buf.o)
+        else:
+            linear(buf.h, lw.gate_up, buf.gate_up)
+            ops.silu_mul(buf.gate_up, buf.act)
+            linear(buf.act, lw.down, buf.o)
+        tp.all_reduce(buf.o)
         return buf.o
 
     def _moe(self, lw, h: torch.Tensor, out: torch.Tensor) -> None:
@@ -143,7 +150,7 @@ class Qwen3Model:
 
         The tokens of each expert are known only from the router's output, so this reads the
         routing back to the host (on a CPU that is no copy; a device graph cannot capture it)."""
-        c, ops, linear = self.config, self.kernels.ops, self.kernels.linear
+        c, ops, linear = self.local, self.kernels.ops, self.kernels.linear
         n, k, mi = h.shape[0], c.num_experts_per_tok, c.moe_intermediate_size
         logits = torch.empty(n, c.num_experts, dtype=h.dtype, device=h.device)
         linear(h, lw.router, logits)
@@ -157,6 +164,8 @@ class Qwen3Model:
         weights = weights.flatten()
         out.zero_()
         for e, rows, slots in _by_expert(ids, c.num_experts):
+            if lw.experts[e] is None:  # held by another rank (expert parallelism)
+                continue
             gate_up, down = lw.experts[e]
             count = rows.shape[0]
             x = h.index_select(0, rows)
@@ -172,13 +181,15 @@ class Qwen3Model:
     def _experts_one_row(self, lw, h: torch.Tensor, out: torch.Tensor, experts: list[int],
                          weights: list[float]) -> None:
         """One token's experts, in index order (as the batched path adds them), into ``out`` [1, D]."""
-        c, ops, linear = self.config, self.kernels.ops, self.kernels.linear
+        c, ops, linear = self.local, self.kernels.ops, self.kernels.linear
         mi = c.moe_intermediate_size
         kw = {"dtype": h.dtype, "device": h.device}
         gu, act = torch.empty(1, 2 * mi, **kw), torch.empty(1, mi, **kw)
         y = torch.empty(1, c.hidden_size, **kw)
         out.zero_()
         for e, w in sorted(zip(experts, weights)):
+            if lw.experts[e] is None:
+                continue
             gate_up, down = lw.experts[e]
             linear(h, gate_up, gu)
             ops.silu_mul(gu, act)
@@ -193,11 +204,11 @@ class Qwen3Model:
             h = ws.final[:n]
             torch.index_select(x, 0, rows[s : s + n], out=h)
             self.kernels.ops.add_rms_norm(h, None, self.w.final_norm, h, ws.buffers.norm.rows(n))
-            if ws.logits16 is None:
+            if ws.logits_local is None:
                 self.kernels.linear(h, self.w.lm_head, out[s : s + n])
-            else:
-                self.kernels.linear(h, self.w.lm_head, ws.logits16[:n])
-                out[s : s + n].copy_(ws.logits16[:n])
+            else:  # 16-bit logits, or this rank's vocab share of them: widened or gathered into out
+                self.kernels.linear(h, self.w.lm_head, ws.logits_local[:n])
+                self.tp.gather_vocab(ws.logits_local[:n], out[s : s + n], ws.logits_gathered)
 
 
 def _by_expert(ids: torch.Tensor, num_experts: int):
@@ -258,7 +269,7 @@ def _quantize(w: Qwen3Weights, mode: str, dtype: torch.dtype, device: torch.devi
             if getattr(lw, name) is not None:
                 setattr(lw, name, q(getattr(lw, name)))
         if lw.experts is not None:  # the experts; the router stays 16-bit (routing is sensitive)
-            lw.experts = [(q(gu), q(d)) for gu, d in lw.experts]
+            lw.experts = [None if ex is None else (q(ex[0]), q(ex[1])) for ex in lw.experts]
     w.lm_head = Int8Weight.quantize(w.lm_head, dtype, device)
 
 
@@ -270,7 +281,8 @@ def _prepare(w: Qwen3Weights, linear: LinearOp) -> None:
             if getattr(lw, name) is not None:
                 setattr(lw, name, linear.prepare(getattr(lw, name)))
         if lw.experts is not None:
-            lw.experts = [(linear.prepare(gu), linear.prepare(d)) for gu, d in lw.experts]
+            lw.experts = [None if ex is None else (linear.prepare(ex[0]), linear.prepare(ex[1]))
+                          for ex in lw.experts]
     w.lm_head = linear.prepare(w.lm_head)
 
 
@@ -281,7 +293,7 @@ def _to_device(w: Qwen3Weights, device: torch.device) -> Qwen3Weights:
 
     def move(t):
         if isinstance(t, list):  # a sparse layer's experts
-            return [(gu.to(device), d.to(device)) for gu, d in t]
+            return [None if ex is None else (ex[0].to(device), ex[1].to(device)) for ex in t]
         return None if t is None else t.to(device)
 
     return Qwen3Weights(

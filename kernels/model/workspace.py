@@ -11,6 +11,7 @@ import torch
 from kernels.attention import AttentionBackend
 from kernels.layer_ops import NormScratch
 from kernels.model.config import Qwen3Config
+from kernels.model.tensor_parallel import SINGLE, TensorParallel
 
 
 @dataclass
@@ -46,7 +47,7 @@ class LayerBuffers:
 
 class Workspace:
     def __init__(self, c: Qwen3Config, max_rows: int, attention: AttentionBackend, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, tp: TensorParallel = SINGLE):
         kw = {"dtype": dtype, "device": device}
         self.config, self.dtype, self.device = c, dtype, device
         self.max_rows = max_rows
@@ -58,7 +59,12 @@ class Workspace:
         self.last = torch.empty(max_rows, dtype=torch.int32, device=device)  # rows' last tokens
         self.one = torch.ones((), dtype=torch.int32, device=device)  # a Python 1 would be boxed
         self.final = torch.empty(max_rows, c.hidden_size, **kw)  # final-normed rows for the lm_head
-        self.logits16 = None if dtype == torch.float32 else torch.empty(max_rows, c.vocab_size, **kw)
+        # The lm_head's output where it is not the caller's float32 logits: 16-bit logits, or this
+        # tensor-parallel rank's vocab share, gathered from every rank into ``logits_gathered``.
+        vocab = tp.vocab_rows(c.vocab_size)
+        self.logits_local = None if dtype == torch.float32 and tp.size == 1 else \
+            torch.empty(max_rows, vocab, **kw)
+        self.logits_gathered = None if tp.size == 1 else torch.empty(tp.size, max_rows, vocab, **kw)
 
     def residual(self, n: int) -> torch.Tensor:
         return self.hidden[:n] if n <= self.max_rows else \
