@@ -64,7 +64,8 @@ def _server_config(args: argparse.Namespace, token: str | None = None):
                         port=args.port, dtype=args.dtype, quantization=args.quantization,
                         max_model_len=args.max_model_len, runner=rc,
                         threads_per_worker=args.threads_per_worker, transport=args.transport,
-                        auth_token=token, limits=limits)
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        enable_expert_parallel=args.enable_expert_parallel, auth_token=token, limits=limits)
 
 
 def _ray(args: argparse.Namespace) -> EmbeddedHead | None:
@@ -73,7 +74,7 @@ def _ray(args: argparse.Namespace) -> EmbeddedHead | None:
     ports = RayPorts(gcs=args.ray_gcs_port, dashboard_agent=args.ray_dashboard_agent_port,
                      metrics_export=args.ray_metrics_export_port,
                      runtime_env_agent=args.ray_runtime_env_agent_port)
-    return connect(args.ray_address, max(2, args.workers or 1), ports)
+    return connect(args.ray_address, max(2, (args.workers or 1) * args.tensor_parallel_size), ports)
 
 
 def _leave_ray(head: EmbeddedHead | None) -> None:
@@ -265,7 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--no-async-scheduling", action="store_true",
                        help="one launch in flight per worker: schedule the next only after reading "
                        "this one's ids (default: two in flight, the next fed on the device)")
-        p.add_argument("--threads-per-worker", type=int, default=1)
+        p.add_argument("--threads-per-worker", type=int, default=1, help="per device (per rank)")
+        p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="devices per worker, one Ray actor each, placed on one node; --workers "
+                       "groups of them (data parallel on top)")
+        p.add_argument("--enable-expert-parallel", action="store_true",
+                       help="with --tensor-parallel-size: place a MoE model's experts whole across the "
+                       "group instead of splitting every expert")
         p.add_argument("--max-tokens", type=int, default=16)
         p.add_argument("--ray-address", default=None,
                        help="join this Ray cluster ('auto': the one this process runs in); default: "

@@ -103,10 +103,13 @@ class LaunchRuntime:
     """Runs launches against the declared slot table, moving and counting HOST_SHARED bytes.
 
     ``arenas`` are the banks a launch may name (one per launch the coordinator keeps in
-    flight); each has every HOST_SHARED slot.
+    flight); each has every HOST_SHARED slot. ``writes_outputs`` False: the launch reads its
+    inputs but copies nothing back (a tensor-parallel rank other than 0; rank 0 writes them).
     """
 
-    def __init__(self, table: SlotTable, arenas: HostArena | list[HostArena], pool: DeviceScratchPool):
+    def __init__(self, table: SlotTable, arenas: HostArena | list[HostArena], pool: DeviceScratchPool,
+                 writes_outputs: bool = True):
+        self.writes_outputs = writes_outputs
         self.table = table
         self.arenas = arenas if isinstance(arenas, list) else [arenas]
         self.pool = pool
@@ -151,7 +154,7 @@ class LaunchRuntime:
             h2d += slot.nbytes(dims)
         step(views)
         d2h = 0
-        for slot in table.host_outputs():
+        for slot in table.host_outputs() if self.writes_outputs else ():
             shape = slot.concrete(dims)
             arena.view(slot.name, shape).copy_(views[slot.name])
             d2h += slot.nbytes(dims)

@@ -2,7 +2,9 @@
 
 Lifecycle calls (start, stop) are Ray calls; the per-step launch
 descriptors arrive on a ZeroMQ PAIR socket served by a thread of the actor, since a
-Ray call costs milliseconds against a step of tens of milliseconds.
+Ray call costs milliseconds against a step of tens of milliseconds. Under tensor parallelism a
+worker is a group of these actors, one per device (``worker/tensor_group.py``): rank 0 owns the
+step socket and relays each launch to the others, which follow it.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ import torch
 import zmq
 
 from kernels.model.qwen3 import Qwen3Model
+from kernels.model.tensor_parallel import SINGLE, GroupBroken
 from shared_memory import transport
 from shared_memory.arena import HostArena
 from shared_memory.contract import LaunchDescriptor, LaunchReply, RunnerConfig
 from shared_memory.slots import step_table
 from worker.device import torch_device
 from worker.model_runner import ModelRunner, model_dims
+from worker.tensor_group import STOP, GroupRank, TensorGroup, rendezvous_address
 
 log = logging.getLogger(__name__)
 
@@ -42,18 +46,28 @@ class WorkerActor:
         self._stop = threading.Event()
         self._ctx = zmq.Context.instance()
         self.serial = False
+        self.group: TensorGroup | None = None
+
+    def rendezvous(self) -> str:
+        """Rank 0 of a group: the address the group's ranks meet at."""
+        return rendezvous_address()
 
     def start(self, model_dir: str, dtype: str | None, max_model_len: int | None, rc: RunnerConfig,
               arena_names: list[str | None], host: str = "127.0.0.1",
-              quantization: str | None = None) -> dict:
-        """Load the model, attach the arena banks, allocate everything, warm up, open the
-        step socket.
+              quantization: str | None = None, rank: GroupRank | None = None,
+              rendezvous: str | None = None) -> dict:
+        """Load the model (this rank's share of it in a group), attach the arena banks,
+        allocate everything, warm up, open the step socket (rank 0) or follow rank 0.
 
         A ``None`` name selects the serializing transport (a worker on another node): the
         worker keeps private banks and launch messages carry the HOST_SHARED bytes.
         """
         device = torch_device(self.device_kind)
-        model = Qwen3Model.from_pretrained(model_dir, dtype, device, max_model_len, quantization)
+        tp = SINGLE
+        if rank is not None and rank.size > 1:
+            self.group = TensorGroup(rank, rendezvous, device, self._ctx)
+            tp = self.group.tp
+        model = Qwen3Model.from_pretrained(model_dir, dtype, device, max_model_len, quantization, tp=tp)
         table, dims = step_table(), model_dims(model, rc)
         self.arenas = []
         try:
@@ -69,18 +83,22 @@ class WorkerActor:
             self.arenas = [HostArena.create(table, dims, tag="remote") for _ in arena_names]
             if any(arena_names):  # truly off-node (not forced): reachable on the node's address
                 host = ray.util.get_node_ip_address()
-        self.runner = ModelRunner(model, rc, self.arenas)
+        leader = self.group is None or self.group.leader
+        self.runner = ModelRunner(model, rc, self.arenas, writes_outputs=leader)
+        info = {"pid": os.getpid(), "device": str(device), "transport": "serial" if self.serial else "shm",
+                "node_id": ray.get_runtime_context().get_node_id(), "kv_bytes": self.runner.kv.nbytes,
+                "pool_bytes": self.runner.pool.nbytes, "kernels": model.kernel_info()}
+        if not leader:
+            self._thread = threading.Thread(target=self._follow, daemon=True, name=f"follow-{self.worker_id}")
+            self._thread.start()
+            return info
         sock = self._ctx.socket(zmq.PAIR)
         sock.setsockopt(zmq.LINGER, 0)
         port = sock.bind_to_random_port(f"tcp://{host}")
         self._thread = threading.Thread(target=self._serve, args=(sock,), daemon=True,
                                         name=f"steps-{self.worker_id}")
         self._thread.start()
-        return {"endpoint": f"tcp://{host}:{port}", "pid": os.getpid(), "device": str(device),
-                "transport": "serial" if self.serial else "shm",
-                "node_id": ray.get_runtime_context().get_node_id(),
-                "kv_bytes": self.runner.kv.nbytes, "pool_bytes": self.runner.pool.nbytes,
-                "kernels": model.kernel_info()}
+        return {"endpoint": f"tcp://{host}:{port}", **info}
 
     def _serve(self, sock: zmq.Socket) -> None:
         poller = zmq.Poller()
@@ -91,11 +109,31 @@ class WorkerActor:
                 continue
             raw = sock.recv()
             waited = time.perf_counter() - sent if sent is not None else 0.0
+            if self.group is not None:
+                self._relay(raw)
             reply = self._execute(msgpack.unpackb(raw, raw=False, strict_map_key=False))
             reply.wait = waited  # blocked on the coordinator: nothing queued behind the last launch
             sock.send(msgpack.packb(reply.to_wire()))
             sent = time.perf_counter()
         sock.close(0)
+
+    def _follow(self) -> None:
+        """Another rank of a group: run every launch rank 0 relays; rank 0 replies for all."""
+        while not self._stop.is_set():
+            raw = self.group.receive(100)
+            if raw is None:
+                continue
+            if raw == STOP:
+                break
+            reply = self._execute(msgpack.unpackb(raw, raw=False, strict_map_key=False))
+            if not reply.ok:
+                log.error("rank %d: launch failed: %s", self.group.me.rank, reply.error)
+
+    def _relay(self, raw: bytes) -> None:
+        try:
+            self.group.relay(raw)
+        except GroupBroken as exc:
+            _leave_group(exc)
 
     def _execute(self, msg: dict) -> LaunchReply:
         try:
@@ -107,6 +145,8 @@ class WorkerActor:
             if self.serial:
                 reply.outputs = transport.pack_outputs(self.arenas[desc.bank], table, desc.dims)
             return reply
+        except GroupBroken as exc:
+            _leave_group(exc)
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which decides
             log.exception("launch failed")
             return LaunchReply.failed(exc)
@@ -115,7 +155,24 @@ class WorkerActor:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self.group is not None and self.group.leader:
+            try:
+                self.group.relay(STOP)  # after the step thread left: it no longer uses the sockets
+            except GroupBroken:
+                pass  # a peer already gone: the pool kills the group
+        if self.group is not None:
+            self.group.close()
+            self.group = None
         self.runner = None
         for arena in self.arenas:
             arena.close()
         self.arenas = []
+
+
+def _leave_group(exc: GroupBroken) -> None:
+    """A rank of a broken group exits: its group can compute nothing more, and a process that
+    is gone is what the coordinator sees (rank 0's socket closes) and answers by re-running the
+    group's requests on a replacement."""
+    log.error("%s: leaving the process", exc)
+    logging.shutdown()
+    os._exit(70)

@@ -30,7 +30,10 @@ def model_dims(model: Qwen3Model, rc: RunnerConfig) -> dict[str, int]:
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3Model, rc: RunnerConfig, arenas: HostArena | list[HostArena]):
+    def __init__(self, model: Qwen3Model, rc: RunnerConfig, arenas: HostArena | list[HostArena],
+                 writes_outputs: bool = True):
+        """``writes_outputs``: False on a tensor-parallel rank other than 0, which computes the same
+        outputs and leaves them on its device (rank 0 writes them)."""
         rc.check()
         self.model = model
         self.rc = rc
@@ -40,7 +43,7 @@ class ModelRunner:
         self.kv = model.new_kv_cache(rc.num_blocks + 1, rc.block_size)
         self.ws = model.new_workspace(rc.max_batch, rc.block_size)
         self.pool = DeviceScratchPool(self.table, self.max_dims, model.device)
-        self.runtime = LaunchRuntime(self.table, arenas, self.pool)
+        self.runtime = LaunchRuntime(self.table, arenas, self.pool, writes_outputs)
         self.logits = self.pool.full("logits")
         dev = model.device  # the feed's scratch: no allocation per launch
         self._feed_idx = torch.zeros(rc.max_batch, dtype=torch.int32, device=dev)
@@ -52,7 +55,9 @@ class ModelRunner:
         self._masked: torch.Tensor | None = None  # grammar-masked logits, when logprobs need the raw ones
         self.graphs: DecodeGraphs | None = None
         # A Qwen3-MoE layer reads its routing back to the host: no device graph can capture it.
-        has_graphs = model.device.type in ("cuda", "npu") and not model.config.num_experts
+        # Tensor-parallel ranks run eagerly too (collectives in a captured graph: not yet checked).
+        has_graphs = (model.device.type in ("cuda", "npu") and not model.config.num_experts
+                      and model.tp.size == 1)
         if rc.graphs == "padded" or (rc.graphs == "auto" and has_graphs):
             self.graphs = DecodeGraphs(model, self.kv, self.ws, self.logits, rc.max_batch, rc.pad_slot,
                                        capture=rc.graphs == "auto")

@@ -34,8 +34,10 @@ class ServerConfig:
     quantization: str | None = None
     max_model_len: int | None = 1024
     runner: RunnerConfig = field(default_factory=RunnerConfig)
-    cpus_per_worker: int = 1
+    cpus_per_worker: int = 1  # per device: each rank of a tensor-parallel worker reserves these
     threads_per_worker: int = 1
+    tensor_parallel_size: int = 1  # devices per worker, one Ray actor each, on one node
+    enable_expert_parallel: bool = False  # a MoE model's experts placed whole across the group
     step_timeout_s: float = 60.0  # a launch running longer means a hung worker: replaced
     # "auto": shared memory for workers on this node, serializing for others; "serial" forces it.
     transport: str = "auto"
@@ -53,6 +55,11 @@ class ServerConfig:
         if self.quantization not in (None, "none", "int8", "int8-weight-only", "int4"):
             raise ValueError("quantization must be none, int8, int8-weight-only or int4, "
                              f"got {self.quantization!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("enable_expert_parallel places experts across a tensor-parallel group: "
+                             "it needs tensor_parallel_size > 1")
         if self.transport not in ("auto", "serial"):
             raise ValueError(f"transport must be auto or serial, got {self.transport!r}")
         if self.auth_token is not None and len(self.auth_token) < MIN_TOKEN_CHARS:

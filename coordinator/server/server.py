@@ -76,7 +76,8 @@ class Server:
         pcfg = PoolConfig(cfg.device, self.model_dir, cfg.dtype, cfg.quantization, self.max_model_len,
                           cfg.runner,
                           cfg.cpus_per_worker, cfg.threads_per_worker, cfg.transport == "serial",
-                          cfg.step_timeout_s, cfg.max_restarts)
+                          cfg.step_timeout_s, cfg.max_restarts, tensor_parallel_size=cfg.tensor_parallel_size,
+                          expert_parallel=cfg.enable_expert_parallel)
         self.pool = WorkerPool(self.ctx, pcfg, self.config, self._new_core)
         self.router = Router(self.pool, self.requests)
         n = cfg.workers if cfg.workers > 0 else self.pool.device_slots()

@@ -21,6 +21,7 @@ from typing import Any
 
 import ray
 import zmq
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from zmq.utils.monitor import recv_monitor_message
 
 from coordinator.engine.engine_core import EngineCore
@@ -33,6 +34,7 @@ from shared_memory.contract import RunnerConfig
 from shared_memory.slots import step_table
 from worker.actor import WorkerActor
 from worker.device import DeviceInfo, probe
+from worker.tensor_group import GroupRank
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +46,17 @@ STOP_GRACE_S = 10.0
 @dataclass
 class WorkerHandle:
     worker_id: str
-    actor: Any
+    group: WorkerGroup
     core: EngineCore
     executor: SocketExecutor
     monitor: zmq.Socket
     info: dict
     draining: bool = False
+
+    @property
+    def actor(self) -> Any:
+        """The actor that owns the step socket (rank 0 of a tensor-parallel group)."""
+        return self.group.actors[0]
 
     @property
     def scheduler(self) -> Scheduler:
@@ -77,13 +84,34 @@ class WorkerHandle:
 
 
 @dataclass
+class WorkerGroup:
+    """A worker's actors: one, or a tensor-parallel group's ranks in their placement group."""
+
+    actors: list[Any]
+    placement: Any = None  # the group's placement group (tensor parallel), removed with it
+
+    def kill(self) -> None:
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        if self.placement is not None:
+            try:
+                ray.util.remove_placement_group(self.placement)
+            except Exception:  # noqa: BLE001 - already removed
+                pass
+            self.placement = None
+
+
+@dataclass
 class Starting:
-    """A worker whose start call is still running."""
+    """A worker whose start calls (one per rank) are still running."""
 
     worker_id: str
-    actor: Any
+    group: WorkerGroup
     arenas: list[HostArena]
-    ref: Any
+    refs: list[Any]
 
     def close(self) -> None:
         for arena in self.arenas:
@@ -112,6 +140,8 @@ class PoolConfig:
     step_timeout_s: float
     max_restarts: int  # replacements allowed per restart_window_s
     restart_window_s: float = 60.0
+    tensor_parallel_size: int = 1  # devices (Ray actors) per worker
+    expert_parallel: bool = False  # a MoE model's experts placed whole across the group
 
 
 class WorkerPool:
@@ -126,7 +156,7 @@ class WorkerPool:
         self.new_core = new_core
         self.workers: list[WorkerHandle] = []
         self.starting: list[Starting] = []
-        self.stopping: list[tuple[Any, Any, float]] = []
+        self.stopping: list[tuple[WorkerGroup, list[Any], float]] = []
         self.failures: list[Failure] = []
         self._restarts: deque[float] = deque()
         self._next_id = 0
@@ -139,24 +169,38 @@ class WorkerPool:
         """Workers for ``--workers auto``: every NPU/GPU the cluster reports, else one per node."""
         res = ray.cluster_resources()
         key = {"npu": "NPU", "cuda": "GPU"}.get(self.device.kind)
+        size = self.cfg.tensor_parallel_size
         if key is not None:
-            return max(1, int(res.get(key, 0)))
-        return max(1, sum(1 for node in ray.nodes() if node.get("Alive")))
+            return max(1, int(res.get(key, 0)) // size)
+        return max(1, sum(1 for node in ray.nodes() if node.get("Alive")) // size)
 
     def spawn(self) -> None:
-        """Create a worker actor and its arena banks; the start call runs in the background."""
+        """Create a worker's actors (a group's ranks, placed on one node) and its arena banks;
+        the start calls run in the background."""
         wid = f"w{self._next_id}"
         self._next_id += 1
         arenas = [HostArena.create(self.table, self.max_dims, tag=wid) for _ in range(self.banks)]
-        options = self.device.ray_resources(self.cfg.cpus_per_worker)
-        actor = ray.remote(WorkerActor).options(max_concurrency=2, **options).remote(
-            wid, self.device.kind, self.cfg.threads_per_worker)
+        size, options = self.cfg.tensor_parallel_size, self.device.ray_resources(self.cfg.cpus_per_worker)
+        group = WorkerGroup([])
+        placements = [{}]
+        if size > 1:  # every rank on one node: they share the arena banks and loopback sockets
+            group.placement = ray.util.placement_group([_bundle(options)] * size, strategy="STRICT_PACK")
+            placements = [{"scheduling_strategy": PlacementGroupSchedulingStrategy(
+                group.placement, placement_group_bundle_index=r)} for r in range(size)]
+        for placement in placements:
+            group.actors.append(ray.remote(WorkerActor).options(max_concurrency=2, **options, **placement)
+                                .remote(wid, self.device.kind, self.cfg.threads_per_worker))
         # A worker on another node cannot attach the arena and falls back to the serializing
         # transport by itself; the serial option forces that path here too.
         names = [None if self.cfg.serial else a.name for a in arenas]
-        ref = actor.start.remote(self.cfg.model_dir, self.cfg.dtype, self.cfg.max_model_len,
-                                 self.cfg.runner, names, quantization=self.cfg.quantization)
-        self.starting.append(Starting(wid, actor, arenas, ref))
+        # Rank 0 names the address the ranks meet at; Ray hands its result to every start call.
+        meet = group.actors[0].rendezvous.remote() if size > 1 else None
+        cfg = self.cfg
+        refs = [actor.start.remote(cfg.model_dir, cfg.dtype, cfg.max_model_len, cfg.runner, names,
+                                   quantization=cfg.quantization, rendezvous=meet,
+                                   rank=GroupRank(r, size, cfg.expert_parallel, cfg.step_timeout_s))
+                for r, actor in enumerate(group.actors)]
+        self.starting.append(Starting(wid, group, arenas, refs))
 
     def start(self, n: int) -> None:
         """Start ``n`` workers and wait for all of them (the server's first start)."""
@@ -164,9 +208,10 @@ class WorkerPool:
             self.spawn()
         for starting in list(self.starting):
             self.starting.remove(starting)
-            self._attach(starting, ray.get(starting.ref))
+            self._attach(starting, ray.get(starting.refs))
 
-    def _attach(self, starting: Starting, info: dict) -> WorkerHandle:
+    def _attach(self, starting: Starting, infos: list[dict]) -> WorkerHandle:
+        info = {**infos[0], "ranks": [{"pid": i["pid"], "device": i["device"]} for i in infos]}
         sock = self.ctx.socket(zmq.PAIR)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
@@ -175,7 +220,7 @@ class WorkerPool:
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(info["endpoint"])
         executor = SocketExecutor(sock, starting.arenas, serial=info["transport"] == "serial")
-        w = WorkerHandle(starting.worker_id, starting.actor, self.new_core(starting.arenas, executor),
+        w = WorkerHandle(starting.worker_id, starting.group, self.new_core(starting.arenas, executor),
                          executor, monitor, info)
         self.workers.append(w)
         log.info("worker %s up: %s", w.worker_id, info)
@@ -184,15 +229,16 @@ class WorkerPool:
     def poll_starting(self) -> None:
         """Attach the workers whose start finished; a failed start is replaced if allowed."""
         for starting in list(self.starting):
-            ready, _ = ray.wait([starting.ref], timeout=0)
-            if not ready:
+            _, pending = ray.wait(starting.refs, num_returns=len(starting.refs), timeout=0)
+            failed = [ref for ref in starting.refs if ref not in pending and _failed(ref)]
+            if pending and not failed:
                 continue
             self.starting.remove(starting)
             try:
-                self._attach(starting, ray.get(starting.ref))
+                self._attach(starting, ray.get(starting.refs))
             except Exception as exc:  # noqa: BLE001 - a failed start must not take the server down
                 log.error("worker %s failed to start: %s", starting.worker_id, exc)
-                self._kill(starting.actor)
+                starting.group.kill()
                 starting.close()
                 self.failures.append(Failure(starting.worker_id, f"start failed: {exc}", time.time(), 0))
                 self._replace(starting.worker_id)
@@ -214,7 +260,7 @@ class WorkerPool:
         log.error("worker %s lost: %s; re-running %d requests", w.worker_id, reason, len(seqs))
         self.workers.remove(w)
         self.failures.append(Failure(w.worker_id, reason, time.time(), len(seqs)))
-        self._kill(w.actor)
+        w.group.kill()
         self._close(w)
         if not w.draining:
             self._replace(w.worker_id)
@@ -234,39 +280,41 @@ class WorkerPool:
     def retire(self, w: WorkerHandle) -> None:
         """Stop a drained worker without waiting on it: ask, then kill once it answered."""
         self.workers.remove(w)
-        self.stopping.append((w.actor, w.actor.stop.remote(), time.monotonic() + STOP_GRACE_S))
+        refs = [actor.stop.remote() for actor in w.group.actors]
+        self.stopping.append((w.group, refs, time.monotonic() + STOP_GRACE_S))
         self._close(w)
 
     def poll_stopping(self) -> None:
         for entry in list(self.stopping):
-            actor, ref, deadline = entry
-            ready, _ = ray.wait([ref], timeout=0)
-            if ready or time.monotonic() > deadline:
+            group, refs, deadline = entry
+            _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
+            if not pending or time.monotonic() > deadline:
                 self.stopping.remove(entry)
-                self._kill(actor)
+                group.kill()
 
     def shutdown(self) -> None:
         """Stop every worker (in parallel, bounded wait), close sockets, unlink arenas."""
         refs = []
         for w in self.workers:
-            try:
-                refs.append(w.actor.stop.remote())
-            except Exception:  # noqa: BLE001 - the worker may already be gone
-                pass
+            for actor in w.group.actors:
+                try:
+                    refs.append(actor.stop.remote())
+                except Exception:  # noqa: BLE001 - the worker may already be gone
+                    pass
         try:
             ray.wait(refs, num_returns=len(refs), timeout=STOP_GRACE_S)
         except Exception:  # noqa: BLE001
             log.warning("workers did not all stop cleanly")
         for w in self.workers:
-            self._kill(w.actor)
+            w.group.kill()
             self._close(w)
         self.workers.clear()
         for starting in self.starting:
-            self._kill(starting.actor)
+            starting.group.kill()
             starting.close()
         self.starting.clear()
-        for actor, _, _ in self.stopping:
-            self._kill(actor)
+        for group, _, _ in self.stopping:
+            group.kill()
         self.stopping.clear()
 
     def sockets(self) -> list[zmq.Socket]:
@@ -287,16 +335,26 @@ class WorkerPool:
                 log.info("worker %s drained and stopped", w.worker_id)
 
     @staticmethod
-    def _kill(actor: Any) -> None:
-        try:
-            ray.kill(actor, no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
-
-    @staticmethod
     def _close(w: WorkerHandle) -> None:
         w.sock.disable_monitor()
         w.monitor.close(0)
         w.sock.close(0)
         for arena in w.arenas:
             arena.close()
+
+
+def _bundle(options: dict) -> dict:
+    """A placement-group bundle holding what ``options`` (an actor's resources) ask for."""
+    bundle = {"CPU": options.get("num_cpus", 1), **options.get("resources", {})}
+    if options.get("num_gpus"):
+        bundle["GPU"] = options["num_gpus"]
+    return bundle
+
+
+def _failed(ref: Any) -> bool:
+    """Whether a finished start call raised (one failed rank fails its group's start at once)."""
+    try:
+        ray.get(ref, timeout=0)
+        return False
+    except Exception:  # noqa: BLE001 - any error of the call
+        return True

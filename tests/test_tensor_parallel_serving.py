@@ -1,0 +1,141 @@
+"""Tensor-parallel workers served through Ray: two actors with gloo behind one step socket.
+
+Served greedy output equals one device's and transformers'; other requests ride along; only rank 0
+copies ids back; a rank killed mid-stream gets its group replaced with every stream exact; a MoE
+model is served with its experts placed whole across the group."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from coordinator.client import Client
+from coordinator.engine.llm_engine import LLMEngine
+from coordinator.sampling_params import SamplingParams
+from coordinator.server.config import ServerConfig
+from coordinator.server.server import Server
+from shared_memory.arena import pid_alive
+from shared_memory.contract import RunnerConfig
+from tests.support import wait_for
+
+RC = RunnerConfig(max_batch=8, block_size=4, num_blocks=160, top_k=8)
+PROMPTS = [[5, 17, 42, 99, 3], [250, 1, 8], [77] * 11, list(range(30, 60)), [9, 9, 1], [100, 200, 300]]
+PARAMS = [{"max_tokens": 24, "ignore_eos": True} if i % 2 == 0 else
+          {"max_tokens": 24, "temperature": 0.9, "top_k": 6, "seed": 11 + i, "ignore_eos": True}
+          for i in range(len(PROMPTS))]
+
+
+def _offline(path) -> list[list[int]]:
+    with LLMEngine(path, dtype="float32", runner=RC) as eng:
+        return [eng.generate([p], SamplingParams(**kw))[0].token_ids for p, kw in zip(PROMPTS, PARAMS)]
+
+
+def _serve(path, **kw) -> Server:
+    coord = Server(ServerConfig(model=str(path), workers=1, device="cpu", port=0, runner=RC, dtype="float32",
+                                max_model_len=256, tensor_parallel_size=2, **kw))
+    coord.start()
+    coord.serve_in_thread()
+    return coord
+
+
+def _streams(coord: Server, progressed: threading.Semaphore | None = None):
+    """Every prompt streamed at once; returns (frames per request, errors)."""
+    frames: dict[int, list[dict]] = {i: [] for i in range(len(PROMPTS))}
+    errors: dict[int, BaseException] = {}
+
+    def one(i: int) -> None:
+        try:
+            with Client(coord.address, timeout_s=300) as c:
+                for f in c.stream(PROMPTS[i], **PARAMS[i]):
+                    frames[i].append(f)
+                    if progressed is not None and f.get("index") == 3:
+                        progressed.release()
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertions
+            errors[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    return frames, errors, threads
+
+
+def _check_exact(frames, errors, want) -> None:
+    assert not errors, errors
+    for i, w in enumerate(want):
+        tokens = [f for f in frames[i] if f["type"] == "token"]
+        dones = [f for f in frames[i] if f["type"] == "done"]
+        assert len(dones) == 1 and frames[i][-1] is dones[0], f"request {i} finished exactly once"
+        assert [f["index"] for f in tokens] == list(range(len(tokens))), f"request {i}: no repeats"
+        assert [f["token"] for f in tokens] == dones[0]["token_ids"] == w, f"request {i}"
+
+
+def test_tp2_serves_what_one_device_and_transformers_generate(ray_session, hf_checkpoints):
+    path = hf_checkpoints["gqa2_untied"]
+    want = _offline(path)
+    from transformers import Qwen3ForCausalLM
+
+    hf = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for i in range(0, len(PROMPTS), 2):  # the greedy ones
+            ref = hf.generate(torch.tensor([PROMPTS[i]]), max_new_tokens=24, min_new_tokens=24,
+                              do_sample=False, pad_token_id=0)[0, len(PROMPTS[i]):].tolist()
+            assert ref == want[i]
+    coord = _serve(path)
+    try:
+        (w,) = coord.workers
+        assert len(w.info["ranks"]) == 2 and len({r["pid"] for r in w.info["ranks"]}) == 2
+        frames, errors, threads = _streams(coord)
+        for t in threads:
+            t.join(timeout=300)
+        _check_exact(frames, errors, want)
+        stats = Client(coord.address).stats()
+        last = stats["workers"][0]["last_decode"]
+        assert last["d2h"] == 4 * last["batch"], "ids only: rank 0's, B x 4 bytes"
+    finally:
+        coord.shutdown()
+
+
+@pytest.mark.parametrize("rank", [1, 0], ids=["peer-killed", "leader-killed"])
+def test_a_rank_killed_mid_stream_replaces_its_group(ray_session, hf_checkpoints, rank):
+    path = hf_checkpoints["gqa2_untied"]
+    want = _offline(path)
+    coord = _serve(path, step_timeout_s=60)
+    try:
+        progressed = threading.Semaphore(0)
+        frames, errors, threads = _streams(coord, progressed)
+        for _ in PROMPTS:
+            assert progressed.acquire(timeout=120), "every stream has 4 tokens before the fault"
+        victim = coord.workers[0]
+        pids = [r["pid"] for r in victim.info["ranks"]]
+        t_kill = time.time()
+        os.kill(pids[rank], signal.SIGKILL)
+        wait_for(lambda: coord.pool.failures, 60, "the coordinator to notice")
+        failure = coord.pool.failures[0]
+        print(f"rank {rank} killed: group loss noticed after {failure.at - t_kill:.3f} s: {failure.reason}")
+        assert failure.worker_id == victim.worker_id and failure.requests > 0, failure
+        for t in threads:
+            t.join(timeout=300)
+        _check_exact(frames, errors, want)
+        wait_for(lambda: len(coord.pool.active) == 1, 120, "the replacement group")
+        assert coord.workers[0].worker_id != victim.worker_id
+        wait_for(lambda: not any(pid_alive(p) for p in pids), 30, "every rank of the lost group to be gone")
+    finally:
+        coord.shutdown()
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["experts-split", "expert-parallel"])
+def test_a_moe_model_is_served_by_a_group(ray_session, moe_dir, ep):
+    want = _offline(moe_dir)
+    coord = _serve(moe_dir, enable_expert_parallel=ep)
+    try:
+        frames, errors, threads = _streams(coord)
+        for t in threads:
+            t.join(timeout=300)
+        _check_exact(frames, errors, want)
+    finally:
+        coord.shutdown()

@@ -1,0 +1,106 @@
+"""The ranks of one tensor-parallel worker: their process group, and the relay of launches.
+
+To the coordinator a group is one worker: one step socket (rank 0's), one set of arena banks.
+Rank 0 forwards every launch message, as received, to the other ranks over a ZeroMQ PAIR socket
+each (bound on loopback: a placement group keeps a group on one node), then runs it; every rank
+reads the HOST_SHARED inputs from the same arena banks (or, serialized, from the message) and
+runs the same launch, meeting the others in the model's collectives. Only rank 0 writes outputs
+and replies. Messages rather than a collective relay the launches, so an idle group waits in a
+socket poll, never in a collective that would time out.
+
+Collectives: gloo on the CPU, NCCL on CUDA, HCCL on Ascend; a gloo group beside an accelerator
+one carries the start-up exchange. A collective that fails (a peer gone) raises ``GroupBroken``;
+the rank that sees it exits its process, so the coordinator sees the group's socket close and
+re-runs its requests on a replacement group.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import zmq
+
+from kernels.model.tensor_parallel import GroupBroken, TensorParallel
+
+log = logging.getLogger(__name__)
+
+STOP = b"stop"  # rank 0 -> peers: leave the loop (no launch message is this short)
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+@dataclass(frozen=True)
+class GroupRank:
+    """Where one actor stands in its worker's group (sent with its start call)."""
+
+    rank: int
+    size: int
+    expert_parallel: bool = False
+    timeout_s: float = 300.0  # a collective blocked this long fails: a peer hung
+
+
+def rendezvous_address() -> str:
+    """``host:port`` for the group's store, on rank 0's node (called on rank 0 before start)."""
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return f"{ray.util.get_node_ip_address()}:{port}"
+
+
+class TensorGroup:
+    def __init__(self, me: GroupRank, address: str, device: torch.device, ctx: zmq.Context):
+        import torch.distributed as dist
+
+        self.me = me
+        backend = BACKENDS[device.type]
+        kw = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, init_method=f"tcp://{address}", rank=me.rank, world_size=me.size,
+                                timeout=timedelta(seconds=me.timeout_s), **kw)
+        control = None if backend == "gloo" else dist.new_group(backend="gloo")
+        self.tp = TensorParallel(me.rank, me.size, me.expert_parallel)
+        self.peers: list[zmq.Socket] = []
+        self.sock: zmq.Socket | None = None
+        if me.rank == 0:
+            for _ in range(me.size - 1):
+                s = ctx.socket(zmq.PAIR)
+                s.setsockopt(zmq.LINGER, 0)
+                s.bind_to_random_port("tcp://127.0.0.1")
+                self.peers.append(s)
+        endpoints = [[s.getsockopt_string(zmq.LAST_ENDPOINT) for s in self.peers]]
+        dist.broadcast_object_list(endpoints, src=0, group=control)
+        if me.rank > 0:
+            self.sock = ctx.socket(zmq.PAIR)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.connect(endpoints[0][me.rank - 1])
+        dist.barrier(group=control)
+
+    @property
+    def leader(self) -> bool:
+        return self.me.rank == 0
+
+    def relay(self, raw: bytes) -> None:
+        """Rank 0: forward a launch (or ``STOP``) to every other rank."""
+        for s in self.peers:
+            try:
+                s.send(raw, zmq.NOBLOCK)  # a peer that left leaves PAIR nothing to queue into
+            except zmq.Again:
+                raise GroupBroken("a tensor-parallel peer is not reading its launches") from None
+
+    def receive(self, timeout_ms: int) -> bytes | None:
+        """Another rank: the next message from rank 0, or None after ``timeout_ms``."""
+        if self.sock.poll(timeout_ms):
+            return self.sock.recv()
+        return None
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        for s in [*self.peers, *([self.sock] if self.sock is not None else [])]:
+            s.close(0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
