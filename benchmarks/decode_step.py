@@ -23,6 +23,7 @@ from coordinator.engine.sequence import Sequence
 from coordinator.sampling_params import SamplingParams
 from kernels.linear import Int8Weight, PackedWeight
 from kernels.model.qwen3 import Qwen3Model
+from kernels.model.tensor_parallel import SINGLE, TensorParallel
 from shared_memory.arena import HostArena
 from shared_memory.contract import RunnerConfig
 from shared_memory.slots import step_table
@@ -60,10 +61,13 @@ def greedy_batch(tables: np.ndarray, pos: int, block_size: int) -> ScheduledBatc
 
 
 def run(batches: list[int], context: int, steps: int, dtype: str, quantization: str | None = None,
-        model_dir: str | None = None, device: str = "cpu", graphs: str = "off") -> dict:
-    """``graphs``: the runner's setting ("auto" captures CUDA graphs per batch bucket)."""
+        model_dir: str | None = None, device: str = "cpu", graphs: str = "off",
+        tp: TensorParallel = SINGLE) -> dict:
+    """``graphs``: the runner's setting ("auto" captures CUDA graphs per batch bucket). ``tp``: run
+    one rank of a tensor-parallel group (every rank calls this at once; only rank 0 copies ids
+    back, and no rank probes the bandwidth)."""
     model = Qwen3Model.from_pretrained(model_dir or checkpoint(), dtype, device,
-                                       max_model_len=context + steps + 16, quantization=quantization)
+                                       max_model_len=context + steps + 16, quantization=quantization, tp=tp)
     c = model.config
     bs = 16
     max_b = max(batches)
@@ -71,7 +75,7 @@ def run(batches: list[int], context: int, steps: int, dtype: str, quantization: 
     rc = RunnerConfig(max_batch=max_b, block_size=bs, num_blocks=max_b * per_seq, top_k=64,
                       graphs=graphs)
     arena = HostArena.create(step_table(), model_dims(model, rc), tag="bench")
-    runner = ModelRunner(model, rc, arena)
+    runner = ModelRunner(model, rc, arena, writes_outputs=tp.rank == 0)
     wbytes = weight_bytes(model)
     kv_per_token = c.num_hidden_layers * 2 * c.kv_size * model.dtype.itemsize
     rows = []
@@ -93,6 +97,9 @@ def run(batches: list[int], context: int, steps: int, dtype: str, quantization: 
     arena.close()
     kernels = model.kernel_info()
     del runner, model  # the bandwidth probe's buffers need the memory back (a GPU's too)
+    if tp.size > 1:
+        return {"machine": machine(), "dtype": dtype, "context": context, "weights_bytes": wbytes,
+                "kernels": kernels, "rows": rows}
     bw_read, bw_copy = read_bandwidth(device=device), copy_bandwidth(device=device)
     for r in rows:
         r["achieved_gbps"] = r["bytes_read"] / (r["step_ms"] / 1e3) / 1e9

@@ -4,6 +4,8 @@ padded, tied embeddings, a MoE split by experts' width and placed whole."""
 
 from __future__ import annotations
 
+import io
+import os
 import socket
 
 import pytest
@@ -50,8 +52,9 @@ def _rank(rank: int, size: int, port: int, path: str, dtype: str, ep: bool, quan
     try:
         tp = TensorParallel(rank, size, expert_parallel=ep)
         model = Qwen3Model.from_pretrained(path, dtype=dtype, quantization=quant, tp=tp)
-        logits = _logits(model, model.config.vocab_size)
-        result.put((rank, logits))
+        buf = io.BytesIO()  # bytes, not a shared tensor: this process exits next
+        torch.save(_logits(model, model.config.vocab_size), buf)
+        result.put((rank, buf.getvalue()))
     finally:
         dist.destroy_process_group()
 
@@ -69,7 +72,7 @@ def run_ranks(path, size: int, dtype: str = "float32", ep: bool = False, quant=N
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
-    return [got[r] for r in range(size)]
+    return [torch.load(io.BytesIO(got[r])) for r in range(size)]
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +142,71 @@ def test_int8_ranks_stay_as_close_to_fp32_as_one_rank(hf_checkpoints):
     two = run_ranks(path, 2, dtype="bfloat16", quant="int8")[0][0]
     err_one, err_two = (one - ref).abs().max().item(), (two - ref).abs().max().item()
     assert err_two <= 2 * err_one, (err_one, err_two)
+
+
+def _shm_rank(rank: int, size: int, path: str, leaves: bool, result) -> None:
+    """Rank ``rank`` of a ShmComm group with 256-byte slots, so tensors go in pieces. ``leaves``:
+    the last rank maps the file and exits before the first collective; the others' ``alive()``
+    turns False once it has."""
+    from kernels import native
+    from kernels.shm_comm import ShmComm
+
+    torch.set_num_threads(1)
+    marker = f"{path}.rank{size - 1}"
+    alive = (lambda: os.path.exists(marker)) if leaves else (lambda: True)
+    comm = ShmComm(path, rank, size, native.kernels(), alive, slot_bytes=256)
+    if leaves and rank == size - 1:
+        os.unlink(marker)
+        return
+    gen = torch.Generator().manual_seed(rank)
+    out: dict = {}
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            t = torch.randn(7, 50, generator=gen).to(dtype)  # 1400 / 700 bytes: several pieces each
+            mine = t.clone()
+            comm.all_reduce(t)
+            parts = [torch.empty(3, 41, dtype=dtype) for _ in range(size)]
+            comm.all_gather(parts, mine[:3, :41].contiguous())
+            out[dtype] = (mine, t, parts)
+    except RuntimeError as exc:
+        out["error"] = type(exc).__name__
+    buf = io.BytesIO()  # bytes, not shared tensors: this process exits at once
+    torch.save(out, buf)
+    result.put((rank, buf.getvalue()))
+
+
+def _shm_group(tmp_path, size: int, leaves: bool) -> dict[int, dict]:
+    from kernels import native
+    from kernels.shm_comm import ShmComm
+
+    if native.require() is None:
+        pytest.skip("the shared-memory collectives run on the native build")
+    path = str(tmp_path / "tp-shm")
+    ShmComm(path, 0, size, native.kernels(), lambda: True, slot_bytes=256, create=True)
+    open(f"{path}.rank{size - 1}", "w").close()
+    ctx = mp.get_context("spawn")
+    result = ctx.Queue()
+    procs = [ctx.Process(target=_shm_rank, args=(r, size, path, leaves, result)) for r in range(size)]
+    for p in procs:
+        p.start()
+    got = dict(result.get(timeout=120) for _ in range(size - leaves))
+    for p in procs:
+        p.join(timeout=30)
+    return {r: torch.load(io.BytesIO(raw)) for r, raw in got.items()}
+
+
+def test_shm_collectives_sum_in_rank_order_and_gather(tmp_path):
+    got = _shm_group(tmp_path, 3, leaves=False)
+    for dtype in (torch.float32, torch.bfloat16):
+        mines = [got[r][dtype][0] for r in range(3)]
+        want = torch.add(mines[0], mines[1]).add_(mines[2])  # rank order, in the dtype
+        for r in range(3):
+            _, summed, parts = got[r][dtype]
+            assert torch.equal(summed, want), (r, dtype)  # every rank holds the same bits
+            for j in range(3):
+                assert torch.equal(parts[j], mines[j][:3, :41]), (r, j, dtype)
+
+
+def test_shm_collective_with_a_peer_gone_raises(tmp_path):
+    got = _shm_group(tmp_path, 2, leaves=True)
+    assert got[0] == {"error": "PeerGone"}

@@ -8,23 +8,30 @@ runs the same launch, meeting the others in the model's collectives. Only rank 0
 and replies. Messages rather than a collective relay the launches, so an idle group waits in a
 socket poll, never in a collective that would time out.
 
-Collectives: gloo on the CPU, NCCL on CUDA, HCCL on Ascend; a gloo group beside an accelerator
-one carries the start-up exchange. A collective that fails (a peer gone) raises ``GroupBroken``;
-the rank that sees it exits its process, so the coordinator sees the group's socket close and
-re-runs its requests on a replacement group.
+Collectives: NCCL on CUDA, HCCL on Ascend; on the CPU, a shared-memory file the ranks meet in
+(``kernels/shm_comm.py``: microseconds where a gloo round trip costs a millisecond), or gloo
+without the native build. A gloo group carries the start-up exchange. A collective that fails
+(a peer gone) raises ``GroupBroken``; the rank that sees it exits its process, so the coordinator
+sees the group's socket close and re-runs its requests on a replacement group.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import zmq
 
+from kernels import native
 from kernels.model.tensor_parallel import GroupBroken, TensorParallel
+from kernels.shm_comm import ShmComm
+from shared_memory.arena import PREFIX, SHM_DIR
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +69,6 @@ class TensorGroup:
         dist.init_process_group(backend, init_method=f"tcp://{address}", rank=me.rank, world_size=me.size,
                                 timeout=timedelta(seconds=me.timeout_s), **kw)
         control = None if backend == "gloo" else dist.new_group(backend="gloo")
-        self.tp = TensorParallel(me.rank, me.size, me.expert_parallel)
         self.peers: list[zmq.Socket] = []
         self.sock: zmq.Socket | None = None
         if me.rank == 0:
@@ -71,13 +77,32 @@ class TensorGroup:
                 s.setsockopt(zmq.LINGER, 0)
                 s.bind_to_random_port("tcp://127.0.0.1")
                 self.peers.append(s)
-        endpoints = [[s.getsockopt_string(zmq.LAST_ENDPOINT) for s in self.peers]]
-        dist.broadcast_object_list(endpoints, src=0, group=control)
+        shm = native.kernels() if backend == "gloo" else None
+        # Named like an arena segment: swept by the next start if rank 0 dies before unlinking it.
+        path = f"{SHM_DIR}/{PREFIX}_{os.getpid()}_tp{uuid.uuid4().hex[:12]}" if shm and me.rank == 0 else None
+        shared = [[s.getsockopt_string(zmq.LAST_ENDPOINT) for s in self.peers], path]
+        dist.broadcast_object_list(shared, src=0, group=control)
+        endpoints, path = shared
+        pids: list[int] = [0] * me.size
+        dist.all_gather_object(pids, os.getpid(), group=control)
+        self.pids = [p for r, p in enumerate(pids) if r != me.rank]
         if me.rank > 0:
             self.sock = ctx.socket(zmq.PAIR)
             self.sock.setsockopt(zmq.LINGER, 0)
-            self.sock.connect(endpoints[0][me.rank - 1])
+            self.sock.connect(endpoints[me.rank - 1])
+        comm = None
+        if path is not None and me.rank == 0:
+            comm = ShmComm(path, me.rank, me.size, shm, self.peers_alive, create=True)
+        dist.barrier(group=control)  # the file exists before the others map it
+        if path is not None and me.rank > 0:
+            comm = ShmComm(path, me.rank, me.size, shm, self.peers_alive)
         dist.barrier(group=control)
+        if path is not None and me.rank == 0:
+            ShmComm.unlink(path)  # every rank has it mapped: nothing to leave behind, even after a kill
+        self.tp = TensorParallel(me.rank, me.size, me.expert_parallel, comm)
+
+    def peers_alive(self) -> bool:
+        return all(_alive(pid) for pid in self.pids)
 
     @property
     def leader(self) -> bool:
@@ -104,3 +129,12 @@ class TensorGroup:
             s.close(0)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process runs (a killed one may linger as a zombie until its parent reaps it)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")

@@ -223,5 +223,6 @@ void qk_norm_rope(at::Tensor qkv, const at::Tensor& qw, const at::Tensor& kw, co
                   const c10::optional<at::Tensor>& slot_mapping);
 void silu_mul(const at::Tensor& gate_up, at::Tensor out);
 void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask);
+bool group_arrive_wait(at::Tensor flags, int64_t rank, int64_t seq, int64_t wait_us);
 
 }  // namespace fusedserve

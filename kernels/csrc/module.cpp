@@ -52,6 +52,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v_cache") = py::none(), py::arg("slot_mapping") = py::none());
   m.def("silu_mul", &silu_mul, "out = silu(gate) * up for gate_up = [gate, up]", py::arg("gate_up"),
         py::arg("out"));
+  m.def("group_arrive_wait", &group_arrive_wait,
+        "publish this rank's seq, wait (GIL released) until every rank's flag reaches it; false after wait_us",
+        py::arg("flags"), py::arg("rank"), py::arg("seq"), py::arg("wait_us"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("apply_token_bitmask", &apply_token_bitmask, "logits[b, v] = -inf where bit v of bitmask[b] is 0",
         py::arg("logits"), py::arg("bitmask"));
 }

@@ -41,7 +41,9 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     expert_parallel: bool = False
-    group: Any = None  # the torch.distributed process group (None: the default one)
+    # How the ranks exchange tensors: an object with ``all_reduce(t)`` and ``all_gather(out, t)``
+    # (``kernels/shm_comm.py``: CPU ranks on one host), or None: torch.distributed's default group.
+    comm: Any = None
 
     # ----------------------------------------------------------------- the split
 
@@ -116,7 +118,7 @@ class TensorParallel:
     def all_reduce(self, t: torch.Tensor) -> None:
         """Sum ``t`` over the group, in place (a row-parallel projection's partial outputs)."""
         if self.size > 1:
-            self._collective(lambda dist: dist.all_reduce(t, group=self.group))
+            self._collective(lambda comm: comm.all_reduce(t))
 
     def embed(self, table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
         """``out = embedding[ids]`` from a vocab-parallel ``table`` (this rank's rows)."""
@@ -138,15 +140,15 @@ class TensorParallel:
             return
         n, per = local.shape
         parts = list(gathered[:, :n].unbind(0))
-        self._collective(lambda dist: dist.all_gather(parts, local.contiguous(), group=self.group))
+        self._collective(lambda comm: comm.all_gather(parts, local.contiguous()))
         out.copy_(gathered[:, :n].permute(1, 0, 2).reshape(n, self.size * per)[:, : out.shape[1]])
 
     def _collective(self, op) -> None:
         import torch.distributed as dist
 
         try:
-            op(dist)
-        except (RuntimeError, ValueError) as exc:  # gloo/NCCL: a peer closed its connection, or timed out
+            op(self.comm or dist)
+        except (RuntimeError, ValueError) as exc:  # a peer gone: closed its connection, timed out
             raise GroupBroken(f"tensor-parallel rank {self.rank}: collective failed: {exc}") from exc
 
 
