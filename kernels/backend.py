@@ -32,6 +32,9 @@ class Kernels:
     ops: NativeLayerOps | TorchLayerOps  # or TritonLayerOps (kernels/triton/)
     native: ModuleType | None  # the native CPU build, where it runs
     triton: bool = False  # the Triton layer ops and paged decode attention (kernels/triton/)
+    # A MoE layer's experts as two grouped GEMMs (torch._grouped_mm) over tokens sorted by expert on
+    # the device, where this device and dtype run it (CUDA, bf16); else one GEMM per expert.
+    grouped_moe: bool = False
 
     @property
     def attention_name(self) -> str:
@@ -66,8 +69,25 @@ def select_kernels(config: Qwen3Config, dtype: torch.dtype, device: torch.device
 
         ops = TritonLayerOps(c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads)
         return Kernels(config, dtype, device, LinearOp(device, native, dtype, int8_activations), ops, native,
-                       triton=True)
+                       triton=True, grouped_moe=_grouped_mm_runs(c, device, dtype))
     else:
         ops = TorchLayerOps(c.rms_norm_eps, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
                             c.head_dim, device)
-    return Kernels(config, dtype, device, LinearOp(device, native, dtype, int8_activations), ops, native)
+    return Kernels(config, dtype, device, LinearOp(device, native, dtype, int8_activations), ops, native,
+                   grouped_moe=_grouped_mm_runs(c, device, dtype))
+
+
+def _grouped_mm_runs(c: Qwen3Config, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a MoE model here takes the grouped-GEMM path: on CUDA, where a probe of
+    ``torch._grouped_mm`` in this dtype runs (bf16 on sm90 and later). The CPU keeps its native
+    per-expert GEMMs, which read only the experts a token routes to."""
+    if not c.num_experts or device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        x = torch.ones(16, 64, dtype=dtype, device=device)
+        w = torch.ones(2, 32, 64, dtype=dtype, device=device)
+        offs = torch.tensor([8, 16], dtype=torch.int32, device=device)
+        torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False

@@ -100,3 +100,33 @@ def test_a_moe_model_is_served(ray_session, moe_dir, tmp_path):
     finally:
         srv.stop()
     assert got == [o.token_ids for o in want]
+
+
+def test_grouped_gemm_path_matches_transformers(moe_dir, monkeypatch):
+    """The CUDA path (every expert in two ``torch._grouped_mm`` calls, routing sorted on the device)
+    forced on here, where ``torch._grouped_mm`` also runs on the CPU."""
+    from kernels import backend
+
+    monkeypatch.setattr(backend, "_grouped_mm_runs", lambda *a: True)
+    model = Qwen3Model.from_pretrained(moe_dir, dtype="float32")
+    assert model.kernels.grouped_moe and model.w.layers[0].expert_stack is not None
+    hf = _hf(moe_dir)
+    ids = torch.randint(0, 320, (19,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    kv = model.new_kv_cache(num_blocks=12, block_size=BLOCK)
+    ws = model.new_workspace(max_rows=4, block_size=BLOCK)
+    logits = torch.empty(1, 320)
+    table = [7, 2, 9, 0, 11]
+    model.forward(prompt_batch([ids[:12].tolist()], [table], BLOCK), kv, ws, logits)
+    torch.testing.assert_close(logits[0], ref[11], atol=2e-4, rtol=1e-4)
+    for p in range(12, len(ids)):
+        model.forward(decode_batch([(int(ids[p]), p, table)], BLOCK), kv, ws, logits)
+        torch.testing.assert_close(logits[0], ref[p], atol=2e-4, rtol=1e-4)
+    with torch.no_grad():  # batched prompts and decode rows: every row routed on its own
+        want = [hf.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                            pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    rc = RunnerConfig(max_batch=4, block_size=BLOCK, num_blocks=96, top_k=8)
+    with LLMEngine(moe_dir, dtype="float32", runner=rc) as eng:
+        got = eng.generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))
+    assert [o.token_ids for o in got] == want

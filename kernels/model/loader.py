@@ -36,6 +36,9 @@ class LayerWeights:
     # A sparse layer's experts: each its (gate_up [2 * moe_intermediate, hidden], down); None for
     # an expert another rank holds (expert parallelism).
     experts: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
+    # The same experts stacked, (gate_up [E, 2 * moe_intermediate, hidden], down [E, hidden, mi]),
+    # where the grouped-GEMM path runs them (``experts`` are then views into these).
+    expert_stack: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass

@@ -54,7 +54,7 @@ class Qwen3Model:
                               f"device ({self.device}) has none: use int8 or none")
         if self.quantization:
             _quantize(self.w, self.quantization, dtype, self.device)
-        _prepare(self.w, self.kernels.linear)
+        _prepare(self.w, self.kernels.linear, self.kernels.grouped_moe)
         self.cos, self.sin = rope_tables(config.head_dim, config.rope_theta, self.max_model_len, dtype)
         self.cos, self.sin = self.cos.to(self.device), self.sin.to(self.device)
 
@@ -158,6 +158,9 @@ class Qwen3Model:
         if c.norm_topk_prob:
             weights /= weights.sum(dim=-1, keepdim=True)
         weights = weights.to(h.dtype)
+        if lw.expert_stack is not None:
+            self._experts_grouped(lw, h, out, weights, ids)
+            return
         if n == 1:  # decode of one row: k experts, the routing read once, no gather or scatter
             self._experts_one_row(lw, h, out, ids[0].tolist(), weights[0].tolist())
             return
@@ -195,6 +198,28 @@ class Qwen3Model:
             ops.silu_mul(gu, act)
             linear(act, down, y)
             out.add_(y.mul_(w))
+
+    def _experts_grouped(self, lw, h: torch.Tensor, out: torch.Tensor, weights: torch.Tensor,
+                         ids: torch.Tensor) -> None:
+        """Every routed (token, expert) pair in two grouped GEMMs: the pairs sorted by expert on the
+        device, one ``torch._grouped_mm`` for gate/up and one for down over each expert's run, then
+        each token's k outputs summed in its routing order. Nothing is read back to the host and
+        every shape follows n alone, so a device graph could capture it."""
+        c, ops = self.local, self.kernels.ops
+        n, k = ids.shape
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(c.num_experts, dtype=torch.int32, device=h.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # bincount would sync
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        gate_up, down = lw.expert_stack
+        gu = torch._grouped_mm(h.index_select(0, order // k), gate_up.transpose(-2, -1), offs=offs)
+        act = torch.empty(n * k, c.moe_intermediate_size, dtype=h.dtype, device=h.device)
+        ops.silu_mul(gu, act)
+        y = torch._grouped_mm(act, down.transpose(-2, -1), offs=offs)
+        y.mul_(weights.flatten().index_select(0, order)[:, None])
+        slots = torch.empty_like(y).index_copy_(0, order, y)  # back to (token, k) order, deterministic
+        torch.sum(slots.view(n, k, c.hidden_size), dim=1, out=out)
 
     def compute_logits(self, x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, ws: Workspace) -> None:
         """``out`` [R, V] float32 = lm_head(final_norm(x[rows])), ``ws.max_rows`` rows at a time."""
@@ -273,14 +298,20 @@ def _quantize(w: Qwen3Weights, mode: str, dtype: torch.dtype, device: torch.devi
     w.lm_head = Int8Weight.quantize(w.lm_head, dtype, device)
 
 
-def _prepare(w: Qwen3Weights, linear: LinearOp) -> None:
+def _prepare(w: Qwen3Weights, linear: LinearOp, grouped_moe: bool) -> None:
     """Every projection and the lm_head in its kernel's layout, in place (the embedding gather
-    keeps its own tensor, so a tied lm_head is then a packed copy)."""
+    keeps its own tensor, so a tied lm_head is then a packed copy). ``grouped_moe``: a sparse
+    layer's 16-bit experts, all held here, stacked for the grouped GEMMs."""
     for lw in w.layers:
         for name in ("qkv", "o_proj", "gate_up", "down", "router"):
             if getattr(lw, name) is not None:
                 setattr(lw, name, linear.prepare(getattr(lw, name)))
-        if lw.experts is not None:
+        if (grouped_moe and lw.experts is not None and all(isinstance(ex, tuple) for ex in lw.experts)
+                and all(isinstance(t, torch.Tensor) for ex in lw.experts for t in ex)):
+            lw.expert_stack = (torch.stack([gu for gu, _ in lw.experts]),
+                               torch.stack([d for _, d in lw.experts]))
+            lw.experts = [(lw.expert_stack[0][e], lw.expert_stack[1][e]) for e in range(len(lw.experts))]
+        elif lw.experts is not None:
             lw.experts = [None if ex is None else (linear.prepare(ex[0]), linear.prepare(ex[1]))
                           for ex in lw.experts]
     w.lm_head = linear.prepare(w.lm_head)
