@@ -1,7 +1,8 @@
 """Two Ray nodes on one machine as real network hosts: a network namespace joined to this
 one by a veth pair, with its own /dev/shm (a private mount), runs the second raylet. The
 server's worker there cannot map the coordinator's arenas, so it serves over the serializing
-transport; killing that node mid-stream loses no request.
+transport; killing that node mid-stream loses no request. Then the same with a tensor-parallel
+group of two ranks on each node (data parallel across the nodes, as deploy/multinode.md lays out).
 
 Needs root, iproute2 (``ip netns``) and util-linux (``unshare``); skipped without them.
 """
@@ -49,7 +50,8 @@ def _agent_ports() -> list[str]:
 class TwoNodes:
     """A Ray head on this host's end of a veth pair, a second node inside a namespace."""
 
-    def __init__(self) -> None:
+    def __init__(self, cpus: int = 1) -> None:
+        self.cpus = cpus  # per node: the ranks of one worker
         tag = os.getpid() % 200 + 20
         self.ns, self.veth = f"fsn{tag}", f"fsv{tag}"
         self.head_ip, self.node_ip = f"10.77.{tag}.1", f"10.77.{tag}.2"
@@ -67,13 +69,13 @@ class TwoNodes:
         for cmd in (("ip", "addr", "add", f"{self.node_ip}/24", "dev", self.veth + "b"),
                     ("ip", "link", "set", self.veth + "b", "up"), ("ip", "link", "set", "lo", "up")):
             _sh("ip", "netns", "exec", self.ns, *cmd)
-        # One CPU a node: each worker (one CPU) goes to a node of its own.
+        # One worker's CPUs a node: each worker (one CPU per rank) goes to a node of its own.
         subprocess.run([RAY, "start", "--head", f"--port={self.gcs}", f"--node-ip-address={self.head_ip}",
-                        "--num-cpus=1", "--include-dashboard=false", "--disable-usage-stats",
+                        f"--num-cpus={self.cpus}", "--include-dashboard=false", "--disable-usage-stats",
                         f"--temp-dir={self.head_tmp}", *_agent_ports()],
                        env=ENV, check=True, capture_output=True, timeout=120)
         node = (f"mount -t tmpfs tmpfs /dev/shm && exec {RAY} start --address={self.address} "
-                f"--node-ip-address={self.node_ip} --num-cpus=1 --disable-usage-stats "
+                f"--node-ip-address={self.node_ip} --num-cpus={self.cpus} --disable-usage-stats "
                 f"--temp-dir={self.node_tmp} --block " + " ".join(_agent_ports()))
         self.node = subprocess.Popen(["ip", "netns", "exec", self.ns, "unshare", "-m", "--propagation",
                                       "private", "sh", "-c", node], env=ENV, stdout=subprocess.DEVNULL,
@@ -106,8 +108,8 @@ class TwoNodes:
 
 
 @pytest.fixture
-def nodes():
-    cluster = TwoNodes()
+def nodes(request):
+    cluster = TwoNodes(request.param)
     try:
         cluster.start()
         yield cluster
@@ -115,6 +117,7 @@ def nodes():
         cluster.stop()
 
 
+@pytest.mark.parametrize("nodes", [1, 2], indirect=True, ids=["one-device-workers", "tp2-group-per-node"])
 def test_a_remote_node_serves_serially_and_losing_it_loses_nothing(nodes, tmp_path):
     rc = RunnerConfig(max_batch=8, num_blocks=128)
     params = [SamplingParams(max_tokens=48, temperature=0.8, seed=i, ignore_eos=True)
@@ -122,12 +125,13 @@ def test_a_remote_node_serves_serially_and_losing_it_loses_nothing(nodes, tmp_pa
     with LLMEngine("default", dtype="float32", runner=rc) as eng:
         want = [o.token_ids for o in eng.generate(PROMPTS, params)]
     srv = ServeProcess.start(tmp_path / "serve.log", *ARGS, "--ray-address", nodes.address,
-                             join_session=False)
+                             "--tensor-parallel-size", str(nodes.cpus), join_session=False)
     try:
         with Client(srv.address, timeout_s=120) as c:
             workers = c.workers()
         assert sorted(w["transport"] for w in workers) == ["serial", "shm"], workers
         assert len({w["node_id"] for w in workers}) == 2
+        assert all(len(w["ranks"]) == nodes.cpus for w in workers), workers
         got: dict[int, list[int]] = {}
         first = threading.Event()
 
