@@ -84,3 +84,15 @@ def test_serve_on_cuda_equals_offline_on_cuda(ray_session, tmp_path):  # pragma:
         want = [o.token_ids for o in eng.generate(DEMO_PROMPTS[:3], SamplingParams(max_tokens=12,
                                                                                     ignore_eos=True))]
     assert got == want and kernels["attention"] == "aten-gather"
+
+
+def test_parallel_flags_reach_the_server_config():
+    from coordinator.cli import _server_config, build_parser
+
+    cfg = _server_config(build_parser().parse_args(["serve", "-tp", "2", "--enable-expert-parallel",
+                                                    "--workers", "3"]))
+    assert (cfg.workers, cfg.tensor_parallel_size, cfg.enable_expert_parallel) == (3, 2, True)
+    cfg.check()
+    alone = _server_config(build_parser().parse_args(["serve", "--enable-expert-parallel"]))
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
+        alone.check()
