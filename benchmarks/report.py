@@ -22,16 +22,19 @@ from benchmarks import (
     decode_step,
     grammar_libs,
     latency,
+    moe_decode,
     prefix_cache,
     serving,
     structured_decode,
     throughput,
+    tp_decode,
 )
 from benchmarks.common import RUNS, checkpoint, fmt, median, spread
 from kernels.model.default_model import default_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-CUDA_RESULTS = ROOT / "benchmarks" / "results" / "cuda_peers.json"
+RESULTS = ROOT / "benchmarks" / "results"
+CUDA_RESULTS = RESULTS / "cuda_peers.json"
 CURVE_BATCHES = [1, 4, 16, 64]
 
 
@@ -305,6 +308,60 @@ def structured_section(args, t: list) -> list[str]:
     return lines
 
 
+PARALLEL_HEADING = "## Past one device: tensor parallelism and Qwen3-MoE"
+TP_MODELS = {"benchmark": "default:benchmark (12 layers, hidden 1024, 32k vocabulary)",
+             "qwen3-0.6b": "Qwen3-0.6B shape (28 layers, 152k vocabulary)"}
+
+
+def parallel_section(args, t: list) -> list[str]:
+    """TP=2 against TP=1 at equal threads, and the MoE step against a dense one (JSON kept in
+    ``benchmarks/results/``)."""
+    threads = str(args.threads)
+    tp = {m: tp_decode.main(["--model", m, "--threads", threads, "--out", str(RESULTS / f"tp_decode_{m}.json")])
+          for m in TP_MODELS}
+    gloo = tp_decode.main(["--model", "benchmark", "--threads", threads, "--comm", "gloo",
+                           "--out", str(RESULTS / "tp_decode_benchmark_gloo.json")])
+    moe = moe_decode.main(["--out", str(RESULTS / "moe_decode.json")])
+    isa = tp["benchmark"]["isa"]
+    lines = ["", PARALLEL_HEADING, "",
+             f"`python -m benchmarks.tp_decode` (ISA `{isa}`, {args.dtype}, context 128, greedy): the decode step "
+             f"of rank 0 with TP=2 (two processes of {args.threads // 2} thread(s), shared-memory collectives, as a "
+             f"served group runs them) against TP=1 (one process of {args.threads} threads), alternating, each "
+             "figure the median of 3 runs' medians. d2h is bytes a step (ids only, rank 0's):", "",
+             "| model | batch | TP=1 ms | TP=2 ms | TP=2 / TP=1 | d2h TP=1 / TP=2 |", "|---|---|---|---|---|---|"]
+    for m, name in TP_MODELS.items():
+        r = tp[m]
+        for b, row in r["step_ms"].items():
+            d = r["d2h_bytes"]
+            lines.append(f"| {name} | {b} | {fmt(row['tp1'], '.2f')} | {fmt(row['tp2'], '.2f')} "
+                         f"| **{r['ratios'][b]:.2f}** | {d[1][b]} / {d[2][b]} |")
+        worst = max(r["ratios"].values())
+        t.append((f"TP=2 costs <= 15% over TP=1 at equal total threads on the CPU ({m})", worst <= 1.15,
+                  ", ".join(f"B={b}: {x:.2f}x" for b, x in r["ratios"].items())))
+        d = r["d2h_bytes"]
+        same = all(d[2][b] == d[1][b] == 4 * b for b in d[1])
+        t.append((f"zero extra d2h per step for TP, ids only ({m})", same,
+                  ", ".join(f"B={b}: {d[2][b]} B" for b in d[2])))
+    lines += ["", "The same TP=2 over gloo's all-reduce instead (the benchmark model): "
+              + ", ".join(f"batch {b}: {gloo['ratios'][b]:.2f}x TP=1" for b in gloo["ratios"])
+              + ". A gloo round trip costs about a millisecond on this host, and a step makes two per layer: "
+              "that is why CPU groups meet in shared memory.", "",
+              "`python -m benchmarks.moe_decode`: a Qwen3-MoE step (hidden 1024, 6 layers, 32 experts of width 256, "
+              "top 4) against a dense step whose MLP (width 1024) reads the same weight bytes per token, "
+              "alternating, medians of 3:", "",
+              "| batch | dense ms | MoE ms | MoE / dense |", "|---|---|---|---|"]
+    for b, row in moe["step_ms"].items():
+        lines.append(f"| {b} | {fmt(row['dense'], '.2f')} | {fmt(row['moe'], '.2f')} | **{moe['ratios'][b]:.2f}** |")
+    one = moe["ratios"][min(moe["ratios"])]
+    t.append(("MoE decode step at batch 1 <= 1.3x a dense step reading the same active bytes", one <= 1.3,
+              f"{one:.2f}x"))
+    return lines
+
+
+SECTIONS = {"structured": (STRUCTURED_HEADING, structured_section),
+            "parallel": (PARALLEL_HEADING, parallel_section)}
+
+
 def splice(path: Path, heading: str, section: list[str], targets: list) -> None:
     """Replace one section of an existing BENCHMARKS.md, and its rows of the targets table."""
     text = path.read_text().split("\n")
@@ -358,17 +415,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--llama-python", default=None, help="a python for llama.cpp's GGUF conversion")
     ap.add_argument("--avx2-peers", action="store_true",
                     help="also run the CPU peers with every engine held to AVX2 (needs llama.cpp's build-avx2)")
-    ap.add_argument("--only", choices=["structured"], default=None,
+    ap.add_argument("--only", choices=sorted(SECTIONS), default=None,
                     help="re-run one section and splice it into the existing --out file")
     args = ap.parse_args(argv)
-    if args.only == "structured":
+    if args.only:
+        heading, build = SECTIONS[args.only]
         t: list = []
-        section = structured_section(args, t)
+        section = build(args, t)
         out = Path(args.out)
-        if STRUCTURED_HEADING not in out.read_text():  # first time: before the CUDA section
-            text = out.read_text().replace("\n## On a CUDA GPU", f"\n{STRUCTURED_HEADING}\n\n## On a CUDA GPU", 1)
-            out.write_text(text)
-        splice(out, STRUCTURED_HEADING, section, t)
+        if heading not in out.read_text().split("\n"):  # first time: before the CUDA section
+            out.write_text(out.read_text().replace("\n## On a CUDA GPU", f"\n{heading}\n\n## On a CUDA GPU", 1))
+        splice(out, heading, section, t)
         return
     t0 = time.time()
     from benchmarks.common import machine
@@ -388,6 +445,7 @@ def main(argv: list[str] | None = None) -> None:
         lines += avx2_peer_section(args, t)
     lines += engine_section(args, t)
     lines += structured_section(args, t)
+    lines += parallel_section(args, t)
     lines += cuda_section(t)
     lines += ["", "## Targets", "", "| target | met | figure |", "|---|---|---|"]
     lines += [f"| {name} | {'yes' if ok else 'no'} | {fig} |" for name, ok, fig in t]

@@ -172,3 +172,42 @@ def test_the_triton_kernels_run_the_engine_as_aten_does(monkeypatch):
         with LLMEngine(model, runner=runner, tokenizer=tok) as eng:
             outs[flag] = [o.token_ids for o in eng.generate(PROMPTS, params)]
     assert outs["1"] == outs["0"]
+
+
+def test_moe_grouped_gemms_match_the_per_expert_path_without_host_syncs(moe_dir, monkeypatch):
+    """Qwen3-MoE on CUDA: the grouped-GEMM layer (torch._grouped_mm) against one GEMM per expert,
+    and a decode forward through it reads nothing back to the host."""
+    from kernels import backend
+    from kernels.model.qwen3 import Qwen3Model
+    from tests.model_batches import decode_batch, prompt_batch
+
+    def logits(grouped: bool) -> tuple[torch.Tensor, Qwen3Model]:
+        monkeypatch.setattr(backend, "_grouped_mm_runs", lambda *a: grouped)
+        model = Qwen3Model.from_pretrained(moe_dir, dtype="bfloat16", device="cuda")
+        assert model.kernels.grouped_moe == grouped
+        kv = model.new_kv_cache(num_blocks=16, block_size=4)
+        ws = model.new_workspace(max_rows=4, block_size=4)
+        out = torch.empty(3, 320, device="cuda")
+        prompts, tables = [[5, 17, 42, 99, 3], [250, 1, 8], [77] * 6], [[0, 1], [2], [3, 4]]
+        model.forward(_on_cuda(prompt_batch(prompts, tables, 4)), kv, ws, out)
+        step = _on_cuda(decode_batch([(7, 5, [0, 1]), (9, 3, [2, 5]), (11, 6, [3, 4])], 4))
+        torch.cuda.synchronize()
+        if grouped:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            model.forward(step, kv, ws, out)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        return out.cpu(), model
+
+    grouped, _ = logits(True)
+    loop, _ = logits(False)
+    assert torch.equal(grouped.argmax(-1), loop.argmax(-1))
+    torch.testing.assert_close(grouped, loop, atol=5e-2, rtol=5e-2)
+
+
+def _on_cuda(batch):
+    from dataclasses import fields, replace
+
+    return replace(batch, **{f.name: getattr(batch, f.name).cuda() for f in fields(batch)
+                             if isinstance(getattr(batch, f.name), torch.Tensor)})

@@ -128,6 +128,35 @@ def test_a_rank_killed_mid_stream_replaces_its_group(ray_session, hf_checkpoints
         coord.shutdown()
 
 
+def _break_first_layer(actor) -> None:
+    """Run inside a rank: its next launch raises (as a failure of that device alone would)."""
+    actor.runner.model.w.layers[0].qkv = None
+
+
+def test_a_launch_failing_on_one_rank_replaces_the_group(ray_session, hf_checkpoints):
+    """A rank whose launch raises is out of step with the others' collectives: it leaves, the
+    group is replaced, and every stream still ends exactly."""
+    import ray
+
+    path = hf_checkpoints["gqa2_untied"]
+    want = _offline(path)
+    coord = _serve(path)
+    try:
+        progressed = threading.Semaphore(0)
+        frames, errors, threads = _streams(coord, progressed)
+        for _ in PROMPTS:
+            assert progressed.acquire(timeout=120)
+        victim = coord.workers[0]
+        ray.get(victim.group.actors[1].__ray_call__.remote(_break_first_layer))
+        wait_for(lambda: coord.pool.failures, 60, "the coordinator to notice")
+        for t in threads:
+            t.join(timeout=300)
+        _check_exact(frames, errors, want)
+        assert coord.pool.failures[0].worker_id == victim.worker_id
+    finally:
+        coord.shutdown()
+
+
 @pytest.mark.parametrize("ep", [False, True], ids=["experts-split", "expert-parallel"])
 def test_a_moe_model_is_served_by_a_group(ray_session, moe_dir, ep):
     want = _offline(moe_dir)

@@ -31,6 +31,8 @@ from worker.tensor_group import STOP, GroupRank, TensorGroup, rendezvous_address
 
 log = logging.getLogger(__name__)
 
+REPLY_FLUSH_S = 0.2  # a failed group's rank 0 waits this long for its last reply to leave
+
 
 class WorkerActor:
     """One device: weights, KV cache, scratch pool; executes launches on request."""
@@ -115,6 +117,12 @@ class WorkerActor:
             reply.wait = waited  # blocked on the coordinator: nothing queued behind the last launch
             sock.send(msgpack.packb(reply.to_wire()))
             sent = time.perf_counter()
+            if self.group is not None and not reply.ok:
+                # The other ranks may have stopped at another collective, or none: their next
+                # collectives would pair with the wrong ones. The launch's requests fail as on one
+                # device; the group is replaced (once the reply is out) and the rest re-run.
+                time.sleep(REPLY_FLUSH_S)
+                _leave_group(GroupBroken(f"launch failed on rank 0: {reply.error}"))
         sock.close(0)
 
     def _follow(self) -> None:
@@ -126,8 +134,8 @@ class WorkerActor:
             if raw == STOP:
                 break
             reply = self._execute(msgpack.unpackb(raw, raw=False, strict_map_key=False))
-            if not reply.ok:
-                log.error("rank %d: launch failed: %s", self.group.me.rank, reply.error)
+            if not reply.ok:  # out of step with the group from here on (see _serve)
+                _leave_group(GroupBroken(f"launch failed on rank {self.group.me.rank}: {reply.error}"))
 
     def _relay(self, raw: bytes) -> None:
         try:
@@ -142,7 +150,7 @@ class WorkerActor:
             if self.serial:
                 transport.unpack(self.arenas[desc.bank], table, desc.dims, msg["inputs"], outputs=False)
             reply = LaunchReply.from_record(self.runner.execute(desc))
-            if self.serial:
+            if self.serial and self.runner.runtime.writes_outputs:
                 reply.outputs = transport.pack_outputs(self.arenas[desc.bank], table, desc.dims)
             return reply
         except GroupBroken as exc:
