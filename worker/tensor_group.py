@@ -68,38 +68,54 @@ class TensorGroup:
         kw = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, init_method=f"tcp://{address}", rank=me.rank, world_size=me.size,
                                 timeout=timedelta(seconds=me.timeout_s), **kw)
-        control = None if backend == "gloo" else dist.new_group(backend="gloo")
-        self.peers: list[zmq.Socket] = []
-        self.sock: zmq.Socket | None = None
-        if me.rank == 0:
-            for _ in range(me.size - 1):
+        self._control = None if backend == "gloo" else dist.new_group(backend="gloo")
+        pids: list[int] = [0] * me.size
+        dist.all_gather_object(pids, os.getpid(), group=self._control)
+        self.pids = [p for r, p in enumerate(pids) if r != me.rank]
+        self.peers: list[zmq.Socket] = []  # rank 0: one relay socket per other rank
+        self.sock: zmq.Socket | None = None  # another rank: its socket from rank 0
+        self._open_relay(ctx)
+        comm = self._shared_memory_comm() if backend == "gloo" else None
+        self.tp = TensorParallel(me.rank, me.size, me.expert_parallel, comm)
+
+    def _open_relay(self, ctx: zmq.Context) -> None:
+        import torch.distributed as dist
+
+        if self.leader:
+            for _ in range(self.me.size - 1):
                 s = ctx.socket(zmq.PAIR)
                 s.setsockopt(zmq.LINGER, 0)
                 s.bind_to_random_port("tcp://127.0.0.1")
                 self.peers.append(s)
-        shm = native.kernels() if backend == "gloo" else None
-        # Named like an arena segment: swept by the next start if rank 0 dies before unlinking it.
-        path = f"{SHM_DIR}/{PREFIX}_{os.getpid()}_tp{uuid.uuid4().hex[:12]}" if shm and me.rank == 0 else None
-        shared = [[s.getsockopt_string(zmq.LAST_ENDPOINT) for s in self.peers], path]
-        dist.broadcast_object_list(shared, src=0, group=control)
-        endpoints, path = shared
-        pids: list[int] = [0] * me.size
-        dist.all_gather_object(pids, os.getpid(), group=control)
-        self.pids = [p for r, p in enumerate(pids) if r != me.rank]
-        if me.rank > 0:
+        endpoints = [[s.getsockopt_string(zmq.LAST_ENDPOINT) for s in self.peers]]
+        dist.broadcast_object_list(endpoints, src=0, group=self._control)
+        if not self.leader:
             self.sock = ctx.socket(zmq.PAIR)
             self.sock.setsockopt(zmq.LINGER, 0)
-            self.sock.connect(endpoints[me.rank - 1])
-        comm = None
-        if path is not None and me.rank == 0:
-            comm = ShmComm(path, me.rank, me.size, shm, self.peers_alive, create=True)
-        dist.barrier(group=control)  # the file exists before the others map it
-        if path is not None and me.rank > 0:
-            comm = ShmComm(path, me.rank, me.size, shm, self.peers_alive)
-        dist.barrier(group=control)
-        if path is not None and me.rank == 0:
-            ShmComm.unlink(path)  # every rank has it mapped: nothing to leave behind, even after a kill
-        self.tp = TensorParallel(me.rank, me.size, me.expert_parallel, comm)
+            self.sock.connect(endpoints[0][self.me.rank - 1])
+
+    def _shared_memory_comm(self) -> ShmComm | None:
+        """CPU ranks' collectives: one shared file rank 0 creates, every rank maps, and rank 0
+        unlinks once all have (nothing is left behind, even after a kill). None without the
+        native build (gloo's collectives then)."""
+        import torch.distributed as dist
+
+        build = native.kernels()
+        # Named like an arena segment: swept by the next start if rank 0 dies before unlinking it.
+        name = f"{SHM_DIR}/{PREFIX}_{os.getpid()}_tp{uuid.uuid4().hex[:12]}"
+        shared = [name if build is not None and self.leader else None]
+        dist.broadcast_object_list(shared, src=0, group=self._control)
+        path, rank, size = shared[0], self.me.rank, self.me.size
+        if path is None:
+            return None
+        comm = ShmComm(path, rank, size, build, self.peers_alive, create=True) if self.leader else None
+        dist.barrier(group=self._control)  # the file exists before the others map it
+        if not self.leader:
+            comm = ShmComm(path, rank, size, build, self.peers_alive)
+        dist.barrier(group=self._control)
+        if self.leader:
+            ShmComm.unlink(path)
+        return comm
 
     def peers_alive(self) -> bool:
         return all(_alive(pid) for pid in self.pids)
