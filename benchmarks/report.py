@@ -325,7 +325,7 @@ def parallel_section(args, t: list) -> list[str]:
     isa = tp["benchmark"]["isa"]
     lines = ["", PARALLEL_HEADING, "",
              f"`python -m benchmarks.tp_decode` (ISA `{isa}`, {args.dtype}, context 128, greedy): the decode step "
-             f"of rank 0 with TP=2 (two processes of {args.threads // 2} thread(s), shared-memory collectives, as a "
+             f"of rank 0 with TP=2 (two processes of {args.threads // 2} thread(s) each, shared-memory collectives, as a "
              f"served group runs them) against TP=1 (one process of {args.threads} threads), back to back in "
              f"alternating order, {tp['benchmark']['runs']} runs: each step figure the median (min-max) of the "
              "runs' medians, the ratio the median of the runs' TP=2 / TP=1. d2h is bytes a step (ids only, "

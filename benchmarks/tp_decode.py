@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import socket
+import statistics
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 
 from benchmarks import decode_step
-from benchmarks.common import fmt, machine, median, spread
+from benchmarks.common import fmt, machine, spread
 from kernels import native
 from kernels.model.default_model import default_model_dir
 from kernels.model.tensor_parallel import TensorParallel
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     for b in batches:
         one, two = spread(steps[1][b]), spread(steps[2][b])
         res["step_ms"][b] = {"tp1": one, "tp2": two}
-        res["ratios"][b] = median([y / x for x, y in zip(steps[1][b], steps[2][b])])
+        res["ratios"][b] = statistics.median([y / x for x, y in zip(steps[1][b], steps[2][b])])
         print(f"{b:5d} {fmt(one, '.2f'):>22s} {fmt(two, '.2f'):>22s} {res['ratios'][b]:10.2f} "
               f"{d2h[1][b]:>5d}/{d2h[2][b]:<6d}")
     if args.out:
