@@ -158,6 +158,55 @@ def test_the_sampler_is_captured_in_a_cuda_graph_and_replays_exactly():
     assert torch.equal(out, eager)
 
 
+@pytest.mark.parametrize("triton", ["0", "1"], ids=["aten", "triton"])
+def test_a_decode_step_is_one_replay_with_the_sampler_and_no_host_sync(monkeypatch, triton):
+    """A decode launch's step (feed, replay, sampling) never waits on the device, and sampling adds no
+    kernel launch outside the replay: a greedy and a sampled launch launch the same eager kernels."""
+    import numpy as np
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.decode_step import greedy_batch
+    from coordinator.engine.batch_io import write_batch
+    from shared_memory.arena import HostArena
+    from shared_memory.slots import step_table
+    from worker.model_runner import ModelRunner, model_dims
+
+    if triton == "1":
+        pytest.importorskip("triton")
+    monkeypatch.setenv("FUSEDSERVE_TRITON", triton)
+    model, _ = load_model("default", "bfloat16", "cuda", 128)
+    rc = RunnerConfig(max_batch=8, block_size=16, num_blocks=64, top_k=16)
+    arena = HostArena.create(step_table(), model_dims(model, rc), tag="onegraph")
+    try:
+        runner = ModelRunner(model, rc, arena)
+        step = runner._step
+
+        def checked(v, desc):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                step(v, desc)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        runner._step = checked
+        tables = np.arange(8 * 4, dtype=np.int32).reshape(8, 4)
+        launches = {}
+        for kind in ("greedy", "sampled"):
+            batch = greedy_batch(tables[:6], 20, 16)
+            if kind == "sampled":
+                for seq in batch.seqs:
+                    seq.params = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=1 << 30)
+            desc = write_batch(arena, batch, 0, rc.top_k, model.config.vocab_size)
+            runner.execute(desc)  # warm
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                runner.execute(desc)
+            launches[kind] = sum(e.count for e in prof.key_averages() if e.key == "cudaLaunchKernel")
+            assert any(e.key == "cudaGraphLaunch" for e in prof.key_averages())
+        assert launches["sampled"] == launches["greedy"], launches
+    finally:
+        arena.close()
+
+
 def test_the_triton_kernels_run_the_engine_as_aten_does(monkeypatch):
     """``FUSEDSERVE_TRITON=1``: the Triton layer ops and paged attention (kernels/triton/) give the
     ATen path's greedy tokens, in float32, under the same graphs and async scheduling."""

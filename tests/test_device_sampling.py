@@ -92,6 +92,29 @@ def test_seeded_draws_repeat_whatever_the_batch():
     assert not torch.equal(other, full), "a different step draws anew"
 
 
+def test_every_stage_plan_draws_what_each_rows_own_plan_draws():
+    """A captured decode graph samples with every stage on (``worker/graphs.py``): every kind of row,
+    alone under its own plan, draws the same token under the widest plan."""
+    from worker.graphs import EVERY_STAGE, GREEDY, variant
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(9, 300, generator=g) * 3
+    # greedy; candidates (top_k <= 8); whole vocabulary plain, top-p, min-p, wide top-k, k = V
+    f32 = torch.tensor([[0.0, 1.0, 0.0, 0], [0.8, 1.0, 0.0, 5], [0.9, 0.7, 0.0, 8], [1.0, 1.0, 0.0, 0],
+                        [0.7, 0.8, 0.0, 0], [1.1, 1.0, 0.1, 0], [0.9, 1.0, 0.0, 40], [1.0, 0.9, 0.05, 100],
+                        [1.0, 1.0, 0.0, 300]])
+    for step in range(20):
+        seeds = torch.stack([torch.arange(9) + 50, torch.full((9,), step)], 1)
+        widest = torch.empty(9, dtype=torch.int32)
+        sample(logits, f32, seeds, widest, EVERY_STAGE, 8)
+        for i in range(9):
+            plan = SamplingPlan.for_rows(f32[i : i + 1].numpy(), 8, 300)
+            assert variant(plan) == (GREEDY if i == 0 else EVERY_STAGE)
+            one = torch.empty(1, dtype=torch.int32)
+            sample(logits[i : i + 1], f32[i : i + 1], seeds[i : i + 1], one, plan, 8)
+            assert int(one) == int(widest[i]), (step, i, plan)
+
+
 PLANS = [SamplingPlan(), SamplingPlan(candidates=True),
          SamplingPlan(candidates=True, full=True, wide_top_k=True, top_p=True, min_p=True)]
 

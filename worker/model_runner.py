@@ -60,7 +60,7 @@ class ModelRunner:
                       and model.tp.size == 1)
         if rc.graphs == "padded" or (rc.graphs == "auto" and has_graphs):
             self.graphs = DecodeGraphs(model, self.kv, self.ws, self.logits, rc.max_batch, rc.pad_slot,
-                                       capture=rc.graphs == "auto")
+                                       self._sample_rows, capture=rc.graphs == "auto")
         self.warmup()
 
     def warmup(self) -> None:
@@ -94,8 +94,12 @@ class ModelRunner:
                              desc.prompt_seq_lens)
         logits = self.logits[:b]
         hidden = None
+        plan = SamplingPlan.of(desc.sampling)
         if self.graphs is not None and batch.decode_only:
-            self.graphs.run(batch)
+            if not (dims["G"] or dims["NL"] or dims["TL"]):  # one replay: forward and sampler
+                self.graphs.run(batch, plan)
+                return
+            self.graphs.run(batch, None)
         else:
             hidden = self.model.forward(batch, self.kv, self.ws, logits)
         sampled = logits
@@ -106,14 +110,20 @@ class ModelRunner:
                 sampled = self._masked[:b]
                 sampled.copy_(logits)
             self.model.kernels.ops.apply_token_bitmask(sampled, v["token_bitmask"])
-        sampler.sample(sampled, v["sampling_params"], v["sampling_seeds"], v["sampled_ids"],
-                       SamplingPlan.of(desc.sampling), self.rc.top_k)
+        sampler.sample(sampled, v["sampling_params"], v["sampling_seeds"], v["sampled_ids"], plan,
+                       self.rc.top_k)
         if dims["NL"]:
             rows = v["logprob_rows"]
             sampler.token_logprobs(logits.index_select(0, rows), v["sampled_ids"].index_select(0, rows),
                                    v["sampled_logprobs"], v["top_logprob_ids"], v["top_logprob_values"])
         if dims["TL"]:
             self._prompt_logprobs(hidden, v)
+
+    def _sample_rows(self, n: int, plan: SamplingPlan) -> None:
+        """The sampler over the first ``n`` rows of the pool (what a decode graph captures)."""
+        pool = self.pool
+        sampler.sample(self.logits[:n], pool.full("sampling_params")[:n], pool.full("sampling_seeds")[:n],
+                       pool.full("sampled_ids")[:n], plan, self.rc.top_k)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, v: dict[str, torch.Tensor]) -> None:
         """The next prompt token's logprob at each asked token, ``max_batch`` tokens at a time."""
