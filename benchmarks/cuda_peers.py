@@ -5,8 +5,8 @@ bf16. Both engines get the same random prompts as token ids (32 in, 64 out, gree
 ignored) at batch 1/16/64: fusedserve's ``LLMEngine`` (captured decode graphs, async
 scheduling, device sampling) and transformers' static-batch ``generate``. Then the decode
 step alone (the launch path with its copies and counters), graphs against eager, against
-the GPU's measured read bandwidth, with its h2d/d2h bytes per step; and where a graphed
-launch spends its time (``cuda_profile``).
+the GPU's measured read bandwidth, with its h2d/d2h bytes per step. Where a step spends its time,
+per kernel path and model, is ``benchmarks.cuda_profile``.
 
 Needs a CUDA GPU; writes ``--json`` for ``benchmarks.report`` to fold into BENCHMARKS.md.
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import cuda_profile, decode_step
+from benchmarks import decode_step
 from benchmarks.common import fmt, machine, spread
 from benchmarks.cpu_peers import PRESET, fusedserve_generate, prompts
 from benchmarks.throughput import transformers_generate
@@ -66,11 +66,6 @@ def measure(batches: list[int], input_len: int, new: int) -> dict:
             res["errors"][f"decode step graphs={graphs}"] = traceback.format_exc()[-3000:]
             print(res["errors"][f"decode step graphs={graphs}"], flush=True)
         _free()
-    try:
-        res["profile"] = cuda_profile.run(str(model_dir), batches)
-    except Exception:  # noqa: BLE001
-        res["errors"]["profile"] = traceback.format_exc()[-3000:]
-        print(res["errors"]["profile"], flush=True)
     return res
 
 
@@ -100,7 +95,7 @@ def table(res: dict) -> list[str]:
             lines.append(f"| {row['batch']} | {ms} | {row['tokens_per_s']:.0f} | "
                          f"{100 * row['fraction_of_read_bw']:.0f}% | {row['h2d_bytes']} | "
                          f"{row['d2h_bytes']} | {row['anchor_logits_d2h']} |")
-    if res.get("profile"):
+    if res.get("profile"):  # a stored run from before benchmarks.cuda_profile had its own JSON
         step = res.get("steps", {}).get("auto")
         ms = step["weights_bytes"] / step["read_bw_gbps"] / 1e6 if step else 0.0
         floor = f" Reading the weights once takes {ms:.2f} ms at the measured read bandwidth." if step else ""

@@ -1,29 +1,59 @@
-"""Where a CUDA decode launch spends its time: the captured graph's replay against the whole
-launch path (arena copies, id feed, device sampling, counted copy-back), and how many
-kernels one replay runs. A replay far above the weights' read time with thousands of
-kernels means the step is bound by kernel count, not bandwidth: fusing is the remedy.
+"""Where a CUDA decode step spends its time, on the ATen path and the Triton path in one run.
+
+    python -m benchmarks.cuda_profile [--json OUT] [--models 0.6b,8b] [--calls 20]
+
+For each kernel path (ATen's ops, and ``FUSEDSERVE_TRITON=1``'s fused kernels and paged
+attention) and each model (Qwen3-0.6B's shape from the project-written checkpoint; Qwen3-8B's
+shape with random weights made on the device: 36 layers, hidden 4096, 32/8 heads of 128,
+intermediate 12288, vocabulary 151936), at batch 1/16/64 with context 128 and batch 32 with
+context 4096, greedy:
+- the step: the whole launch path (wall: arena copies, id feed, one graph replay with the sampler
+  inside, counted copy-back) and the replay alone (CUDA events);
+- kernels per replay and per layer (torch.profiler);
+- bytes the step reads (weights once, plus every row's K/V) against the measured read bandwidth;
+- on the Triton path, the attention kernels' own GPU time and the bandwidth they reach on the K/V
+  bytes they read (the paged decode kernels are named, so the profiler can sum them).
+
+A replay far above the weights' read time with thousands of kernels means the step is bound by
+kernel count, not bandwidth. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
 
+import argparse
+import gc
+import json
+import os
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.decode_step import greedy_batch
+from benchmarks.common import machine, read_bandwidth
+from benchmarks.decode_step import greedy_batch, weight_bytes
 from coordinator.engine.batch_io import write_batch
+from kernels.model.config import Qwen3Config
+from kernels.model.default_model import default_model_dir
+from kernels.model.loader import LayerWeights, Qwen3Weights
 from kernels.model.qwen3 import Qwen3Model
 from shared_memory.arena import HostArena
 from shared_memory.contract import RunnerConfig
 from shared_memory.slots import step_table
+from worker.graphs import GREEDY
 from worker.model_runner import ModelRunner, model_dims
 
+CASES = [(1, 128), (16, 128), (64, 128), (32, 4096)]  # (batch, context)
+QWEN3_8B = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=40960, tie_word_embeddings=False, eos_token_ids=(151645,))
+ATTENTION_KERNELS = ("_split_kernel", "_merge_kernel")  # kernels/triton/decode_attention.py
 
-def _gpu_ms(fn, n: int = 50) -> float:
+
+def _gpu_ms(fn, n: int) -> float:
     """Mean GPU milliseconds of ``fn`` over ``n`` calls (CUDA events, after a warm-up)."""
-    for _ in range(5):
+    for _ in range(3):
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
@@ -35,36 +65,118 @@ def _gpu_ms(fn, n: int = 50) -> float:
     return start.elapsed_time(end) / n
 
 
-def _kernels(fn) -> int:
-    """CUDA kernels one call of ``fn`` runs."""
+def _kernels(fn) -> tuple[int, float]:
+    """CUDA kernels one call of ``fn`` runs, and the GPU ms of the paged attention kernels among them."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if "cuda" in str(e.device_type).lower())
+    events = [e for e in prof.events() if "cuda" in str(e.device_type).lower()]
+    attention_us = sum(e.device_time for e in events if any(k in e.name for k in ATTENTION_KERNELS))
+    return len(events), attention_us / 1e3
 
 
-def run(model_dir: str, batches: list[int], context: int = 128, calls: int = 50) -> list[dict]:
-    model = Qwen3Model.from_pretrained(model_dir, "bfloat16", "cuda", max_model_len=context + 32)
+def random_model(config: Qwen3Config, max_model_len: int, device: str = "cuda") -> Qwen3Model:
+    """A bf16 model of ``config``'s shape with random weights made on the device (no checkpoint)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    kw = {"dtype": torch.bfloat16, "device": device}
+    c, hidden = config, config.hidden_size
+
+    def rand(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, **kw).mul_(std)
+
+    def norm(n: int) -> torch.Tensor:
+        return torch.ones(n, **kw)
+
+    qkv = c.q_size + 2 * c.kv_size
+    layers = [LayerWeights(input_norm=norm(hidden), qkv=rand(qkv, hidden, std=hidden**-0.5), qkv_bias=None,
+                           q_norm=norm(c.head_dim), k_norm=norm(c.head_dim),
+                           o_proj=rand(hidden, c.q_size, std=c.q_size**-0.5), post_norm=norm(hidden),
+                           gate_up=rand(2 * c.intermediate_size, hidden, std=hidden**-0.5),
+                           down=rand(hidden, c.intermediate_size, std=c.intermediate_size**-0.5))
+              for _ in range(c.num_hidden_layers)]
+    weights = Qwen3Weights(embed=rand(c.vocab_size, hidden, std=1.0), layers=layers, final_norm=norm(hidden),
+                           lm_head=rand(c.vocab_size, hidden, std=2.0 * hidden**-0.5))
+    return Qwen3Model(config, weights, torch.bfloat16, device, max_model_len)
+
+
+def profile_model(model: Qwen3Model, cases: list[tuple[int, int]], calls: int, read_bw: float) -> list[dict]:
+    """Every case's figures on one model (a runner sized for the largest case)."""
     c, bs = model.config, 16
-    per_seq = -(-(context + 2) // bs)
-    rc = RunnerConfig(max_batch=max(batches), block_size=bs, num_blocks=max(batches) * per_seq, top_k=64)
+    max_b = max(b for b, _ in cases)
+    per_seq = max(-(-(ctx + 2) // bs) for _, ctx in cases)
+    blocks = max(b * -(-(ctx + 2) // bs) for b, ctx in cases)
+    rc = RunnerConfig(max_batch=max_b, block_size=bs, num_blocks=blocks, top_k=64)
     arena = HostArena.create(step_table(), model_dims(model, rc), tag="profile")
+    wbytes = weight_bytes(model)
+    kv_per_token = c.num_hidden_layers * 2 * c.kv_size * model.dtype.itemsize
     try:
         runner = ModelRunner(model, rc, arena)
-        graphs = runner.graphs
-        rows = []
-        for b in batches:
+        graphs, rows = runner.graphs, []
+        for b, ctx in cases:
             tables = np.arange(b * per_seq, dtype=np.int32).reshape(b, per_seq)
-            desc = write_batch(arena, greedy_batch(tables, context, bs), 0, rc.top_k, c.vocab_size)
-            replay = graphs.graphs[graphs.bucket(b)].replay
-            for _ in range(5):
+            desc = write_batch(arena, greedy_batch(tables, ctx, bs), 0, rc.top_k, c.vocab_size)
+            replay = graphs.graphs[graphs.bucket(b), GREEDY].replay
+            for _ in range(3):
                 runner.execute(desc)
             t0 = time.perf_counter()
             for _ in range(calls):
                 runner.execute(desc)
             launch_ms = (time.perf_counter() - t0) / calls * 1e3
-            rows.append({"batch": b, "replay_ms": _gpu_ms(replay, calls), "launch_ms": launch_ms,
-                         "kernels_per_replay": _kernels(replay)})
+            replay_ms = _gpu_ms(replay, calls)
+            kernels, attention_ms = _kernels(replay)
+            kv_bytes = b * (ctx + 1) * kv_per_token
+            read = wbytes + kv_bytes
+            row = {"batch": b, "context": ctx, "launch_ms": launch_ms, "replay_ms": replay_ms,
+                   "kernels_per_replay": kernels, "kernels_per_layer": kernels / c.num_hidden_layers,
+                   "bytes_read": read, "fraction_of_read_bw": read / (replay_ms / 1e3) / read_bw}
+            if attention_ms > 0:
+                row |= {"attention_ms": attention_ms,
+                        "attention_fraction_of_read_bw": kv_bytes / (attention_ms / 1e3) / read_bw}
+            rows.append(row)
+            print(f"  batch {b:>3} context {ctx:>5}: launch {launch_ms:.3f} ms, replay {replay_ms:.3f} ms, "
+                  f"{kernels} kernels ({kernels / c.num_hidden_layers:.1f} a layer), "
+                  f"{100 * row['fraction_of_read_bw']:.0f}% of read bw", flush=True)
         return rows
     finally:
         arena.close()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="0.6b,8b")
+    ap.add_argument("--paths", default="aten,triton")
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.cuda_profile needs a CUDA GPU")
+    read_bw = read_bandwidth(device="cuda")
+    res: dict = {"machine": machine(), "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+                 "read_bw_gbps": read_bw / 1e9, "cases": CASES, "results": {}, "errors": {}}
+    max_len = max(ctx for _, ctx in CASES) + 32
+    for path in args.paths.split(","):
+        os.environ["FUSEDSERVE_TRITON"] = "1" if path == "triton" else "0"  # read when a model loads
+        for name in args.models.split(","):
+            key = f"{name}/{path}"
+            print(f"{key}:", flush=True)
+            try:
+                if name == "0.6b":
+                    path_06b = default_model_dir("qwen3-0.6b")
+                    model = Qwen3Model.from_pretrained(path_06b, "bfloat16", "cuda", max_len)
+                else:
+                    model = random_model(QWEN3_8B, max_len)
+                res["results"][key] = {"weights_bytes": weight_bytes(model), "kernels": model.kernel_info(),
+                                       "rows": profile_model(model, CASES, args.calls, read_bw)}
+            except Exception as exc:  # noqa: BLE001 - one configuration's failure is a figure, not the end
+                res["errors"][key] = f"{type(exc).__name__}: {exc}"
+                print(f"  failed: {res['errors'][key]}", flush=True)
+            model = None
+            gc.collect()
+            torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    return res
+
+
+if __name__ == "__main__":
+    main()

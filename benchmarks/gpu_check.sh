@@ -2,10 +2,12 @@
 # The CUDA checks in one run, for a machine with an NVIDIA GPU and an image that brings its
 # own torch and transformers: the GPU tests (graphs, the sampler without a host sync and inside
 # a captured graph, async scheduling, prefix caching, chunked prefill, d2h counts, kernels vs
-# transformers), then benchmarks.cuda_peers (every figure the median of 3 runs).
+# transformers), then benchmarks.cuda_peers (every figure the median of 3 runs) and
+# benchmarks.cuda_profile (ATen and Triton paths, the 0.6B and 8B shapes: step, kernels per layer,
+# % of read bandwidth).
 # Usage: bash benchmarks/gpu_check.sh OUT_DIR [WHEEL_DIR]
 #   WHEEL_DIR: wheels of what the image lacks (pyzmq), installed into a scratch site dir.
-#   OUT_DIR/cuda_peers.json goes to benchmarks/results/ for benchmarks.report.
+#   OUT_DIR/cuda_peers.json and cuda_profile.json go to benchmarks/results/ for benchmarks.report.
 # Ray is not needed: the engine runs in-process (the same EngineCore the server drives).
 # FUSEDSERVE_NATIVE=0: the CPU kernels are not what this checks.
 set -uo pipefail
@@ -19,8 +21,9 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
   | tee -a "$out/gpu.txt"
-timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_graphs.py \
+timeout 180 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_graphs.py \
   tests/test_quantization.py -k "cuda or aten" 2>&1 | tee "$out/tests.log"
-FUSEDSERVE_TRITON_COMPILED=1 timeout 180 python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_kernels.py \
+FUSEDSERVE_TRITON_COMPILED=1 timeout 100 python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_kernels.py \
   2>&1 | tee "$out/triton_tests.log"
-timeout 270 python3 -m benchmarks.cuda_peers --json "$out/cuda_peers.json" 2>&1 | tee "$out/bench.log"
+timeout 150 python3 -m benchmarks.cuda_peers --json "$out/cuda_peers.json" 2>&1 | tee "$out/bench.log"
+timeout 150 python3 -m benchmarks.cuda_profile --json "$out/cuda_profile.json" 2>&1 | tee "$out/profile.log"

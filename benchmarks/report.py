@@ -379,6 +379,50 @@ def splice(path: Path, heading: str, section: list[str], targets: list) -> None:
     path.write_text("\n".join(text))
 
 
+PROFILE_RESULTS = RESULTS / "cuda_profile.json"
+
+
+def cuda_profile_section(t: list) -> list[str]:
+    """The stored ``benchmarks.cuda_profile`` run (a GPU machine's), with the decode-step targets."""
+    if not PROFILE_RESULTS.is_file():
+        return []
+    res = json.loads(PROFILE_RESULTS.read_text())
+    lines = ["", f"Where a decode step spends its time (`python -m benchmarks.cuda_profile`, {res['gpu']}, "
+             f"{res['date']}; read bandwidth {res['read_bw_gbps']:.0f} GB/s): the launch path (wall) and the graph "
+             "replay alone (CUDA events), kernels per replay and per layer, the step's bytes (weights once, every "
+             "row's K/V) against the read bandwidth, and on the Triton path the paged attention kernels' share:", "",
+             "| model / path | batch | context | launch ms | replay ms | kernels (per layer) | % read bw "
+             "| attention % of read bw on K/V |", "|---|---|---|---|---|---|---|---|"]
+    for key, r in res["results"].items():
+        for row in r["rows"]:
+            att = f"{100 * row['attention_fraction_of_read_bw']:.0f}%" if "attention_ms" in row else "-"
+            lines.append(f"| {key} | {row['batch']} | {row['context']} | {row['launch_ms']:.3f} "
+                         f"| {row['replay_ms']:.3f} | {row['kernels_per_replay']} ({row['kernels_per_layer']:.1f}) "
+                         f"| {100 * row['fraction_of_read_bw']:.0f}% | {att} |")
+    for key, err in res.get("errors", {}).items():
+        lines.append(f"| {key} | failed: {err[:120]} | | | | | | |")
+    rows = {key: {(x["batch"], x["context"]): x for x in r["rows"]} for key, r in res["results"].items()}
+    best = {key: r for key, r in rows.items() if key.endswith("/triton")} or rows
+    for key, r in best.items():
+        one = r.get((1, 128))
+        if one is None:
+            continue
+        if key.startswith("0.6b"):
+            t.append((f"0.6B decode step at batch 1 <= 0.8 ms ({key})", one["launch_ms"] <= 0.8,
+                      f"{one['launch_ms']:.3f} ms"))
+        if key.startswith("8b"):
+            t.append((f"8B shape at batch 1 >= 75% of read bandwidth ({key})", one["fraction_of_read_bw"] >= 0.75,
+                      f"{100 * one['fraction_of_read_bw']:.0f}%"))
+            long = r.get((32, 4096), {})
+            if "attention_fraction_of_read_bw" in long:
+                t.append((f"batch 32 at context 4096: attention >= 60% of read bandwidth on its K/V ({key})",
+                          long["attention_fraction_of_read_bw"] >= 0.6,
+                          f"{100 * long['attention_fraction_of_read_bw']:.0f}%"))
+        worst = max(x["kernels_per_layer"] for x in r.values())
+        t.append((f"<= 12 kernels per layer ({key})", worst <= 12, f"{worst:.1f}"))
+    return lines
+
+
 def cuda_section(t: list) -> list[str]:
     """The stored CUDA run: this machine has no GPU, so the figures are those a GPU machine
     measured with ``bash benchmarks/gpu_check.sh`` (its ``cuda_peers.json``), not re-run here."""
@@ -402,7 +446,7 @@ def cuda_section(t: list) -> list[str]:
         worst = min(fs[b] / hf[b] for b in fs if b in hf)
         t.append(("ahead of transformers on the same CUDA GPU at every batch (stored GPU run)", worst > 1,
                   f"lowest ratio {worst:.2f}x"))
-    return lines
+    return lines + cuda_profile_section(t)
 
 
 def main(argv: list[str] | None = None) -> None:
