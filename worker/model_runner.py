@@ -56,8 +56,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # A Qwen3-MoE layer reads its routing back to the host: no device graph can capture it.
         # Tensor-parallel ranks run eagerly too (collectives in a captured graph: not yet checked).
+        # So do the Ascend fused kernels, whose attention takes the lengths as host lists.
         has_graphs = (model.device.type in ("cuda", "npu") and not model.config.num_experts
-                      and model.tp.size == 1)
+                      and model.tp.size == 1 and model.kernels.capturable)
         if rc.graphs == "padded" or (rc.graphs == "auto" and has_graphs):
             self.graphs = DecodeGraphs(model, self.kv, self.ws, self.logits, rc.max_batch, rc.pad_slot,
                                        self._sample_rows, capture=rc.graphs == "auto")
