@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import torch.multiprocessing as mp
 
 from benchmarks import decode_step
 from benchmarks.common import fmt, machine, spread
+from coordinator.server.ray_cluster import free_port
 from kernels import native
 from kernels.model.default_model import default_model_dir
 from kernels.model.tensor_parallel import TensorParallel
@@ -55,9 +55,7 @@ def run_group(size: int, total_threads: int, args: dict) -> dict:
     """One run of ``size`` ranks sharing ``total_threads``: rank 0's ``decode_step.run`` result."""
     ctx = mp.get_context("spawn")
     result = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, size, port, total_threads // size, args, result))
              for r in range(size)]
     for p in procs:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from coordinator.server.ray_cluster import free_port
 from kernels.model.config import ConfigError, Qwen3Config
 from kernels.model.qwen3 import Qwen3Model
 from kernels.model.tensor_parallel import TensorParallel
@@ -19,12 +19,6 @@ from tests.model_batches import decode_batch, prompt_batch
 
 BLOCK = 4
 PROMPTS = [[5, 17, 42, 99, 3, 8, 1, 9, 30], [250, 1, 8], [77] * 11]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _logits(model: Qwen3Model, vocab: int) -> torch.Tensor:
@@ -63,7 +57,7 @@ def run_ranks(path, size: int, dtype: str = "float32", ep: bool = False, quant=N
     """Every rank's logits, in rank order."""
     ctx = mp.get_context("spawn")
     result = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, size, port, str(path), dtype, ep, quant, result))
              for r in range(size)]
     for p in procs:
