@@ -69,15 +69,19 @@ class ShmComm:
         per = self.slot_bytes // t.element_size()
         return ((s, min(s + per, t.numel())) for s in range(0, t.numel(), per))
 
+    def _exchange(self, piece: torch.Tensor) -> list[torch.Tensor]:
+        """Publish this rank's ``piece`` (fits a slot), meet, and return every rank's, in rank order."""
+        nbytes = piece.numel() * piece.element_size()
+        bank = (self.seq + 1) % 2  # the round _meet completes next
+        self._slot(bank, self.rank, nbytes).view(piece.dtype).copy_(piece)
+        self._meet()
+        return [self._slot(bank, j, nbytes).view(piece.dtype) for j in range(self.size)]
+
     def all_reduce(self, t: torch.Tensor) -> None:
         """``t`` = the sum of every rank's ``t`` (in rank order), in place."""
         flat = t.view(-1)
         for s, e in self._pieces(flat):
-            nbytes = (e - s) * t.element_size()
-            bank = (self.seq + 1) % 2  # the round _meet completes next
-            self._slot(bank, self.rank, nbytes).view(t.dtype).copy_(flat[s:e])
-            self._meet()
-            parts = [self._slot(bank, j, nbytes).view(t.dtype) for j in range(self.size)]
+            parts = self._exchange(flat[s:e])
             torch.add(parts[0], parts[1], out=flat[s:e])
             for p in parts[2:]:
                 flat[s:e].add_(p)
@@ -86,9 +90,5 @@ class ShmComm:
         """``out[j]`` = rank j's ``t``."""
         flat = t.reshape(-1)
         for s, e in self._pieces(flat):
-            nbytes = (e - s) * t.element_size()
-            bank = (self.seq + 1) % 2  # the round _meet completes next
-            self._slot(bank, self.rank, nbytes).view(t.dtype).copy_(flat[s:e])
-            self._meet()
-            for j in range(self.size):
-                out[j].view(-1)[s:e].copy_(self._slot(bank, j, nbytes).view(t.dtype))
+            for j, part in enumerate(self._exchange(flat[s:e])):
+                out[j].view(-1)[s:e].copy_(part)

@@ -41,22 +41,26 @@ def _raw(c: Qwen3Config) -> dict:
             "num_experts_per_tok": c.num_experts_per_tok, "moe_intermediate_size": c.moe_intermediate_size}
 
 
-def test_prefill_and_decode_logits_match_transformers(moe_dir):
-    hf = _hf(moe_dir)
-    model = Qwen3Model.from_pretrained(moe_dir, dtype="float32")
-    ids = torch.randint(0, 320, (19,), generator=torch.Generator().manual_seed(1))
+def _check_against_transformers(model: Qwen3Model, hf, seed: int, n: int) -> None:
+    """A 19-token sequence: its first ``n`` tokens as one prompt, then one decode step per token;
+    every step's logits against transformers' over the whole sequence."""
+    ids = torch.randint(0, 320, (19,), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
     kv = model.new_kv_cache(num_blocks=12, block_size=BLOCK)
     ws = model.new_workspace(max_rows=4, block_size=BLOCK)
     logits = torch.empty(1, 320)
     table = [7, 2, 9, 0, 11]
-    n = 9
     model.forward(prompt_batch([ids[:n].tolist()], [table], BLOCK), kv, ws, logits)
     torch.testing.assert_close(logits[0], ref[n - 1], atol=2e-4, rtol=1e-4)
     for p in range(n, len(ids)):
         model.forward(decode_batch([(int(ids[p]), p, table)], BLOCK), kv, ws, logits)
         torch.testing.assert_close(logits[0], ref[p], atol=2e-4, rtol=1e-4)
+
+
+def test_prefill_and_decode_logits_match_transformers(moe_dir):
+    model = Qwen3Model.from_pretrained(moe_dir, dtype="float32")
+    _check_against_transformers(model, _hf(moe_dir), seed=1, n=9)
 
 
 def test_greedy_tokens_identical_to_transformers_generate(moe_dir):
@@ -111,18 +115,7 @@ def test_grouped_gemm_path_matches_transformers(moe_dir, monkeypatch):
     model = Qwen3Model.from_pretrained(moe_dir, dtype="float32")
     assert model.kernels.grouped_moe and model.w.layers[0].expert_stack is not None
     hf = _hf(moe_dir)
-    ids = torch.randint(0, 320, (19,), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        ref = hf(ids[None]).logits[0]
-    kv = model.new_kv_cache(num_blocks=12, block_size=BLOCK)
-    ws = model.new_workspace(max_rows=4, block_size=BLOCK)
-    logits = torch.empty(1, 320)
-    table = [7, 2, 9, 0, 11]
-    model.forward(prompt_batch([ids[:12].tolist()], [table], BLOCK), kv, ws, logits)
-    torch.testing.assert_close(logits[0], ref[11], atol=2e-4, rtol=1e-4)
-    for p in range(12, len(ids)):
-        model.forward(decode_batch([(int(ids[p]), p, table)], BLOCK), kv, ws, logits)
-        torch.testing.assert_close(logits[0], ref[p], atol=2e-4, rtol=1e-4)
+    _check_against_transformers(model, hf, seed=2, n=12)
     with torch.no_grad():  # batched prompts and decode rows: every row routed on its own
         want = [hf.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
                             pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
