@@ -20,6 +20,10 @@ class SamplingError(ValueError):
 
 
 MAX_TEMPERATURE = 100.0
+# Stop strings a request may carry, and their length: matching costs O(new characters) per token
+# whatever their number (coordinator/engine/stop_strings.py), but the automaton is built per set.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 256
 
 
 def _check_float(name: str, value: object, lo: float, hi: float, lo_open: bool) -> None:
@@ -34,6 +38,16 @@ def _check_float(name: str, value: object, lo: float, hi: float, lo_open: bool) 
     if v < lo or v > hi or (lo_open and v == lo):
         bounds = f"({lo:g}, {hi:g}]" if lo_open else f"[{lo:g}, {hi:g}]"
         raise SamplingError(f"{name} must be in {bounds}, got {value!r}")
+
+
+def _check_stops(stop: object) -> None:
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise SamplingError(f"stop must be a list of strings, got {type(stop).__name__}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise SamplingError(f"{len(stop)} stop strings; at most {MAX_STOP_STRINGS} are allowed")
+    longest = max((len(s) for s in stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise SamplingError(f"a stop string has {longest} characters; at most {MAX_STOP_CHARS} are allowed")
 
 
 @dataclass
@@ -81,6 +95,7 @@ class SamplingParams:
             raise SamplingError(f"seed must be an integer in [0, 2^64), got {self.seed!r}")
         if self.seed is None:
             self.seed = random.getrandbits(63)
+        _check_stops(self.stop)
         if self.structured is not None and not isinstance(self.structured, StructuredSpec):
             raise SamplingError(f"structured must be a StructuredSpec, got {self.structured!r}")
 

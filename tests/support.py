@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 
 import zmq
 
 from coordinator.client import Client
+from coordinator.engine.output_processor import OutputProcessor
+from coordinator.engine.scheduled_batch import ScheduledBatch
+from coordinator.engine.scheduler import Scheduler
+from coordinator.engine.sequence import Sequence, TokenEvent
+from coordinator.engine.step_outputs import StepOutputs
+from coordinator.sampling_params import SamplingParams
 
 
 def wait_for(pred: Callable[[], object], timeout_s: float, what: str, every_s: float = 0.005) -> None:
@@ -42,3 +49,23 @@ def dealer(address: str, **opts: int) -> zmq.Socket:
         sock.setsockopt(getattr(zmq, name), value)
     sock.connect(address)
     return sock
+
+
+_ARRIVALS = itertools.count()
+
+
+def queue(sched: Scheduler, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    """A request queued on a bare scheduler (no tokenizer, no model), numbered on arrival."""
+    seq = Sequence(seq_id, list(prompt_ids), params, arrival=next(_ARRIVALS))
+    sched.enqueue(seq)
+    return seq
+
+
+def read_step(sched: Scheduler, batch: ScheduledBatch, out: StepOutputs,
+              output: OutputProcessor | None = None) -> list[TokenEvent]:
+    """What ``EngineCore.finish`` does with a launch's outputs, without a model: settle the
+    scheduler's rows, run the output processor, retire what finished."""
+    output = output or OutputProcessor((), sched.max_model_len)
+    events = output.process(batch, sched.settle(batch), out)
+    sched.update(events)
+    return events

@@ -13,6 +13,7 @@ from coordinator.engine.scheduler import Scheduler
 from coordinator.engine.step_outputs import StepOutputs
 from coordinator.sampling_params import SamplingParams
 from shared_memory.contract import RunnerConfig
+from tests.support import queue, read_step
 
 PROMPTS = ["The history of", "In the beginning", "Python is a", "Once upon a time there",
            "The function returns", "A list of"]
@@ -93,7 +94,7 @@ def test_stop_strings_and_max_tokens_are_exact_and_the_extra_token_is_never_stre
             return batch
 
         sched.schedule = recording
-        seqs = {k: sched.add(k, eng.encode("The history of"), p, eng.detokenizer(p))
+        seqs = {k: eng.add_request("The history of", p, k)
                 for k, p in params.items()}
         events = {k: [] for k in params}
         while eng.core.has_work():
@@ -123,8 +124,8 @@ def test_abort_with_two_launches_in_flight_frees_everything():
     eng = LLMEngine("default", dtype="float32", runner=RunnerConfig(max_batch=4, block_size=4, num_blocks=32))
     try:
         sched, core = eng.core.scheduler, eng.core
-        a = sched.add("a", eng.encode("The history of"), SamplingParams(max_tokens=20))
-        b = sched.add("b", eng.encode("Python is a"), SamplingParams(max_tokens=20))
+        a = eng.add_request("The history of", SamplingParams(max_tokens=20), "a")
+        b = eng.add_request("Python is a", SamplingParams(max_tokens=20), "b")
         core.step()  # the prefill is read; the decode launched behind it is in flight
         assert len(core.inflight) == 1 and core.wants_launch() and core.launch()
         assert len(core.inflight) == 2
@@ -159,15 +160,15 @@ def _ids(*ids: int) -> StepOutputs:
 
 def test_a_preempted_request_waits_for_its_token_in_flight_and_a_moved_one_is_left_alone():
     s = _sched()
-    a = s.add("a", [1, 2, 3], SamplingParams(max_tokens=8))
+    a = queue(s, "a", [1, 2, 3], SamplingParams(max_tokens=8))
     prefill = s.schedule()
     decode = s.schedule()  # sent behind the prefill: fed the prefill's id on the device
     assert decode.num_decode == 1 and decode.feed_rows.tolist() == [0] and a.num_pending == 2
     s._preempt(a)  # the cache ran out while both were in flight
     assert s.schedule() is None, "not re-admitted while its tokens are still on the device"
-    s.process(prefill, _ids(7))
+    read_step(s, prefill, _ids(7))
     assert a.output_ids == [7] and a.num_pending == 1 and s.schedule() is None
-    s.process(decode, _ids(9))
+    read_step(s, decode, _ids(9))
     assert a.output_ids == [7, 9] and a.num_pending == 0
     again = s.schedule()  # recomputed from prompt + both tokens
     assert again.num_decode == 0 and again.token_ids.tolist() == [1, 2, 3, 7, 9]
@@ -180,7 +181,7 @@ def test_a_preempted_request_waits_for_its_token_in_flight_and_a_moved_one_is_le
     assert a.num_pending == 0, "the lost launch's token is drawn again, from the same (seed, step)"
     moved = other.schedule()
     assert moved.num_decode == 0 and a.num_pending == 1
-    s.process(again, _ids(11))
+    read_step(s, again, _ids(11))
     assert a.output_ids == [7, 9] and a.num_pending == 1
-    other.process(moved, _ids(13))
+    read_step(other, moved, _ids(13))
     assert a.output_ids == [7, 9, 13] and a.num_pending == 0

@@ -39,13 +39,13 @@ def test_chunked_outputs_equal_unchunked(caching):
 def test_a_long_prompt_does_not_stall_a_running_stream():
     with LLMEngine("default", dtype="float32", runner=_rc(32)) as eng:
         sched = eng.core.scheduler
-        stream = sched.add("stream", eng.encode("Once upon a time"),
-                           SamplingParams(max_tokens=200, ignore_eos=True))
+        stream = eng.add_request("Once upon a time", SamplingParams(max_tokens=200, ignore_eos=True),
+                                 "stream")
         while len(stream.output_ids) < 3:
             eng.core.step()
-        long_ids = eng.encode(LONG)
+        long_ids = eng.input.encode(LONG)
         assert len(long_ids) > 200
-        big = sched.add("big", long_ids, SamplingParams(max_tokens=2, ignore_eos=True))
+        big = eng.add_request(long_ids, SamplingParams(max_tokens=2, ignore_eos=True), "big")
         launches = 0
         before = len(stream.output_ids)
         while not big.output_ids:

@@ -53,7 +53,7 @@ def test_serve_flags_take_effect(flagged):
     rc = RunnerConfig(max_batch=4, num_blocks=128, max_num_batched_tokens=24, enable_prefix_caching=False)
     with LLMEngine("default", dtype="float32", runner=rc) as eng:
         want = [o.token_ids for o in eng.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))]
-        assert len(eng.encode(LONG)) > 24
+        assert len(eng.input.encode(LONG)) > 24
 
     def one(p: str) -> list[int]:
         with Client(flagged.address, timeout_s=300) as c:

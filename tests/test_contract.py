@@ -68,7 +68,7 @@ def test_runtime_outputs_equal_direct_kernel_call(engine):
               SamplingParams(max_tokens=20, temperature=1.0, top_k=5, seed=1, ignore_eos=True),
               SamplingParams(max_tokens=20, logprobs=True, ignore_eos=True)]
     for i, p in enumerate(params):
-        sched.add(f"s{i}", engine.encode(f"prompt number {i}"), p)
+        engine.add_request(f"prompt number {i}", p, f"s{i}")
     for _ in range(4):  # prefill + a few decode steps
         engine.core.step()
     while engine.core.inflight:
@@ -77,9 +77,9 @@ def test_runtime_outputs_equal_direct_kernel_call(engine):
     assert batch.num_decode == batch.batch_size == 3
     c = engine.model.config
     kv_before = engine.runner.kv.data.clone()
-    desc = write_batch(engine.arena, batch, sched.steps, K, c.vocab_size)
+    desc = write_batch(engine.arenas[0], batch, sched.steps, K, c.vocab_size)
     engine.runner.execute(desc)
-    res = read_outputs(engine.arena, desc, batch)
+    res = read_outputs(engine.arenas[0], desc, batch)
 
     kv = copy.copy(engine.runner.kv)
     kv.data = kv_before
@@ -119,7 +119,7 @@ def test_mismatched_tensors_are_refused_before_any_launch(engine):
     pool = DeviceScratchPool(runner.table, runner.max_dims)
     pool._tensors["sampled_ids"] = wrong_dtype
     with pytest.raises(SlotError, match="slot 'sampled_ids': dtype torch.int64"):
-        LaunchRuntime(runner.table, engine.arena, pool)
+        LaunchRuntime(runner.table, engine.arenas[0], pool)
     called = []
     dims = dict(runner.max_dims, B=runner.rc.max_batch + 1)
     with pytest.raises(SlotError, match="outside the allocated"):

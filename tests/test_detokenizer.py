@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from coordinator.engine.detokenizer import Detokenizer
+from coordinator.engine.stop_strings import StopMatcher
+from coordinator.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingError, SamplingParams
 from kernels.model.default_model import resolve_model
 from kernels.model.tokenizer import ByteStream, TextTokenizer, WindowStream
 
@@ -96,3 +98,57 @@ def test_a_stop_string_split_over_two_tokens_is_held_back(byte_level):
             break
     assert d.stopped and d.text == "he"
     assert "".join(out) == "he" and "l" not in "".join(out)
+
+
+def _first_stop(text: str, stops: list[str]) -> int | None:
+    """Brute force: where the first stop string to end in ``text`` starts (the longest of those
+    ending at the same character)."""
+    for end in range(1, len(text) + 1):
+        ending = [s for s in stops if s and text[:end].endswith(s)]
+        if ending:
+            return end - max(len(s) for s in ending)
+    return None
+
+
+def _held(text: str, stops: list[str]) -> int:
+    """Brute force: the longest tail of ``text`` that begins some stop string."""
+    return max((n for s in stops for n in range(1, min(len(s), len(text)) + 1) if text.endswith(s[:n])),
+               default=0)
+
+
+@PROPS
+@given(data=st.data())
+def test_the_stop_automaton_matches_brute_force(data):
+    alphabet = st.sampled_from("abcé東 ")
+    stops = data.draw(st.lists(st.text(alphabet, min_size=1, max_size=5), min_size=1, max_size=6))
+    pieces = data.draw(st.lists(st.text(alphabet, max_size=4), min_size=1, max_size=12))
+    m, text = StopMatcher(stops), ""
+    for piece in pieces:
+        cut = m.feed(piece)
+        want = _first_stop(text + piece, stops)  # none ended in ``text``: checked at earlier pieces
+        if cut is not None or want is not None:
+            assert cut is not None and len(text) + cut == want, (stops, text, piece)
+            return
+        text += piece
+        assert m.held == _held(text, stops), (stops, text)
+
+
+def test_stop_strings_beyond_the_caps_are_refused():
+    SamplingParams(stop=["x" * MAX_STOP_CHARS] * MAX_STOP_STRINGS)
+    with pytest.raises(SamplingError, match=f"at most {MAX_STOP_STRINGS}"):
+        SamplingParams(stop=["x"] * (MAX_STOP_STRINGS + 1))
+    with pytest.raises(SamplingError, match=f"{MAX_STOP_CHARS + 1} characters; at most {MAX_STOP_CHARS}"):
+        SamplingParams(stop=["x" * (MAX_STOP_CHARS + 1)])
+    with pytest.raises(SamplingError, match="list of strings"):
+        SamplingParams(stop=[1])
+
+
+def test_many_long_stop_strings_still_stop_where_they_should(byte_level):
+    """The most a request may carry, one of them in the output: the text is cut before it."""
+    stops = [f"{i:03d}" + "q" * (MAX_STOP_CHARS - 3) for i in range(MAX_STOP_STRINGS - 1)] + ["fox"]
+    d = Detokenizer(byte_level, stops)
+    for tok in byte_level.encode("the quick brown fox jumps"):
+        d.push(tok)
+        if d.stopped:
+            break
+    assert d.stopped and d.text == "the quick brown "

@@ -44,10 +44,10 @@ def _offline_scores(model_dir) -> list[list[float]]:
     with LLMEngine(model_dir, dtype="float32") as eng:
         scores = []
         for question, choices, _ in QUESTIONS:
-            context = eng.encode(f"{question}\nAnswer:")
+            context = eng.input.encode(f"{question}\nAnswer:")
             row = []
             for choice in choices:
-                ids = eng.encode(f"{question}\nAnswer: {choice}")
+                ids = eng.input.encode(f"{question}\nAnswer: {choice}")
                 out = eng.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
                 row.append(sum(out.prompt_logprobs[len(context):]))
             scores.append(row)

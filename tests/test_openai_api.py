@@ -56,7 +56,7 @@ def _auth() -> dict:
 
 
 def _chat_ids(offline: LLMEngine, messages: list[dict]) -> list[int]:
-    return offline.encode(ChatTemplate.from_dir(resolve_model("default")).render(messages))
+    return offline.input.encode(ChatTemplate.from_dir(resolve_model("default")).render(messages))
 
 
 def test_models_and_health(server, oai):
@@ -120,7 +120,7 @@ def test_chat_sync_and_stream_equal_offline(oai, offline):
     template = ChatTemplate.from_dir(resolve_model("default"))
     rendered = template.render(messages, enable_thinking=False)
     assert rendered.endswith("<think>\n\n</think>\n\n")
-    assert off.usage.prompt_tokens == len(offline.encode(rendered)) > len(ids)
+    assert off.usage.prompt_tokens == len(offline.input.encode(rendered)) > len(ids)
 
 
 def test_logprobs(oai):
@@ -175,6 +175,9 @@ def _post(server, path: str, body, headers: dict | None = None, raw: bytes | Non
     ({"prompt": "x", "top_k": 2**80}, None, 400, "top_k"),
     ({"prompt": "x", "logprobs": 2**65}, None, 400, "logprobs"),
     ({"prompt": [1, 2**70]}, None, 400, "prompt"),
+    # Stop strings beyond the documented caps (SamplingParams: 64 strings of 256 characters).
+    ({"prompt": "x", "stop": [f"stop string {i:027d}" for i in range(90_000)]}, None, 400, "stop"),
+    ({"prompt": "x", "stop": ["s" * 257]}, None, 400, "stop"),
 ])
 def test_bad_requests_get_openai_errors(server, body, raw, status, param):
     r = _post(server, "/v1/completions", body, raw=raw)

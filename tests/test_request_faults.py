@@ -20,7 +20,7 @@ from coordinator.sampling_params import SamplingError, SamplingParams
 from coordinator.server.config import ServerConfig
 from coordinator.server.server import Server
 from shared_memory.contract import RunnerConfig
-from tests.support import settled, wait_for
+from tests.support import queue, read_step, settled, wait_for
 from tests.test_sampling import draw
 
 RC = RunnerConfig(max_batch=8, block_size=8, num_blocks=96, top_k=16)
@@ -65,11 +65,12 @@ def test_sample_is_total_over_the_float_range(fields, shape, step):
 def test_a_row_that_fails_while_sampling_fails_alone():
     blocks = BlockManager(num_blocks=16, block_size=4)
     s = Scheduler(blocks, max_model_len=64, max_batch=4)
-    ok = s.add("ok", [1, 2, 3], SamplingParams(max_tokens=4))
-    bad = s.add("bad", [4, 5], SamplingParams(max_tokens=4, temperature=0.5, top_k=4, seed=1, logprobs=True))
+    ok = queue(s, "ok", [1, 2, 3], SamplingParams(max_tokens=4))
+    bad = queue(s, "bad", [4, 5],
+                SamplingParams(max_tokens=4, temperature=0.5, top_k=4, seed=1, logprobs=True))
     batch = s.schedule()
     # The launch returned ids but no logprobs for the row that asked for them: it cannot be read.
-    events = s.process(batch, StepOutputs(step=1, sampled_ids=np.array([7, 9], dtype=np.int32)))
+    events = read_step(s, batch, StepOutputs(step=1, sampled_ids=np.array([7, 9], dtype=np.int32)))
     by_id = {ev.seq.seq_id: ev for ev in events}
     assert by_id["ok"].token == 7 and by_id["ok"].error is None and ok.output_ids == [7]
     assert by_id["bad"].error is not None and by_id["bad"].error.code == "sampling_error"

@@ -7,6 +7,7 @@ from coordinator.engine.llm_engine import LLMEngine
 from coordinator.engine.scheduler import Scheduler
 from coordinator.sampling_params import SamplingParams
 from shared_memory.contract import RunnerConfig
+from tests.support import queue
 
 PROMPTS = [f"request {i}: once upon a time" for i in range(6)]
 
@@ -32,8 +33,8 @@ def test_preempted_requests_recompute_to_the_same_output():
 def test_newest_request_is_preempted_and_blocks_return():
     blocks = BlockManager(num_blocks=6, block_size=2)
     s = Scheduler(blocks, max_model_len=64, max_batch=4)
-    a = s.add("a", [1, 2, 3], SamplingParams(max_tokens=8))
-    b = s.add("b", [4, 5, 6], SamplingParams(max_tokens=8))
+    a = queue(s, "a", [1, 2, 3], SamplingParams(max_tokens=8))
+    b = queue(s, "b", [4, 5, 6], SamplingParams(max_tokens=8))
     batch = s.schedule()
     assert batch.num_decode == 0 and [q.seq_id for q in batch.seqs] == ["a", "b"]
     assert blocks.num_free == 2

@@ -133,7 +133,7 @@ def test_invalid_constraints_are_refused(engine):
     for spec in (StructuredSpec("json", {"type": "object", "properties": {"a": {"type": "nonsense"}}}),
                  StructuredSpec("regex", "(unclosed"), StructuredSpec("grammar", "start: undefined_rule")):
         with pytest.raises(StructuredError):
-            engine.grammars.state(spec)
+            engine.input.grammars.state(spec)
     with pytest.raises(StructuredError):
         StructuredSpec("choice", [])
     with pytest.raises(StructuredError):
@@ -141,7 +141,7 @@ def test_invalid_constraints_are_refused(engine):
 
 
 def test_compiled_grammars_are_cached(engine):
-    g: GrammarCompiler = engine.grammars
+    g: GrammarCompiler = engine.input.grammars
     spec = StructuredSpec("json", {"type": "object", "properties": {"k": {"type": "integer"}}})
     g.state(spec)
     hits = g.hits
@@ -152,7 +152,7 @@ def test_compiled_grammars_are_cached(engine):
 
 def test_thinking_gate_frees_tokens_until_the_end_marker(engine):
     """With thinking "open" the constraint starts after </think> (here several tokens long)."""
-    state = engine.grammars.state(StructuredSpec("choice", ["yes", "no"], thinking="open"))
+    state = engine.input.grammars.state(StructuredSpec("choice", ["yes", "no"], thinking="open"))
     tok = engine.tokenizer
     words = -(-engine.model.config.vocab_size // 32)
     mask = np.zeros((1, words), dtype=np.int32)
@@ -161,7 +161,8 @@ def test_thinking_gate_frees_tokens_until_the_end_marker(engine):
     for t in tok.encode("hmm </think>"):
         state.fill(mask, 0)  # thinking: anything but the end of the output
         free = sampler.allowed_tokens(torch.from_numpy(mask), vocab, bits)[0]
-        assert int(free.sum()) == vocab - len(engine.grammars.ends) and not free[engine.grammars.ends].any()
+        ends = engine.input.grammars.ends
+        assert int(free.sum()) == vocab - len(ends) and not free[ends].any()
         state.accept(t)
     state.fill(mask, 0)
     allowed = sampler.allowed_tokens(torch.from_numpy(mask), vocab, bits)[0]
@@ -206,7 +207,7 @@ def test_native_bitmask_pass_equals_the_torch_one():
 def test_constrained_logprobs_are_the_models(engine):
     """A constrained row's logprobs are the unmasked distribution's, as vLLM reports them."""
     spec = StructuredSpec("choice", ["alpha", "beta"])
-    prompt = engine.encode("The default is")
+    prompt = engine.input.encode("The default is")
     held = engine.generate([prompt], SamplingParams(max_tokens=4, logprobs=True, structured=spec))[0]
     assert held.text in ("alpha", "beta")
     ids = prompt + held.token_ids

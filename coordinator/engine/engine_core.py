@@ -1,4 +1,4 @@
-"""One worker's step, written once: schedule -> write arena -> launch -> read -> process.
+"""One worker's step, written once: schedule -> write arena -> launch -> read -> output.
 
 ``launch()`` starts the next step on the executor and returns at once; ``finish(reply)``
 turns the oldest launch's reply into token events. The offline engine calls them from
@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 
 from coordinator.engine.batch_io import read_outputs, write_batch
 from coordinator.engine.executor import Executor
+from coordinator.engine.output_processor import OutputProcessor
 from coordinator.engine.scheduled_batch import ScheduledBatch
 from coordinator.engine.scheduler import Scheduler
 from coordinator.engine.sequence import Sequence, TokenEvent
 from coordinator.errors import RequestError
 from shared_memory.arena import HostArena
-from shared_memory.contract import LaunchDescriptor, LaunchReply
+from shared_memory.contract import LaunchDescriptor, LaunchReply, RunnerConfig
 
 
 @dataclass
@@ -54,9 +55,10 @@ class Inflight:
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, arenas: list[HostArena], executor: Executor, candidates: int,
-                 vocab_size: int, async_scheduling: bool = False):
+    def __init__(self, scheduler: Scheduler, output: OutputProcessor, arenas: list[HostArena],
+                 executor: Executor, candidates: int, vocab_size: int, async_scheduling: bool = False):
         self.scheduler = scheduler
+        self.output = output
         self.arenas = arenas
         self.executor = executor
         self._sampling = (candidates, vocab_size)
@@ -64,10 +66,12 @@ class EngineCore:
         self.async_scheduling = async_scheduling and len(arenas) > 1
         self.stats = StepStats()
 
-    @property
-    def arena(self) -> HostArena:
-        """The first bank (the only one without async scheduling)."""
-        return self.arenas[0]
+    @classmethod
+    def for_worker(cls, rc: RunnerConfig, vocab_size: int, max_model_len: int, output: OutputProcessor,
+                   arenas: list[HostArena], executor: Executor) -> EngineCore:
+        """One worker's core, offline and served alike: its scheduler over its own KV blocks."""
+        return cls(Scheduler.for_worker(rc, max_model_len), output, arenas, executor, rc.top_k, vocab_size,
+                   rc.async_scheduling)
 
     def has_work(self) -> bool:
         """Requests to run, or launches whose replies are still owed."""
@@ -133,7 +137,9 @@ class EngineCore:
         s.launch_s += reply.seconds
         s.idle_s += reply.idle
         s.wait_s += reply.wait
-        events = self.scheduler.process(batch, read_outputs(self.arenas[desc.bank], desc, batch))
+        out = read_outputs(self.arenas[desc.bank], desc, batch)
+        events = self.output.process(batch, self.scheduler.settle(batch), out)
+        self.scheduler.update(events)
         s.tokens += sum(ev.token is not None for ev in events)
         if desc.kind == "decode":
             b = desc.dims["B"]

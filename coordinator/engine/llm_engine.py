@@ -11,14 +11,13 @@ import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coordinator.engine.detokenizer import Detokenizer
 from coordinator.engine.engine_core import EngineCore
 from coordinator.engine.executor import InProcessExecutor
+from coordinator.engine.input_processor import InputProcessor
+from coordinator.engine.output_processor import OutputProcessor
 from coordinator.engine.request_limits import RequestLimits
-from coordinator.engine.scheduler import Scheduler
 from coordinator.engine.sequence import Sequence
 from coordinator.sampling_params import SamplingParams
-from coordinator.structured.grammar_compiler import GrammarCompiler
 from kernels.model.default_model import resolve_model
 from kernels.model.qwen3 import Qwen3Model
 from kernels.model.tokenizer import TextTokenizer
@@ -65,34 +64,25 @@ class LLMEngine:
         dims = model_dims(self.model, self.rc)
         self.arenas = [HostArena.create(step_table(), dims, tag="engine") for _ in range(self.rc.banks)]
         self.runner = ModelRunner(self.model, self.rc, self.arenas)
-        c = self.model.config
-        self.limits = RequestLimits.for_worker(c, self.rc, self.model.max_model_len)
-        self.core = EngineCore(self.new_scheduler(), self.arenas, InProcessExecutor(self.runner),
-                               self.rc.top_k, c.vocab_size, self.rc.async_scheduling)
+        c, max_len = self.model.config, self.model.max_model_len
+        limits = RequestLimits.for_worker(c, self.rc, max_len)
+        self.input = InputProcessor.for_model(c, self.tokenizer, limits)
+        output = OutputProcessor(c.eos_token_ids, max_len)
+        self.core = EngineCore.for_worker(self.rc, c.vocab_size, max_len, output, self.arenas,
+                                          InProcessExecutor(self.runner))
         self._ids = itertools.count(1)
-        self.grammars = GrammarCompiler.for_model(self.tokenizer, c)
-
-    @property
-    def arena(self) -> HostArena:
-        """The first arena bank (the only one without async scheduling)."""
-        return self.arenas[0]
 
     @property
     def runtime(self) -> LaunchRuntime:
         return self.runner.runtime
 
-    def new_scheduler(self) -> Scheduler:
-        return Scheduler.for_worker(self.model.config, self.rc, self.model.max_model_len)
-
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer.json: give prompts as token ids")
-            return self.tokenizer.encode(prompt)
-        return list(prompt)
-
-    def detokenizer(self, params: SamplingParams) -> Detokenizer | None:
-        return Detokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
+    def add_request(self, prompt: str | list[int], params: SamplingParams,
+                    request_id: str | None = None) -> Sequence:
+        """Queue one request (``step()`` on ``core`` runs it); RequestError if it cannot be served."""
+        n = next(self._ids)
+        seq = self.input.process(request_id or f"req-{n}", n, prompt, params)
+        self.core.scheduler.enqueue(seq)
+        return seq
 
     def generate(self, prompts: list[str | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None
@@ -107,14 +97,7 @@ class LLMEngine:
         errors: dict[str, str] = {}
         try:
             for prompt, p in zip(prompts, params):
-                ids = self.encode(prompt)
-                self.limits.check(ids, p)
-                seq = sched.add(f"req-{next(self._ids)}", ids, p, self.detokenizer(p))
-                seqs.append(seq)
-                if p.structured is not None:
-                    if self.grammars is None:
-                        raise ValueError("structured outputs need the model's tokenizer")
-                    seq.grammar = self.grammars.state(p.structured)
+                seqs.append(self.add_request(prompt, p))
             while self.core.has_work():
                 for ev in self.core.step():
                     if ev.error is not None:

@@ -6,8 +6,9 @@ left (unfinished prompts first, then new admissions, as blocks and rows allow). 
 longer than the budget is split across launches and shares each with the running decodes;
 a chunk's prefix is whatever its sequence has computed (or found in the prefix cache).
 When blocks run out mid-decode the newest request is preempted: its blocks are freed and it
-is recomputed later from prompt + tokens so far. The scheduler is host-only bookkeeping;
-an executor runs the launches.
+is recomputed later from prompt + tokens so far. The scheduler is host-only bookkeeping of
+rows and KV blocks: an executor runs the launches, and the ``OutputProcessor`` turns their ids
+into tokens, text and finishes.
 
 A launch may be scheduled before the previous one's ids are read (async scheduling): what a
 launch computes is counted when it is scheduled, a row whose newest token is still on the
@@ -19,56 +20,37 @@ row is never scheduled.
 
 from __future__ import annotations
 
-import itertools
-import logging
 from collections import deque
 
 import numpy as np
 
 from coordinator.engine.block_manager import BlockManager, OutOfBlocks
-from coordinator.engine.detokenizer import Detokenizer
 from coordinator.engine.scheduled_batch import ScheduledBatch
 from coordinator.engine.sequence import Sequence, TokenEvent
-from coordinator.engine.step_outputs import StepOutputs
-from coordinator.errors import RequestError
-from coordinator.sampling_params import SamplingParams
-from kernels.model.config import Qwen3Config
 from shared_memory.contract import DEFAULT_MAX_NUM_BATCHED_TOKENS, RunnerConfig
-
-log = logging.getLogger(__name__)
 
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_model_len: int, max_batch: int,
-                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS):
         self.blocks = blocks
         self.max_model_len = max_model_len
         self.max_batch = max_batch
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.eos = set(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.steps = 0
-        self._arrivals = itertools.count()
 
     @classmethod
-    def for_worker(cls, config: Qwen3Config, rc: RunnerConfig, max_model_len: int) -> Scheduler:
-        """The scheduler of one worker running ``config`` with ``rc``: offline and served alike."""
+    def for_worker(cls, rc: RunnerConfig, max_model_len: int) -> Scheduler:
+        """The scheduler of one worker with ``rc``: offline and served alike."""
         return cls(BlockManager(rc.num_blocks, rc.block_size, rc.enable_prefix_caching), max_model_len,
-                   rc.max_batch, rc.max_num_batched_tokens, config.eos_token_ids)
+                   rc.max_batch, rc.max_num_batched_tokens)
 
     # ------------------------------------------------------------------ requests
 
-    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams,
-            detok: Detokenizer | None = None) -> Sequence:
-        """Queue a new request (checked beforehand: ``RequestLimits``), numbered on arrival."""
-        seq = Sequence(seq_id, list(prompt_ids), params, arrival=next(self._arrivals), detok=detok)
-        self.waiting.append(seq)
-        return seq
-
     def enqueue(self, seq: Sequence) -> None:
-        """Queue a request numbered elsewhere (the coordinator numbers arrivals globally)."""
+        """Queue a new request (built and checked by the ``InputProcessor``)."""
         self.waiting.append(seq)
 
     def resume(self, seq: Sequence) -> None:
@@ -239,67 +221,31 @@ class Scheduler:
 
     # ------------------------------------------------------------------- results
 
-    def process(self, batch: ScheduledBatch, out: StepOutputs) -> list[TokenEvent]:
-        """Read each row's token from the launch's outputs and retire finished rows.
-
-        A row of a request that finished meanwhile (its extra token) or left is skipped.
-        A row that raises fails alone: its request leaves the batch with an error event
-        and the other rows go on (one request must never stop a worker's loop).
-        """
-        events = []
+    def settle(self, batch: ScheduledBatch) -> list[int]:
+        """The rows of a finished launch whose results still count, before the output processor
+        reads them: a sampled token is no longer pending, and a chunk short of its prompt's end
+        names the full blocks it computed. Rows of requests that finished meanwhile (their extra
+        token), left or moved are dropped."""
+        rows = []
         for row, seq in enumerate(batch.seqs):
             if seq.finish_reason is not None or not self._holds(seq):
-                continue  # finished by an earlier token (this one is extra), aborted, or moved
-            try:
-                out.record_prompt_logprobs(row, seq)
-                if not batch.samples[row]:  # a chunk short of the prompt's end: no token
-                    upto = batch.computed_to[row]
-                    if seq in self.running and self.blocks.needs_commit(seq.seq_id, upto):
-                        self.blocks.commit(seq.seq_id, seq.all_ids, upto)
-                    continue
+                continue
+            if batch.samples[row]:
                 seq.num_pending -= 1
-                events.append(self._append(seq, out.token(row, seq.seq_id), row, out))
-            except Exception as exc:  # noqa: BLE001 - isolated to this request
-                log.exception("request %s failed while reading its token", seq.seq_id)
+            else:
+                upto = batch.computed_to[row]
+                if seq in self.running and self.blocks.needs_commit(seq.seq_id, upto):
+                    self.blocks.commit(seq.seq_id, seq.all_ids, upto)
+            rows.append(row)
+        return rows
+
+    def update(self, events: list[TokenEvent]) -> None:
+        """After the output processor: name the blocks each new token completed (K/V exist for
+        every token but the one just sampled), and retire what finished or failed."""
+        for ev in events:
+            seq = ev.seq
+            if ev.token is not None and seq in self.running \
+                    and self.blocks.needs_commit(seq.seq_id, seq.num_tokens - 1):
+                self.blocks.commit(seq.seq_id, seq.all_ids, seq.num_tokens - 1)
+            if ev.finished:
                 self._retire(seq)
-                seq.finish_reason = "error"
-                events.append(TokenEvent(seq, None, True, error=RequestError(
-                    "sampling_error", f"sampling failed: {type(exc).__name__}: {exc}")))
-        return events
-
-    def _append(self, seq: Sequence, token: int, row: int, out: StepOutputs) -> TokenEvent:
-        if seq.params.logprobs:
-            lp, top = out.logprobs(row, seq.seq_id, seq.params.top_logprobs)
-            seq.logprobs.append(lp)
-            if seq.params.top_logprobs:
-                seq.top_logprobs.append(top)
-        seq.output_ids.append(token)
-        if seq.grammar is not None:
-            seq.grammar.accept(token)
-        # K/V now exist for every token but the one just sampled: name the full blocks.
-        if seq in self.running and self.blocks.needs_commit(seq.seq_id, seq.num_tokens - 1):
-            self.blocks.commit(seq.seq_id, seq.all_ids, seq.num_tokens - 1)
-        if seq.detok is not None:
-            seq.detok.push(token)
-        seq.finish_reason = self._finish_reason(seq, token)
-        finished = seq.finish_reason is not None
-        if finished:
-            self._retire(seq)
-        text = ""
-        if seq.detok is not None:
-            if finished:
-                seq.detok.finish()
-            text = seq.detok.delta(final=finished)
-        return TokenEvent(seq, token, finished, text)
-
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if seq.detok is not None and seq.detok.stopped:
-            return "stop"
-        if seq.grammar is not None and seq.grammar.done:
-            return "stop"
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos):
-            return "stop"
-        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None

@@ -18,6 +18,7 @@ from coordinator.openai import output_constraint, tool_choice
 from coordinator.openai.api_error import ApiError
 from coordinator.openai.chat_template import ChatTemplate, ChatTemplateError
 from coordinator.openai.tool_choice import ToolPlan
+from coordinator.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from coordinator.structured.structured_spec import StructuredError, StructuredSpec
 from kernels.model.tokenizer import TextTokenizer
 
@@ -145,6 +146,9 @@ def _sampling(body: dict, default_max: int) -> dict:
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
             raise ApiError(400, "'stop' must be a string or a list of strings", param="stop",
                            code="bad_field")
+        if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ApiError(400, f"'stop' may hold at most {MAX_STOP_STRINGS} strings of at most "
+                           f"{MAX_STOP_CHARS} characters", param="stop", code="bad_param")
         params["stop"] = [s for s in stops if s]
     return params
 

@@ -1,4 +1,5 @@
-"""Turning a parsed ``generate`` into a ``Sequence``: limits, tokenizing, validation.
+"""The server's own caps on a parsed ``generate`` (per client, in all, characters, max_tokens),
+before the ``InputProcessor`` turns it into a ``Sequence``.
 
 Everything here runs before a request enters any queue, so a refusal costs the
 server nothing and names the limit that was hit.
@@ -6,15 +7,13 @@ server nothing and names the limit that was hit.
 
 from __future__ import annotations
 
-from coordinator.engine.detokenizer import Detokenizer
+from coordinator.engine.input_processor import InputProcessor
 from coordinator.engine.request_limits import RequestLimits
 from coordinator.engine.sequence import Sequence
 from coordinator.errors import RequestError
 from coordinator.server.config import ServerConfig
 from coordinator.server.protocol import GenerateRequest
 from coordinator.server.request_table import RequestTable
-from coordinator.structured.grammar_compiler import GrammarCompiler
-from coordinator.structured.structured_spec import StructuredError
 from kernels.model.config import Qwen3Config
 from kernels.model.tokenizer import TextTokenizer
 
@@ -23,13 +22,11 @@ class Admission:
     def __init__(self, cfg: ServerConfig, config: Qwen3Config, tokenizer: TextTokenizer | None,
                  max_model_len: int):
         self.limits = cfg.limits
-        self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.max_tokens = min(self.limits.max_tokens or max_model_len, max_model_len)
         # Every worker has the same shape: one check answers "can this be served?".
-        self.engine_limits = RequestLimits.for_worker(config, cfg.runner, max_model_len,
-                                                      self.limits.max_prompt_tokens)
-        self.grammars = GrammarCompiler.for_model(tokenizer, config)
+        self.input = InputProcessor.for_model(config, tokenizer, RequestLimits.for_worker(
+            config, cfg.runner, max_model_len, self.limits.max_prompt_tokens))
 
     def check_limits(self, identity: bytes, req: GenerateRequest, requests: RequestTable) -> None:
         lim = self.limits
@@ -48,24 +45,11 @@ class Admission:
             raise RequestError("max_tokens_too_large",
                                f"max_tokens is {req.params.max_tokens}; this server allows {self.max_tokens}")
 
-    def prompt_ids(self, req: GenerateRequest) -> list[int]:
-        if req.prompt is None:
-            return list(req.prompt_ids or [])
-        if self.tokenizer is None:
-            raise RequestError("no_tokenizer", "this model has no tokenizer: send prompt_ids", req.id)
-        return self.tokenizer.encode(req.prompt)
-
     def sequence(self, seq_id: str, arrival: int, req: GenerateRequest) -> Sequence:
-        """The request as a sequence, or RequestError naming what it exceeds."""
-        prompt_ids = self.prompt_ids(req)
-        self.engine_limits.check(prompt_ids, req.params)
-        detok = Detokenizer(self.tokenizer, req.params.stop) if self.tokenizer is not None else None
-        seq = Sequence(seq_id, prompt_ids, req.params, arrival=arrival, detok=detok)
-        if req.params.structured is not None:
-            if self.grammars is None:
-                raise RequestError("no_tokenizer", "structured outputs need the model's tokenizer", req.id)
-            try:
-                seq.grammar = self.grammars.state(req.params.structured)
-            except StructuredError as exc:
-                raise RequestError("bad_structured_output", str(exc), req.id) from None
-        return seq
+        """The request as a sequence, or RequestError (with the client's id) naming what it exceeds."""
+        try:
+            prompt = req.prompt if req.prompt is not None else req.prompt_ids
+            return self.input.process(seq_id, arrival, prompt, req.params)
+        except RequestError as exc:
+            exc.request_id = req.id
+            raise

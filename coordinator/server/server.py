@@ -24,7 +24,7 @@ import zmq
 
 from coordinator.engine.engine_core import EngineCore
 from coordinator.engine.executor import SocketExecutor, WorkerGone
-from coordinator.engine.scheduler import Scheduler
+from coordinator.engine.output_processor import OutputProcessor
 from coordinator.engine.sequence import TokenEvent
 from coordinator.errors import RequestError
 from coordinator.server import protocol
@@ -55,6 +55,7 @@ class Server:
         self.max_model_len = min(cfg.max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
         self.admission = Admission(cfg, self.config, self.tokenizer, self.max_model_len)
+        self.output = OutputProcessor(self.config.eos_token_ids, self.max_model_len)
         self.requests = RequestTable()
         self.ctx = zmq.Context()
         self.pool: WorkerPool | None = None
@@ -87,9 +88,8 @@ class Server:
         log.info("coordinator serving on %s with %d %s workers", self.address, n, self.pool.device.kind)
 
     def _new_core(self, arenas: list[HostArena], executor: SocketExecutor) -> EngineCore:
-        c, rc = self.config, self.cfg.runner
-        return EngineCore(Scheduler.for_worker(c, rc, self.max_model_len), arenas, executor, rc.top_k,
-                          c.vocab_size, rc.async_scheduling)
+        return EngineCore.for_worker(self.cfg.runner, self.config.vocab_size, self.max_model_len, self.output,
+                                     arenas, executor)
 
     @property
     def workers(self) -> list[WorkerHandle]:
@@ -143,9 +143,7 @@ class Server:
         ready = dict(poller.poll(50))
         for w in list(pool.workers):
             if w.executor.ready(ready):
-                events = w.core.finish(w.executor.wait())
-                self.counters.tokens += sum(ev.token is not None for ev in events)
-                for ev in events:
+                for ev in w.core.finish(w.executor.wait()):
                     self._emit(ev)
         for w, reason in pool.find_lost(ready):
             self._worker_lost(w, reason)

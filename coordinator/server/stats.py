@@ -25,7 +25,6 @@ class FaultCounters:
 class ServerCounters:
     started_at: float
     completed: int = 0
-    tokens: int = 0  # generated, over every worker that ever ran
 
 
 def rss_bytes() -> int:
@@ -59,11 +58,12 @@ def server_stats(counters: ServerCounters, faults: FaultCounters, requests: Requ
                  pool: WorkerPool, fe: Frontend) -> dict:
     elapsed = max(time.time() - counters.started_at, 1e-9)
     workers = pool.workers
+    tokens = pool.retired_tokens + sum(w.core.stats.tokens for w in workers)  # every worker that ever ran
     return {
         "queue_length": router.queue_length,
         "running": sum(len(w.scheduler.running) for w in workers),
-        "completed": counters.completed, "tokens": counters.tokens,
-        "tokens_per_s": counters.tokens / elapsed, "uptime_s": elapsed,
+        "completed": counters.completed, "tokens": tokens,
+        "tokens_per_s": tokens / elapsed, "uptime_s": elapsed,
         "workers": [worker_stats(w) for w in workers], "starting": len(pool.starting),
         "coordinator": {"pending": len(requests), "clients": len(requests.identities()),
                         "orphans": len(router.orphans), "owed_frames": fe.owed,

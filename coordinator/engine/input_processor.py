@@ -1,0 +1,61 @@
+"""A request in, a ``Sequence`` out: written once for the server and the offline engine.
+
+Tokenizes text (or takes ids), checks what a worker can serve (``RequestLimits``), attaches
+the detokenizer that builds the output text and the grammar that constrains it. Everything
+here runs before a request enters any queue, so a refusal costs nothing and names the limit
+(a ``RequestError`` with its protocol code).
+"""
+
+from __future__ import annotations
+
+from coordinator.engine.detokenizer import Detokenizer
+from coordinator.engine.request_limits import RequestLimits
+from coordinator.engine.sequence import Sequence
+from coordinator.errors import RequestError
+from coordinator.sampling_params import SamplingParams
+from coordinator.structured.grammar_compiler import GrammarCompiler
+from coordinator.structured.structured_spec import StructuredError
+from kernels.model.config import Qwen3Config
+from kernels.model.tokenizer import TextTokenizer
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: TextTokenizer | None, limits: RequestLimits,
+                 grammars: GrammarCompiler | None):
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.grammars = grammars
+
+    @classmethod
+    def for_model(cls, config: Qwen3Config, tokenizer: TextTokenizer | None,
+                  limits: RequestLimits) -> InputProcessor:
+        return cls(tokenizer, limits, GrammarCompiler.for_model(tokenizer, config))
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a text prompt (ids are taken as given; ``RequestLimits`` checks them)."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise RequestError("no_tokenizer", "this model has no tokenizer.json: give prompts as token ids")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate: no text a tokenizer can take
+            raise RequestError("bad_prompt", f"prompt is not valid Unicode text: {exc.reason} at "
+                               f"character {exc.start}") from None
+        return self.tokenizer.encode(prompt)
+
+    def process(self, seq_id: str, arrival: int, prompt: str | list[int],
+                params: SamplingParams) -> Sequence:
+        """The request as a sequence, or RequestError naming what it exceeds."""
+        ids = self.encode(prompt)
+        self.limits.check(ids, params)
+        detok = Detokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
+        seq = Sequence(seq_id, ids, params, arrival=arrival, detok=detok)
+        if params.structured is not None:
+            if self.grammars is None:
+                raise RequestError("no_tokenizer", "structured outputs need the model's tokenizer")
+            try:
+                seq.grammar = self.grammars.state(params.structured)
+            except StructuredError as exc:
+                raise RequestError("bad_structured_output", str(exc)) from None
+        return seq
