@@ -18,9 +18,8 @@ import numpy as np
 
 from benchmarks.common import RUNS, fmt, machine, percentile, spread
 from coordinator.engine.llm_engine import LLMEngine
+from coordinator.model_files.default_model import resolve_model
 from coordinator.sampling_params import SamplingParams
-from kernels.model.default_model import resolve_model
-from shared_memory.contract import RunnerConfig
 
 
 def gaps(model_dir, budget: int, streams: int, long: int, long_tokens: int, dtype: str) -> dict:
@@ -28,10 +27,10 @@ def gaps(model_dir, budget: int, streams: int, long: int, long_tokens: int, dtyp
     rng = np.random.default_rng(0)
     max_len = long_tokens + 256
     whole = streams + long * long_tokens  # every prompt in one launch, beside the decode rows
-    rc = RunnerConfig(max_batch=streams + long, block_size=16, top_k=8,
-                      num_blocks=(streams + long) * (-(-max_len // 16)) + 8,
+    rc = dict(max_batch=streams + long, block_size=16, sampler_candidates=8,
+              num_blocks=(streams + long) * (-(-max_len // 16)) + 8,
                       max_num_batched_tokens=budget or whole, enable_prefix_caching=False)
-    with LLMEngine(str(model_dir), dtype=dtype, runner=rc, max_model_len=max_len) as eng:
+    with LLMEngine(str(model_dir), dtype=dtype, **rc, max_model_len=max_len) as eng:
         sched = eng.core.scheduler
         runs = [sched.add(f"s{i}", rng.integers(10, vocab, 16).tolist(),
                           SamplingParams(max_tokens=max_len - 32, ignore_eos=True)) for i in range(streams)]

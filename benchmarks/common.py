@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.model.default_model import default_model_dir
+from coordinator.model_files.default_model import default_model_dir
 
 PRESET = "benchmark"
 

@@ -44,7 +44,7 @@ import numpy as np
 
 from benchmarks import llama_cpp
 from benchmarks.common import RUNS, fmt, machine, read_bandwidth, spread
-from kernels.model.default_model import cache_root, default_model_dir
+from coordinator.model_files.default_model import cache_root, default_model_dir
 
 PRESET = "qwen3-0.6b"
 # Environment that caps every engine at an instruction set (``--isa``); "native" leaves each its best.
@@ -71,13 +71,12 @@ def fusedserve_generate(model_dir: Path, batch: list[list[int]], new: int, quant
     """Output tokens/s of ``runs`` ``LLMEngine.generate`` calls over ``batch`` (a warm-up first)."""
     from coordinator.engine.llm_engine import LLMEngine
     from coordinator.sampling_params import SamplingParams
-    from shared_memory.contract import RunnerConfig
 
     total = len(batch[0]) + new + 1
-    rc = RunnerConfig(max_batch=len(batch), block_size=16, num_blocks=len(batch) * -(-total // 16) + 4,
-                      top_k=8)
+    rc = dict(max_batch=len(batch), block_size=16, num_blocks=len(batch) * -(-total // 16) + 4,
+              sampler_candidates=8)
     figures = []
-    with LLMEngine(str(model_dir), dtype=dtype, quantization=quantization, runner=rc,
+    with LLMEngine(str(model_dir), dtype=dtype, quantization=quantization, **rc,
                    max_model_len=total + 16, device=device) as eng:
         eng.generate([batch[0][:8]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         for _ in range(runs):

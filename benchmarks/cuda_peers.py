@@ -26,7 +26,7 @@ from benchmarks import decode_step
 from benchmarks.common import fmt, machine, spread
 from benchmarks.cpu_peers import PRESET, fusedserve_generate, prompts
 from benchmarks.throughput import transformers_generate
-from kernels.model.default_model import default_model_dir
+from coordinator.model_files.default_model import default_model_dir
 
 
 def medians(row: dict) -> dict[int, float]:

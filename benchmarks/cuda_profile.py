@@ -32,17 +32,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import machine, read_bandwidth
-from benchmarks.decode_step import greedy_batch, weight_bytes
-from coordinator.engine.batch_io import write_batch
+from benchmarks.decode_step import bench_runner, greedy_batch, launch, weight_bytes
+from coordinator.model_files.default_model import default_model_dir
 from kernels.model.config import Qwen3Config
-from kernels.model.default_model import default_model_dir
 from kernels.model.loader import LayerWeights, Qwen3Weights
 from kernels.model.qwen3 import Qwen3Model
-from shared_memory.arena import HostArena
-from shared_memory.contract import RunnerConfig
-from shared_memory.slots import step_table
 from worker.graphs import GREEDY
-from worker.model_runner import ModelRunner, model_dims
 
 CASES = [(1, 128), (16, 128), (64, 128), (32, 4096)]  # (batch, context)
 QWEN3_8B = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -105,16 +100,15 @@ def profile_model(model: Qwen3Model, cases: list[tuple[int, int]], calls: int, r
     max_b = max(b for b, _ in cases)
     per_seq = max(-(-(ctx + 2) // bs) for _, ctx in cases)
     blocks = max(b * -(-(ctx + 2) // bs) for b, ctx in cases)
-    rc = RunnerConfig(max_batch=max_b, block_size=bs, num_blocks=blocks, top_k=64)
-    arena = HostArena.create(step_table(), model_dims(model, rc), tag="profile")
+    cfg, arena, runner = bench_runner(model, "profile", max_batch=max_b, block_size=bs, num_blocks=blocks,
+                                      sampler_candidates=64)
     wbytes = weight_bytes(model)
     kv_per_token = c.num_hidden_layers * 2 * c.kv_size * model.dtype.itemsize
     try:
-        runner = ModelRunner(model, rc, arena)
         graphs, rows = runner.graphs, []
         for b, ctx in cases:
             tables = np.arange(b * per_seq, dtype=np.int32).reshape(b, per_seq)
-            desc = write_batch(arena, greedy_batch(tables, ctx, bs), 0, rc.top_k, c.vocab_size)
+            desc = launch(arena, greedy_batch(tables, ctx, bs), 0, cfg, c.vocab_size)
             replay = graphs.graphs[graphs.bucket(b), GREEDY].replay
             for _ in range(3):
                 runner.execute(desc)

@@ -12,9 +12,8 @@ import json
 
 from benchmarks.common import machine
 from coordinator.engine.llm_engine import LLMEngine
+from coordinator.model_files.default_model import resolve_model
 from coordinator.sampling_params import SamplingParams
-from kernels.model.default_model import resolve_model
-from shared_memory.contract import RunnerConfig
 
 
 def batches(n: int) -> dict[str, list[SamplingParams]]:
@@ -34,8 +33,8 @@ def run(model: str, n: int, dtype: str) -> dict:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompts = [[11 + i, 12, 13, 14] for i in range(n)]
     rows = {}
-    rc = RunnerConfig(max_batch=n, block_size=16, num_blocks=4 * n)
-    with LLMEngine(str(model_dir), dtype=dtype, runner=rc, max_model_len=64) as eng:
+    rc = dict(max_batch=n, block_size=16, num_blocks=4 * n)
+    with LLMEngine(str(model_dir), dtype=dtype, **rc, max_model_len=64) as eng:
         eng.runtime.keep_history = 10_000
         for name, params in batches(n).items():
             eng.runtime.history.clear()

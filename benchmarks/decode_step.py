@@ -25,9 +25,9 @@ from kernels.linear import Int8Weight, PackedWeight
 from kernels.model.qwen3 import Qwen3Model
 from kernels.model.tensor_parallel import SINGLE, TensorParallel
 from shared_memory.arena import HostArena
-from shared_memory.contract import RunnerConfig
+from shared_memory.engine_config import EngineConfig
 from shared_memory.slots import step_table
-from worker.model_runner import ModelRunner, model_dims
+from worker.model_runner import ModelRunner
 
 
 def weight_bytes(model: Qwen3Model) -> int:
@@ -53,11 +53,25 @@ def greedy_batch(tables: np.ndarray, pos: int, block_size: int) -> ScheduledBatc
     b = tables.shape[0]
     seqs = [Sequence(f"bench{i}", [7], SamplingParams(max_tokens=1 << 30, seed=0)) for i in range(b)]
     return ScheduledBatch(
-        seqs=seqs, num_decode=b, query_lens=[1] * b,
+        seqs=tuple(seqs), num_decode=b, query_lens=(1,) * b,
         token_ids=np.full(b, 7, dtype=np.int32), positions=np.full(b, pos, dtype=np.int32),
         slot_mapping=(tables[:, pos // block_size] * block_size + pos % block_size).astype(np.int64),
         seq_lens=np.full(b, pos + 1, dtype=np.int32), block_tables=tables,
-        feed_rows=np.full(b, -1, dtype=np.int32), draw_steps=[0] * b)
+        feed_rows=np.full(b, -1, dtype=np.int32), samples=(True,) * b, computed_to=(pos + 1,) * b,
+        draw_steps=(0,) * b)
+
+
+def bench_runner(model: Qwen3Model, tag: str,
+                 **settings: object) -> tuple[EngineConfig, HostArena, ModelRunner]:
+    """A model runner over one arena bank of its own, sized by ``settings`` (EngineConfig names)."""
+    cfg = EngineConfig.build(max_model_len=model.max_model_len, **settings)
+    arena = HostArena.create(step_table(), cfg.max_dims(model.config.vocab_size), tag=tag)
+    return cfg, arena, ModelRunner(model, cfg, arena, writes_outputs=model.tp.rank == 0)
+
+
+def launch(arena: HostArena, batch: ScheduledBatch, step: int, cfg: EngineConfig, vocab: int):
+    """The descriptor of ``batch`` written into ``arena`` (bank 0)."""
+    return write_batch(arena, batch, step, 0, cfg.device.sampler_candidates, vocab)[0]
 
 
 def run(batches: list[int], context: int, steps: int, dtype: str, quantization: str | None = None,
@@ -72,10 +86,8 @@ def run(batches: list[int], context: int, steps: int, dtype: str, quantization: 
     bs = 16
     max_b = max(batches)
     per_seq = -(-(context + steps + 1) // bs)
-    rc = RunnerConfig(max_batch=max_b, block_size=bs, num_blocks=max_b * per_seq, top_k=64,
-                      graphs=graphs)
-    arena = HostArena.create(step_table(), model_dims(model, rc), tag="bench")
-    runner = ModelRunner(model, rc, arena, writes_outputs=tp.rank == 0)
+    cfg, arena, runner = bench_runner(model, "bench", max_batch=max_b, block_size=bs,
+                                      num_blocks=max_b * per_seq, sampler_candidates=64, graphs=graphs)
     wbytes = weight_bytes(model)
     kv_per_token = c.num_hidden_layers * 2 * c.kv_size * model.dtype.itemsize
     rows = []
@@ -84,7 +96,7 @@ def run(batches: list[int], context: int, steps: int, dtype: str, quantization: 
         times, rec = [], None
         for s in range(steps):
             pos = context + s
-            desc = write_batch(arena, greedy_batch(tables, pos, bs), s, rc.top_k, c.vocab_size)
+            desc = launch(arena, greedy_batch(tables, pos, bs), s, cfg, c.vocab_size)
             t0 = time.perf_counter()
             rec = runner.execute(desc)
             times.append(time.perf_counter() - t0)

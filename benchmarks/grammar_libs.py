@@ -25,8 +25,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from benchmarks.common import fmt, machine, spread
-from kernels.model.default_model import cache_root, resolve_model
-from kernels.model.tokenizer import TextTokenizer
+from coordinator.model_files.default_model import cache_root, resolve_model
+from coordinator.model_files.tokenizer import TextTokenizer
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "address"],
           "properties": {"name": {"type": "string"}, "age": {"type": "integer"},

@@ -19,14 +19,13 @@ def _server(transport: str, max_batch: int, threads: int, dtype: str, async_sche
 
     from coordinator.server.config import ServerConfig
     from coordinator.server.server import Server
-    from shared_memory.contract import RunnerConfig
 
     if not ray.is_initialized():
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    cfg = ServerConfig(model="default:benchmark", workers=1, device="cpu", port=0, dtype=dtype,
+    cfg = ServerConfig.build(model="default:benchmark", workers=1, device="cpu", port=0, dtype=dtype,
                        max_model_len=256, threads_per_worker=threads, transport=transport,
-                       runner=RunnerConfig(max_batch=max_batch, block_size=16, num_blocks=max_batch * 16 + 8,
-                                           async_scheduling=async_scheduling))
+                       **dict(max_batch=max_batch, block_size=16, num_blocks=max_batch * 16 + 8,
+                              async_scheduling=async_scheduling))
     coord = Server(cfg)
     coord.start()
     coord.serve_in_thread()

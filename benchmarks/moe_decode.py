@@ -22,7 +22,7 @@ import torch
 
 from benchmarks import decode_step
 from benchmarks.common import fmt, machine, median, spread
-from kernels.model.default_model import cache_root
+from coordinator.model_files.default_model import cache_root
 
 SHAPE = dict(vocab_size=32768, hidden_size=1024, num_hidden_layers=6, num_attention_heads=16,
              num_key_value_heads=4, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True)

@@ -3,7 +3,7 @@ fusedserve's own engine and kernels.
 
     python -m benchmarks.perplexity
 
-The held-out text ships with the model (``kernels/model/default_model/heldout.txt``: documents
+The held-out text ships with the model (``coordinator/model_files/default_model/heldout.txt``: documents
 of its corpus it was not trained on). Each window of 256 predictions is one request through
 ``LLMEngine`` asking for its prompt logprobs (``SamplingParams.prompt_logprobs``): the same
 scheduler, launch contract, native kernels and quantized weights as serving: int8 per output
@@ -17,10 +17,9 @@ import argparse
 import math
 
 from coordinator.engine.llm_engine import LLMEngine
+from coordinator.model_files.default_model import resolve_model
+from coordinator.model_files.tokenizer import TextTokenizer
 from coordinator.sampling_params import SamplingParams
-from kernels.model.default_model import resolve_model
-from kernels.model.tokenizer import TextTokenizer
-from shared_memory.contract import RunnerConfig
 
 WINDOW = 256
 SETTINGS = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
@@ -40,10 +39,10 @@ def engine_perplexity(eng: LLMEngine, ids: list[int], window: int = WINDOW) -> f
 def run(max_tokens: int = 8192, model: str = "default") -> dict[str, float]:
     model_dir = resolve_model(model)
     ids = TextTokenizer.from_dir(model_dir).encode((model_dir / "heldout.txt").read_text())[:max_tokens]
-    rc = RunnerConfig(max_batch=16, block_size=16, num_blocks=16 * (WINDOW // 16 + 2))
+    rc = dict(max_batch=16, block_size=16, num_blocks=16 * (WINDOW // 16 + 2))
     result: dict[str, float] = {"tokens": len(ids)}
     for name, kw in SETTINGS.items():
-        with LLMEngine(model, runner=rc, **kw) as eng:
+        with LLMEngine(model, **rc, **kw) as eng:
             result[name] = engine_perplexity(eng, ids)
     return result
 

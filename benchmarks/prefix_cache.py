@@ -16,9 +16,8 @@ import numpy as np
 
 from benchmarks.common import RUNS, fmt, machine, spread
 from coordinator.engine.llm_engine import LLMEngine
+from coordinator.model_files.default_model import resolve_model
 from coordinator.sampling_params import SamplingParams
-from kernels.model.default_model import resolve_model
-from shared_memory.contract import RunnerConfig
 
 
 def ttft(eng: LLMEngine, prompt: list[int]) -> float:
@@ -37,9 +36,9 @@ def once(model_dir, system_tokens: int, question_tokens: int, repeats: int, dtyp
     total = system_tokens + question_tokens + 8
     out = {}
     for caching in (True, False):
-        rc = RunnerConfig(max_batch=4, block_size=16, num_blocks=4 * (-(-total // 16)) + 8,
-                          enable_prefix_caching=caching)
-        with LLMEngine(str(model_dir), dtype=dtype, runner=rc, max_model_len=total) as eng:
+        rc = dict(max_batch=4, block_size=16, num_blocks=4 * (-(-total // 16)) + 8,
+                  enable_prefix_caching=caching)
+        with LLMEngine(str(model_dir), dtype=dtype, **rc, max_model_len=total) as eng:
             ttft(eng, rng.integers(10, vocab, 16).tolist())  # warm-up, shares nothing
             first = ttft(eng, system + questions[0])
             later = [ttft(eng, system + q) for q in questions[1:]]

@@ -30,7 +30,7 @@ from benchmarks import (
     tp_decode,
 )
 from benchmarks.common import RUNS, checkpoint, fmt, median, spread
-from kernels.model.default_model import default_model_dir
+from coordinator.model_files.default_model import default_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

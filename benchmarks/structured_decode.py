@@ -24,10 +24,9 @@ from pathlib import Path
 from benchmarks.common import fmt, machine, median, spread
 from benchmarks.grammar_libs import wide_tokenizer
 from coordinator.engine.llm_engine import LLMEngine
+from coordinator.model_files.default_model import cache_root, default_model_dir
 from coordinator.sampling_params import SamplingParams
 from coordinator.structured.structured_spec import StructuredSpec
-from kernels.model.default_model import cache_root, default_model_dir
-from shared_memory.contract import RunnerConfig
 
 SCHEMA = {"type": "array", "minItems": 64, "items": {
     "type": "object", "additionalProperties": False, "required": ["id", "word"],
@@ -53,8 +52,8 @@ def model_dir(name: str) -> Path:
 
 
 def run(name: str, batch: int, tokens: int, runs: int, dtype: str) -> dict:
-    rc = RunnerConfig(max_batch=batch, num_blocks=batch * (tokens + 64) // 16 + 8)
-    with LLMEngine(str(model_dir(name)), dtype=dtype, runner=rc) as eng:
+    rc = dict(max_batch=batch, num_blocks=batch * (tokens + 64) // 16 + 8)
+    with LLMEngine(str(model_dir(name)), dtype=dtype, **rc) as eng:
         prompts = PROMPTS[:batch]
 
         def once(constrained: bool) -> float:
@@ -83,10 +82,10 @@ def parser_cost(runs: int) -> dict:
     """The gateway's reasoning split and tool-call parsing, per streamed token: a Qwen3 turn
     (a think block, prose, two calls) pushed through ``ChatStream`` one token's text at a time,
     against the same text passed through as plain content."""
+    from coordinator.model_files.default_model import resolve_model
+    from coordinator.model_files.tokenizer import TextTokenizer
     from coordinator.openai.chat_output import ChatStream
     from coordinator.openai.tool_choice import ToolPlan
-    from kernels.model.default_model import resolve_model
-    from kernels.model.tokenizer import TextTokenizer
 
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s", "unit": "C"}}\n</tool_call>'
     turn = ("<think>\nThe user wants the weather in two cities, so I call the tool twice and compare "

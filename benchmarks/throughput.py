@@ -57,14 +57,13 @@ def server_generate(batch: list[list[int]], output_len: int, dtype: str, threads
     from coordinator.client import Client
     from coordinator.server.config import ServerConfig
     from coordinator.server.server import Server
-    from shared_memory.contract import RunnerConfig
 
     if not ray.is_initialized():
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     blocks = max_batch * (-(-(len(batch[0]) + output_len + 1) // 16)) + 8
-    cfg = ServerConfig(model=f"default:{'benchmark'}", workers=1, device="cpu", port=0, dtype=dtype,
+    cfg = ServerConfig.build(model=f"default:{'benchmark'}", workers=1, device="cpu", port=0, dtype=dtype,
                        max_model_len=len(batch[0]) + output_len + 16, threads_per_worker=threads,
-                       runner=RunnerConfig(max_batch=max_batch, block_size=16, num_blocks=blocks))
+                       **dict(max_batch=max_batch, block_size=16, num_blocks=blocks))
     coord = Server(cfg)
     coord.start()
     coord.serve_in_thread()

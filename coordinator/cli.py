@@ -15,10 +15,13 @@ from typing import TYPE_CHECKING
 
 from coordinator.client import DEFAULT_ADDRESS, TOKEN_ENV, Client, ServerError
 from coordinator.server.ray_cluster import EmbeddedHead, RayPorts, connect
+from kernels.quantize import QUANTIZATIONS
+from shared_memory.engine_config import SchedulerConfig
 
 if TYPE_CHECKING:
     from coordinator.server.server import Server
-from shared_memory.contract import DEFAULT_MAX_NUM_BATCHED_TOKENS, RunnerConfig
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = SchedulerConfig.max_num_batched_tokens
 
 DEMO_PROMPTS = [
     "The with statement",
@@ -54,18 +57,17 @@ def _read_token(args: argparse.Namespace) -> str | None:
 def _server_config(args: argparse.Namespace, token: str | None = None):
     from coordinator.server.config import Limits, ServerConfig
 
-    rc = RunnerConfig(max_batch=args.max_batch, block_size=args.block_size, num_blocks=args.num_blocks,
-                      enable_prefix_caching=not args.no_prefix_caching,
-                      max_num_batched_tokens=args.max_num_batched_tokens,
-                      async_scheduling=not args.no_async_scheduling)
     limits = Limits(max_tokens=args.max_tokens_limit, max_requests_per_client=args.max_requests_per_client,
                     max_prompt_tokens=args.max_prompt_tokens)
-    return ServerConfig(model=args.model, workers=args.workers, device=args.device, host=args.host,
-                        port=args.port, dtype=args.dtype, quantization=args.quantization,
-                        max_model_len=args.max_model_len, runner=rc,
-                        threads_per_worker=args.threads_per_worker, transport=args.transport,
-                        tensor_parallel_size=args.tensor_parallel_size,
-                        enable_expert_parallel=args.enable_expert_parallel, auth_token=token, limits=limits)
+    return ServerConfig.build(
+        model=args.model, workers=args.workers, device=args.device, dtype=args.dtype,
+        quantization=args.quantization, max_model_len=args.max_model_len, max_batch=args.max_batch,
+        block_size=args.block_size, num_blocks=args.num_blocks,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=not args.no_async_scheduling,
+        threads_per_worker=args.threads_per_worker, tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+        host=args.host, port=args.port, transport=args.transport, auth_token=token, limits=limits)
 
 
 def _ray(args: argparse.Namespace) -> EmbeddedHead | None:
@@ -248,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dtype", default=None,
                        help="float32, bfloat16, float16, or auto (the fastest here for the checkpoint; "
                        "default: the checkpoint's)")
-        p.add_argument("--quantization", default=None, choices=["none", "int8", "int8-weight-only", "int4"],
+        p.add_argument("--quantization", default=None, choices=["none", *QUANTIZATIONS],
                        help="quantized at load: int8 per channel, int4 in groups of 32 (lm_head int8); "
                        "on the CPU both multiply with int8 activations (per token); int8-weight-only "
                        "keeps the activations 16-bit")

@@ -60,9 +60,6 @@ class Client:
             msg = {**msg, "auth": self.token}
         self.sock.send(msgpack.packb(msg, use_bin_type=True))
 
-    def send_raw(self, frame: bytes) -> None:
-        self.sock.send(frame)
-
     def recv(self) -> dict:
         """The next reply; the server's liveness ``ping`` frames are skipped."""
         while True:

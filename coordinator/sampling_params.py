@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass, field
 
 from coordinator.structured.structured_spec import StructuredSpec
-from shared_memory.contract import MAX_TOP_LOGPROBS
+from shared_memory.slots import MAX_TOP_LOGPROBS
 
 
 class SamplingError(ValueError):

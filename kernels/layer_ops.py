@@ -1,10 +1,11 @@
-"""A layer's ops between its matmuls: the native CPU passes, or ATen's ops elsewhere.
+"""A layer's ops between its matmuls: the ``LayerOps`` interface every backend implements,
+and the float32 math the ATen and reference paths share.
 
-``NativeLayerOps`` and ``TorchLayerOps`` are the two implementations of one interface, chosen
-once per model (``kernels/backend.py``): a fused residual add + RMSNorm; the per-head q/k
-RMSNorm + rotary that Qwen3 applies before attention, with this launch's K and V written into
-their cache slots; the MLP's SiLU x up; and, before sampling, a grammar's token bitmask. Both
-write into tensors the caller owns, so a decode step allocates nothing. The math follows
+``LayerOps`` is one interface with four implementations, one per backend (``kernels/backends/``:
+native, aten, triton, ascend), chosen once per model: a fused residual add + RMSNorm; the per-head
+q/k RMSNorm + rotary that Qwen3 applies before attention, with this launch's K and V written into
+their cache slots; the MLP's SiLU x up; and, before sampling, a grammar's token bitmask. Each
+writes into tensors the caller owns, so a decode step allocates nothing. The math follows
 transformers' Qwen3 (RMSNorm in float32, rotate-half rotary embedding), rounded in the model's
 dtype as it rounds.
 """
@@ -12,11 +13,9 @@ dtype as it rounds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
+from typing import Protocol
 
 import torch
-
-from kernels import sampler
 
 
 @dataclass
@@ -97,74 +96,19 @@ def rope_tables(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-class NativeLayerOps:
-    """One pass per row (add + norm), per head (norm + rotary + cache write) and per row of the
-    MLP (SiLU x up): ``kernels/csrc/norm.cpp``."""
-
-    def __init__(self, native: ModuleType, eps: float, heads: int, kv_heads: int):
-        self.native, self.eps, self.heads, self.kv_heads = native, eps, heads, kv_heads
-
+class LayerOps(Protocol):
     def add_rms_norm(self, x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor,
                      out: torch.Tensor, buf: NormScratch) -> None:
         """``x += add`` (if given), then ``out = rms_norm(x) * weight``."""
-        self.native.add_rms_norm(x, add, weight, self.eps, out)
 
     def qk_norm_rope(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                      cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor, buf: NormScratch,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """q heads of ``qkv`` normed and rotated into ``q_out`` [n, heads, hd]; k heads in place;
         each token's k and v heads into row ``slot_mapping[t]`` of the caches."""
-        self.native.qk_norm_rope(qkv, q_weight, k_weight, cos, sin, self.eps, q_out, self.heads,
-                                 self.kv_heads, k_cache, v_cache, slot_mapping)
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
         """``out = silu(gate) * up`` for ``gate_up = [gate, up]``."""
-        self.native.silu_mul(gate_up, out)
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-        """``logits[b, v] = -inf`` where bit v of ``bitmask[b]`` is clear (one pass, in place)."""
-        self.native.apply_token_bitmask(logits, bitmask)
-
-
-class TorchLayerOps:
-    """ATen's ops over the layer buffers' float32 scratch (eight ops a norm)."""
-
-    def __init__(self, eps: float, hidden: int, heads: int, kv_heads: int, head_dim: int,
-                 device: torch.device):
-        f32 = {"dtype": torch.float32, "device": device}
-        # 0-dim constants: a Python scalar operand would be boxed into a new tensor per op.
-        self.eps = torch.tensor(eps, **f32)
-        self.inv_hidden = torch.tensor(1.0 / hidden, **f32)
-        self.inv_head = torch.tensor(1.0 / head_dim, **f32)
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.bit_table = sampler.bit_table(device)
-
-    def add_rms_norm(self, x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor,
-                     out: torch.Tensor, buf: NormScratch) -> None:
-        if add is not None:
-            x.add_(add)
-        n = x.shape[0]
-        rms_norm(x, weight, self.eps, out, buf.f32_h[:n], buf.var_h[:n], self.inv_hidden)
-
-    def qk_norm_rope(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                     cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor, buf: NormScratch,
-                     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        n, nh, nkv, hd = qkv.shape[0], self.heads, self.kv_heads, self.head_dim
-        q = qkv[:, : nh * hd].view(n, nh, hd)
-        k = qkv[:, nh * hd : (nh + nkv) * hd].view(n, nkv, hd)
-        rms_norm(q, q_weight, self.eps, q_out, buf.f32_q[:n], buf.var_q[:n], self.inv_head)
-        rms_norm(k, k_weight, self.eps, k, buf.f32_k[:n], buf.var_k[:n], self.inv_head)
-        cos3, sin3 = cos.unsqueeze(1), sin.unsqueeze(1)
-        rotary(q_out, cos3, sin3, buf.rot_q[:n])
-        rotary(k, cos3, sin3, buf.rot_k[:n])
-        k_cache.index_copy_(0, slot_mapping, k)
-        v_cache.index_copy_(0, slot_mapping, qkv[:, (nh + nkv) * hd :].view(n, nkv, hd))
-
-    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
-        gate = gate_up[:, : out.shape[1]]
-        torch.nn.functional.silu(gate, inplace=True)
-        torch.mul(gate, gate_up[:, out.shape[1] :], out=out)
-
-    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-        allowed = sampler.allowed_tokens(bitmask, logits.shape[1], self.bit_table)
-        logits.masked_fill_(allowed.logical_not_(), float("-inf"))
+        """``logits[b, v] = -inf`` where bit v of ``bitmask[b]`` is clear (in place)."""

@@ -1,10 +1,12 @@
 """The matmul of every projection, chosen once per model from the device and the weights.
 
-A weight is a 16/32-bit tensor ``[out, in]`` or an ``Int8Weight`` (weight-only int8,
-per-output-channel scales). On the CPU the native kernels (``kernels/native.py``)
-stream 16-bit and int8 weights with fp32 accumulation; fp32 weights and CPUs
-without the native build use ATen. CUDA and Ascend use their vendor int8 ops.
-Every path writes into the caller's ``out``.
+A weight is a 16/32-bit tensor ``[out, in]``, an ``Int8Weight`` (int8, per-output-channel
+scales), an ``Int4Weight`` (4-bit, an fp16 scale per group of 32 inputs), or a ``PackedWeight``:
+one of those packed once at load into the layout of the native GEMM that runs it (bf16 pairs,
+FMA panels, W8A8 or W4A8). On the CPU the native kernels (``kernels/native.py``) run every
+weight but fp32, int8 and int4 with int8 activations quantized per token unless the model keeps
+them 16-bit (``int8-weight-only``); fp32 weights and CPUs without the native build use ATen. CUDA
+and Ascend use their vendor int8 ops. Every path writes into the caller's ``out``.
 """
 
 from __future__ import annotations

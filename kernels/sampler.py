@@ -32,6 +32,15 @@ _FIXED = float(1 << 40)
 TEMPERATURE, TOP_P, MIN_P, TOP_K = range(4)
 
 
+def row_paths(t, k, n: int):
+    """Which rows take which path, on numpy arrays (the host's plan) or tensors (the device's
+    draw) alike: (sampled among the ``n`` candidates, sampled over the whole vocabulary) from
+    each row's temperature ``t`` and ``top_k`` ``k``. Greedy rows take neither."""
+    random = t > 0
+    candidates = random & (k >= 1) & (k <= n)
+    return candidates, random & ~candidates
+
+
 @dataclass(frozen=True)
 class SamplingPlan:
     """Which stages a launch runs, from its rows' settings: known on the host when the launch
@@ -61,9 +70,7 @@ class SamplingPlan:
         """The plan of rows whose ``params`` [B, 4] are (temperature, top_p, min_p, top_k)."""
         t, top_p, min_p, k = (params[:, c] for c in (TEMPERATURE, TOP_P, MIN_P, TOP_K))
         n = min(candidates, vocab)
-        random = t > 0
-        cand = random & (k >= 1) & (k <= n)
-        full = random & ~cand
+        cand, full = row_paths(t, k, n)
         return cls(candidates=bool(cand.any()), full=bool(full.any()),
                    wide_top_k=bool((full & (k > n) & (k < vocab)).any()),
                    top_p=bool((full & (top_p < 1)).any()), min_p=bool((full & (min_p > 0)).any()))
@@ -215,14 +222,15 @@ def sample(logits: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, out:
     token = torch.argmax(logits, dim=-1)
     t, k = params[:, TEMPERATURE], params[:, TOP_K]
     n = min(candidates, logits.shape[1])
+    in_candidates, in_full = row_paths(t, k, n)
     if plan.candidates:
-        in_candidates = (t > 0) & (k >= 1) & (k <= n)
         token = torch.where(in_candidates, _candidate_draw(logits, params, seeds, n), token)
     if plan.full:
-        in_full = (t > 0) & ((k < 1) | (k > n))
         token = torch.where(in_full, _full_draw(logits, params, seeds, plan), token)
     out.copy_(token)
     return out
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, lp_out: torch.Tensor,
                    top_ids_out: torch.Tensor, top_values_out: torch.Tensor) -> None:
     """For each row of ``logits`` [R, V]: the full-vocabulary logprob of ``tokens`` [R] into

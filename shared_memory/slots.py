@@ -18,6 +18,18 @@ from enum import Enum
 
 import torch
 
+MAX_TOP_LOGPROBS = 20  # N and NP at most (coordinator.sampling_params refuses more)
+
+
+def bitmask_words(vocab: int) -> int:
+    """VW: int32 words of one row's token bitmask (bit v % 32 of word v // 32 allows token v)."""
+    return -(-vocab // 32)
+
+
+def table_width(max_model_len: int, block_size: int) -> int:
+    """W at most: the blocks of a sequence as long as the model allows."""
+    return -(-max_model_len // block_size)
+
 
 class Placement(Enum):
     HOST_SHARED = "host_shared"
@@ -117,11 +129,6 @@ class SlotTable:
 
     def host_outputs(self) -> list[Slot]:
         return [s for s in self.slots if s.host_shared and s.writes]
-
-    def check_all(self, tensors: dict[str, torch.Tensor], dims: dict[str, int]) -> None:
-        """Check every given tensor against its slot; unknown names are errors too."""
-        for name, tensor in tensors.items():
-            self[name].check(tensor, dims)
 
 
 HS, DR = Placement.HOST_SHARED, Placement.DEVICE_RESIDENT

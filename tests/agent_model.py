@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from tokenizers import AddedToken, Tokenizer
 
-from kernels.model.default_model import CHAT_TEMPLATE, resolve_model
+from coordinator.model_files.default_model import CHAT_TEMPLATE, resolve_model
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now.",

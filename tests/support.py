@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
+import numpy as np
 import zmq
 
 from coordinator.client import Client
@@ -15,6 +17,10 @@ from coordinator.engine.scheduler import Scheduler
 from coordinator.engine.sequence import Sequence, TokenEvent
 from coordinator.engine.step_outputs import StepOutputs
 from coordinator.sampling_params import SamplingParams
+from coordinator.server.config import ServerConfig
+from coordinator.server.server import Server
+from shared_memory.arena import HostArena
+from shared_memory.contract import LaunchDescriptor, LaunchReply
 
 
 def wait_for(pred: Callable[[], object], timeout_s: float, what: str, every_s: float = 0.005) -> None:
@@ -69,3 +75,47 @@ def read_step(sched: Scheduler, batch: ScheduledBatch, out: StepOutputs,
     events = output.process(batch, sched.settle(batch), out)
     sched.update(events)
     return events
+
+
+@contextmanager
+def running_server(**settings: object) -> Iterator[Server]:
+    """An in-process server (``ServerConfig.build`` names; one CPU worker on a free port unless
+    given) with its loop on a thread, shut down when the block ends. Needs a Ray session."""
+    coord = Server(ServerConfig.build(**{"workers": 1, "device": "cpu", "port": 0, **settings}))
+    coord.start()
+    try:
+        coord.serve_in_thread()
+        yield coord
+    finally:
+        coord.shutdown()
+
+
+class EchoRunner:
+    """A model-free runner behind the real contract: it reads the inputs the coordinator wrote into
+    an arena bank and writes the outputs the coordinator reads, and row r samples (its last input
+    token + 1) % vocab, fed on the "device" (here: its own last ids) where the coordinator has not
+    read its input yet. A request's output is then known without a model: prompt[-1] + 1, + 2, ...
+    whatever the batching. Logprob rows get -(token / vocab), top-n the next n ids at -1 each."""
+
+    def __init__(self, arenas: list[HostArena], vocab: int):
+        self.arenas, self.vocab = arenas, vocab
+        self.last = np.zeros(0, dtype=np.int32)  # the previous launch's sampled ids
+        self.launches: list[LaunchDescriptor] = []
+
+    def execute(self, desc: LaunchDescriptor) -> LaunchReply:
+        a, d = self.arenas[desc.bank], desc.dims
+        b = d["B"]
+        ids = a.view("token_ids", (d["T"],)).numpy()
+        ends = a.view("query_start_loc", (d["B1"],)).numpy()[1:] - 1
+        feed = a.view("feed_rows", (b,)).numpy()
+        last = np.where(feed >= 0, self.last[np.maximum(feed, 0)] if len(self.last) else 0, ids[ends])
+        out = ((last.astype(np.int64) + 1) % self.vocab).astype(np.int32)
+        a.view("sampled_ids", (b,)).numpy()[:] = out
+        rows = a.view("logprob_rows", (d["NL"],)).numpy()
+        a.view("sampled_logprobs", (d["NL"],)).numpy()[:] = -(out[rows] / self.vocab)
+        top = a.view("top_logprob_ids", (d["NL"], d["N"])).numpy()
+        top[:] = (out[rows][:, None] + np.arange(d["N"])[None, :]) % self.vocab
+        a.view("top_logprob_values", (d["NL"], d["N"])).numpy()[:] = -1.0
+        self.last = out
+        self.launches.append(desc)
+        return LaunchReply(True, d2h=b * 4)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels import ascend
-from kernels.backend import select_kernels
+from kernels.backends import select_kernels
 from kernels.model.config import Qwen3Config
 
 SMALL = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -22,7 +22,7 @@ def test_the_modules_import_without_torch_npu_and_are_not_chosen_elsewhere(monke
         importlib.import_module(name)  # torch_npu is imported only when an op object is built
     monkeypatch.setenv("FUSEDSERVE_ASCEND_FUSED", "1")
     k = select_kernels(SMALL, torch.float32, torch.device("cpu"))
-    assert not k.ascend and k.capturable
+    assert k.name == "native" and k.capturable  # the CPU's backend, flag or not
     if importlib.util.find_spec("torch_npu") is None:
         assert not ascend.available()
 
@@ -31,16 +31,15 @@ def test_the_modules_import_without_torch_npu_and_are_not_chosen_elsewhere(monke
 def test_the_fused_ops_run_the_engine_as_aten_does(monkeypatch):  # pragma: no cover - Ascend machines
     from coordinator.engine.llm_engine import LLMEngine, load_model
     from coordinator.sampling_params import SamplingParams
-    from shared_memory.contract import RunnerConfig
 
     prompts = ["The history of", "Python is a", "Once upon a time there"]
-    runner = RunnerConfig(max_batch=4, block_size=16, num_blocks=64, top_k=16, graphs="off")
+    runner = dict(max_batch=4, block_size=16, num_blocks=64, sampler_candidates=16, graphs="off")
     outs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("FUSEDSERVE_ASCEND_FUSED", flag)
         model, tok = load_model("default", "bfloat16", "npu", 128)
-        assert model.kernels.ascend == (flag == "1")
-        with LLMEngine(model, runner=runner, tokenizer=tok) as eng:
+        assert (model.kernels.name == "ascend") == (flag == "1")
+        with LLMEngine(model, **runner, tokenizer=tok) as eng:
             got = eng.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
         outs[flag] = [o.token_ids for o in got]
     assert outs["1"] == outs["0"]

@@ -12,7 +12,6 @@ from coordinator.engine.llm_engine import LLMEngine
 from coordinator.engine.scheduler import Scheduler
 from coordinator.engine.step_outputs import StepOutputs
 from coordinator.sampling_params import SamplingParams
-from shared_memory.contract import RunnerConfig
 from tests.support import queue, read_step
 
 PROMPTS = ["The history of", "In the beginning", "Python is a", "Once upon a time there",
@@ -30,9 +29,9 @@ def _params(i: int) -> SamplingParams:
 
 
 def _run(async_scheduling: bool, prompts: list[str], **rc: int) -> tuple[list, LLMEngine, int]:
-    runner = RunnerConfig(max_batch=4, block_size=4, num_blocks=rc.pop("num_blocks", 64),
-                          async_scheduling=async_scheduling, **rc)
-    eng = LLMEngine("default", dtype="float32", runner=runner)
+    runner = dict(max_batch=4, block_size=4, num_blocks=rc.pop("num_blocks", 64),
+                  async_scheduling=async_scheduling, **rc)
+    eng = LLMEngine("default", dtype="float32", **runner)
     try:
         outs = eng.generate(prompts, [_params(i) for i in range(len(prompts))])
     finally:
@@ -76,7 +75,7 @@ def test_outputs_identical_under_preemption():
 
 def test_stop_strings_and_max_tokens_are_exact_and_the_extra_token_is_never_streamed():
     eng = LLMEngine("default", dtype="float32",
-                    runner=RunnerConfig(max_batch=4, block_size=4, num_blocks=64))
+                    **dict(max_batch=4, block_size=4, num_blocks=64))
     try:
         free = eng.generate(["The history of"], SamplingParams(max_tokens=12))[0]
         stop_id = free.token_ids[4]
@@ -121,7 +120,7 @@ def test_stop_strings_and_max_tokens_are_exact_and_the_extra_token_is_never_stre
 
 
 def test_abort_with_two_launches_in_flight_frees_everything():
-    eng = LLMEngine("default", dtype="float32", runner=RunnerConfig(max_batch=4, block_size=4, num_blocks=32))
+    eng = LLMEngine("default", dtype="float32", **dict(max_batch=4, block_size=4, num_blocks=32))
     try:
         sched, core = eng.core.scheduler, eng.core
         a = eng.add_request("The history of", SamplingParams(max_tokens=20), "a")
@@ -146,8 +145,8 @@ def test_the_cli_turns_it_off_and_it_is_on_by_default():
 
     on = _server_config(build_parser().parse_args(["serve"]))
     off = _server_config(build_parser().parse_args(["serve", "--no-async-scheduling"]))
-    assert on.runner.async_scheduling and on.runner.banks == 2
-    assert not off.runner.async_scheduling and off.runner.banks == 1
+    assert on.engine.scheduler.async_scheduling and on.engine.banks == 2
+    assert not off.engine.scheduler.async_scheduling and off.engine.banks == 1
 
 
 def _sched(num_blocks: int = 16) -> Scheduler:

@@ -13,13 +13,12 @@ from coordinator.sampling_params import SamplingParams
 from kernels.model.config import ConfigError, Qwen3Config
 from kernels.model.loader import WeightError
 from kernels.model.qwen3 import Qwen3Model
-from shared_memory.contract import RunnerConfig
 
 
 @pytest.fixture(scope="module")
 def engine(hf_checkpoints):
-    rc = RunnerConfig(max_batch=2, block_size=4, num_blocks=32, top_k=8)
-    with LLMEngine(hf_checkpoints["gqa2_untied"], dtype="float32", max_model_len=40, runner=rc) as eng:
+    rc = dict(max_batch=2, block_size=4, num_blocks=32, sampler_candidates=8)
+    with LLMEngine(hf_checkpoints["gqa2_untied"], dtype="float32", max_model_len=40, **rc) as eng:
         yield eng
 
 
@@ -82,7 +81,7 @@ def test_missing_weight_tensor(tmp_path, hf_checkpoints):
 
 
 def test_default_model_is_deterministic(tmp_path):
-    from kernels.model.default_model import write_checkpoint
+    from coordinator.model_files.default_model import write_checkpoint
 
     write_checkpoint(tmp_path / "a")
     write_checkpoint(tmp_path / "b")

@@ -8,24 +8,24 @@ import pytest
 from coordinator.engine.llm_engine import LLMEngine
 from coordinator.sampling_params import SamplingParams
 from coordinator.server.config import ServerConfig
-from shared_memory.contract import RunnerConfig
+from shared_memory.engine_config import EngineConfig
 
 LONG = " ".join(f"item {i} is the number {i * 7 % 13}." for i in range(60))
 SHORT = ["Hello", "def hello(name):", "The capital of France is"]
 
 
-def _rc(budget: int, caching: bool = True) -> RunnerConfig:
-    return RunnerConfig(max_batch=4, block_size=8, num_blocks=128, top_k=8, max_num_batched_tokens=budget,
-                        enable_prefix_caching=caching)
+def _rc(budget: int, caching: bool = True) -> dict:
+    return dict(max_batch=4, block_size=8, num_blocks=128, sampler_candidates=8,
+                max_num_batched_tokens=budget, enable_prefix_caching=caching)
 
 
 @pytest.mark.parametrize("caching", [False, True])
 def test_chunked_outputs_equal_unchunked(caching):
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     prompts = [*SHORT, LONG, LONG + " And so on."]  # the long ones prefill while the short decode
-    with LLMEngine("default", dtype="float32", runner=_rc(4096, caching)) as eng:  # nothing split
+    with LLMEngine("default", dtype="float32", **_rc(4096, caching)) as eng:  # nothing split
         want = [o.token_ids for o in eng.generate(prompts, params)]
-    with LLMEngine("default", dtype="float32", runner=_rc(24, caching)) as eng:
+    with LLMEngine("default", dtype="float32", **_rc(24, caching)) as eng:
         eng.runtime.keep_history = 10_000
         got = [o.token_ids for o in eng.generate(prompts, params)]
         launches = eng.runtime.history
@@ -37,7 +37,7 @@ def test_chunked_outputs_equal_unchunked(caching):
 
 
 def test_a_long_prompt_does_not_stall_a_running_stream():
-    with LLMEngine("default", dtype="float32", runner=_rc(32)) as eng:
+    with LLMEngine("default", dtype="float32", **_rc(32)) as eng:
         sched = eng.core.scheduler
         stream = eng.add_request("Once upon a time", SamplingParams(max_tokens=200, ignore_eos=True),
                                  "stream")
@@ -61,11 +61,11 @@ def test_a_long_prompt_does_not_stall_a_running_stream():
 
 def test_out_of_range_chunking_is_refused_at_start():
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        RunnerConfig(max_batch=8, max_num_batched_tokens=8).check()  # no room beyond the decode rows
+        EngineConfig.build(max_batch=8, max_num_batched_tokens=8).check()  # no room beyond the decode rows
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        RunnerConfig(max_num_batched_tokens=0).check()  # a launch needs a budget
+        EngineConfig.build(max_num_batched_tokens=0).check()  # a launch needs a budget
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        ServerConfig(runner=RunnerConfig(max_batch=8, max_num_batched_tokens=3)).check()
+        ServerConfig.build(max_batch=8, max_num_batched_tokens=3).check()
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        LLMEngine("default", runner=RunnerConfig(max_batch=8, max_num_batched_tokens=5))
-    RunnerConfig(max_batch=8, max_num_batched_tokens=9).check()
+        LLMEngine("default", max_batch=8, max_num_batched_tokens=5)
+    EngineConfig.build(max_batch=8, max_num_batched_tokens=9).check()

@@ -16,7 +16,6 @@ from coordinator.cli import DEMO_PROMPTS
 from coordinator.client import Client
 from coordinator.engine.llm_engine import LLMEngine
 from coordinator.sampling_params import SamplingParams
-from shared_memory.contract import RunnerConfig
 from tests.serve_proc import ServeProcess
 from tests.support import settled
 
@@ -50,8 +49,8 @@ def flagged(ray_session, tmp_path_factory):
 
 def test_serve_flags_take_effect(flagged):
     prompts = ["Hello", LONG, "def hello(name):", LONG]  # the long prompt twice: no cache to hit
-    rc = RunnerConfig(max_batch=4, num_blocks=128, max_num_batched_tokens=24, enable_prefix_caching=False)
-    with LLMEngine("default", dtype="float32", runner=rc) as eng:
+    rc = dict(max_batch=4, num_blocks=128, max_num_batched_tokens=24, enable_prefix_caching=False)
+    with LLMEngine("default", dtype="float32", **rc) as eng:
         want = [o.token_ids for o in eng.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))]
         assert len(eng.input.encode(LONG)) > 24
 
@@ -80,7 +79,7 @@ def test_serve_on_cuda_equals_offline_on_cuda(ray_session, tmp_path):  # pragma:
     finally:
         proc.stop()
     with LLMEngine("default", dtype="float32", device="cuda",
-                   runner=RunnerConfig(max_batch=4, num_blocks=64)) as eng:
+                   **dict(max_batch=4, num_blocks=64)) as eng:
         want = [o.token_ids for o in eng.generate(DEMO_PROMPTS[:3], SamplingParams(max_tokens=12,
                                                                                     ignore_eos=True))]
     assert got == want and kernels["attention"] == "aten-gather"
@@ -91,7 +90,8 @@ def test_parallel_flags_reach_the_server_config():
 
     cfg = _server_config(build_parser().parse_args(["serve", "-tp", "2", "--enable-expert-parallel",
                                                     "--workers", "3"]))
-    assert (cfg.workers, cfg.tensor_parallel_size, cfg.enable_expert_parallel) == (3, 2, True)
+    p = cfg.engine.parallel
+    assert (p.workers, p.tensor_parallel_size, p.enable_expert_parallel) == (3, 2, True)
     cfg.check()
     alone = _server_config(build_parser().parse_args(["serve", "--enable-expert-parallel"]))
     with pytest.raises(ValueError, match="tensor_parallel_size > 1"):

@@ -9,22 +9,16 @@ import pytest
 import zmq
 
 from coordinator.client import Client
-from coordinator.server.config import ServerConfig
-from coordinator.server.server import Server
-from shared_memory.contract import RunnerConfig
-from tests.support import dealer, settled
+from tests.support import dealer, running_server, settled
 
-RC = RunnerConfig(max_batch=16, block_size=16, num_blocks=1200, top_k=16)
+RC = dict(max_batch=16, block_size=16, num_blocks=1200, sampler_candidates=16)
 
 
 @pytest.fixture(scope="module")
 def server(ray_session):
-    coord = Server(ServerConfig(workers=1, device="cpu", port=0, runner=RC, dtype="float32",
-                                     max_model_len=2048, send_hwm=64, send_buffer_bytes=65536))
-    coord.start()
-    coord.serve_in_thread()
-    yield coord
-    coord.shutdown()
+    with running_server(**RC, dtype="float32", max_model_len=2048, send_hwm=64,
+                        send_buffer_bytes=65536) as coord:
+        yield coord
 
 
 def _request(rid: int, stream: bool, max_tokens: int) -> bytes:

@@ -11,7 +11,6 @@ import torch
 from coordinator.engine.llm_engine import LLMEngine, load_model
 from coordinator.sampling_params import SamplingParams
 from kernels.sampler import SamplingPlan, sample, token_logprobs
-from shared_memory.contract import RunnerConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -34,9 +33,9 @@ def _params(i: int) -> SamplingParams:
 
 def _run(model_and_tokenizer, **rc) -> tuple[list, LLMEngine]:
     model, tok = model_and_tokenizer
-    runner = RunnerConfig(**{"max_batch": 4, "block_size": 8, "num_blocks": 64, "top_k": 16, **rc})
+    runner = {"max_batch": 4, "block_size": 8, "num_blocks": 64, "sampler_candidates": 16, **rc}
     prompts = PROMPTS * 2  # repeats hit the prefix cache
-    eng = LLMEngine(model, runner=runner, tokenizer=tok)
+    eng = LLMEngine(model, **runner, tokenizer=tok)
     try:
         eng.runtime.keep_history = 10_000
         outs = eng.generate(prompts, [_params(i) for i in range(len(prompts))])
@@ -73,7 +72,7 @@ def test_d2h_per_decode_step_is_ids_and_asked_logprobs(model_and_tokenizer):
 def test_seeded_rows_draw_the_same_alone_and_batched(model_and_tokenizer):
     model, tok = model_and_tokenizer
     params = [_params(i) for i in range(4)]
-    with LLMEngine(model, runner=RunnerConfig(max_batch=4, block_size=8, num_blocks=64, top_k=16),
+    with LLMEngine(model, **dict(max_batch=4, block_size=8, num_blocks=64, sampler_candidates=16),
                    tokenizer=tok) as eng:
         batched = [o.token_ids for o in eng.generate(PROMPTS[:4], params)]
         alone = [eng.generate([PROMPTS[i]], [params[i]])[0].token_ids for i in range(4)]
@@ -90,8 +89,8 @@ def test_cuda_logits_match_transformers(hf_checkpoints, name):
     with torch.no_grad():
         ref = hf(ids).logits[0]
     model, _ = load_model(path, "float32", "cuda", 64)
-    rc = RunnerConfig(max_batch=2, block_size=4, num_blocks=32, top_k=8)
-    with LLMEngine(model, runner=rc) as eng:
+    rc = dict(max_batch=2, block_size=4, num_blocks=32, sampler_candidates=8)
+    with LLMEngine(model, **rc) as eng:
         eng.generate([ids[0, :11].tolist()], SamplingParams(max_tokens=1))
         logits = eng.runner.logits[0].cpu()  # the prefill's last row
     torch.testing.assert_close(logits, ref[10], atol=2e-4, rtol=1e-4)
@@ -165,20 +164,15 @@ def test_a_decode_step_is_one_replay_with_the_sampler_and_no_host_sync(monkeypat
     import numpy as np
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.decode_step import greedy_batch
-    from coordinator.engine.batch_io import write_batch
-    from shared_memory.arena import HostArena
-    from shared_memory.slots import step_table
-    from worker.model_runner import ModelRunner, model_dims
+    from benchmarks.decode_step import bench_runner, greedy_batch, launch
 
     if triton == "1":
         pytest.importorskip("triton")
     monkeypatch.setenv("FUSEDSERVE_TRITON", triton)
     model, _ = load_model("default", "bfloat16", "cuda", 128)
-    rc = RunnerConfig(max_batch=8, block_size=16, num_blocks=64, top_k=16)
-    arena = HostArena.create(step_table(), model_dims(model, rc), tag="onegraph")
+    cfg, arena, runner = bench_runner(model, "onegraph", max_batch=8, block_size=16, num_blocks=64,
+                                      sampler_candidates=16)
     try:
-        runner = ModelRunner(model, rc, arena)
         step = runner._step
 
         def checked(v, desc):
@@ -196,7 +190,7 @@ def test_a_decode_step_is_one_replay_with_the_sampler_and_no_host_sync(monkeypat
             if kind == "sampled":
                 for seq in batch.seqs:
                     seq.params = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=1 << 30)
-            desc = write_batch(arena, batch, 0, rc.top_k, model.config.vocab_size)
+            desc = launch(arena, batch, 0, cfg, model.config.vocab_size)
             runner.execute(desc)  # warm
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 runner.execute(desc)
@@ -211,14 +205,14 @@ def test_the_triton_kernels_run_the_engine_as_aten_does(monkeypatch):
     """``FUSEDSERVE_TRITON=1``: the Triton layer ops and paged attention (kernels/triton/) give the
     ATen path's greedy tokens, in float32, under the same graphs and async scheduling."""
     pytest.importorskip("triton")
-    runner = RunnerConfig(max_batch=4, block_size=8, num_blocks=64, top_k=16)
+    runner = dict(max_batch=4, block_size=8, num_blocks=64, sampler_candidates=16)
     params = [SamplingParams(max_tokens=24, ignore_eos=True) for _ in PROMPTS]
     outs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("FUSEDSERVE_TRITON", flag)
         model, tok = load_model("default", "float32", "cuda", 128)
-        assert model.kernels.triton == (flag == "1")
-        with LLMEngine(model, runner=runner, tokenizer=tok) as eng:
+        assert (model.kernels.name == "triton") == (flag == "1")
+        with LLMEngine(model, **runner, tokenizer=tok) as eng:
             outs[flag] = [o.token_ids for o in eng.generate(PROMPTS, params)]
     assert outs["1"] == outs["0"]
 
@@ -266,7 +260,7 @@ def test_triton_bf16_logits_are_no_further_from_fp32_than_atens(monkeypatch):
     """The issue's numeric bound: with bf16 weights, the Triton path's logits stay as close to the
     float32 ATen logits as the ATen path's bf16 logits are (prefill, then decode steps)."""
     pytest.importorskip("triton")
-    from kernels.model.default_model import resolve_model
+    from coordinator.model_files.default_model import resolve_model
     from kernels.model.qwen3 import Qwen3Model
     from tests.model_batches import decode_batch, prompt_batch
 

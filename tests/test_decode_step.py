@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from kernels.attention.torch_gather import AttentionScratch, paged_decode_attention
+from kernels.backends.aten import AttentionScratch, paged_decode_attention
 from kernels.model.qwen3 import Qwen3Model
 from tests.model_batches import decode_batch, prompt_batch
 

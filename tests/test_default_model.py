@@ -9,9 +9,9 @@ import torch
 
 from coordinator.cli import DEMO_PROMPTS
 from coordinator.engine.llm_engine import LLMEngine
+from coordinator.model_files.default_model import TRAINED_DIR, resolve_model
 from coordinator.sampling_params import SamplingParams
 from kernels.model.config import Qwen3Config
-from kernels.model.default_model import TRAINED_DIR, resolve_model
 from kernels.quantize import dequantize_int8, quantize_int8
 
 
@@ -46,7 +46,7 @@ def test_greedy_tokens_equal_transformers(engine):
 
     hf = Qwen3ForCausalLM.from_pretrained(TRAINED_DIR, torch_dtype=torch.float32).eval()
     for prompt in DEMO_PROMPTS[:3]:
-        ids = engine.encode(prompt)
+        ids = engine.input.encode(prompt)
         want = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
                            eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
         got = engine.generate([ids], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids

@@ -17,15 +17,12 @@ import pytest
 from coordinator.client import Client
 from coordinator.engine.llm_engine import LLMEngine
 from coordinator.sampling_params import SamplingParams
-from coordinator.server.config import ServerConfig
-from coordinator.server.ray_cluster import free_port, stop_head
-from coordinator.server.server import Server
+from coordinator.server.ray_cluster import free_ports, stop_head
 from shared_memory.arena import list_segments
-from shared_memory.contract import RunnerConfig
-from tests.support import wait_for
+from tests.support import running_server, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
-RC = RunnerConfig(max_batch=8, block_size=8, num_blocks=200, top_k=16)  # no preemption here
+RC = dict(max_batch=8, block_size=8, num_blocks=200, sampler_candidates=16)  # no preemption here
 PROMPTS = [f"stream {i}: once upon a time" for i in range(20)]
 
 
@@ -37,15 +34,12 @@ def _params(n: int, max_tokens: int, sampled: dict) -> list[dict]:
 
 def _offline(params: list[dict]) -> list[list[int]]:
     """Each request's tokens from the offline engine, alone."""
-    with LLMEngine("default", dtype="float32", runner=RC) as eng:
+    with LLMEngine("default", dtype="float32", **RC) as eng:
         return [eng.generate([p], SamplingParams(**kw))[0].token_ids for p, kw in zip(PROMPTS, params)]
 
 
-def _server(workers: int) -> Server:
-    coord = Server(ServerConfig(workers=workers, device="cpu", port=0, runner=RC, dtype="float32"))
-    coord.start()
-    coord.serve_in_thread()
-    return coord
+def _server(workers: int):
+    return running_server(workers=workers, **RC, dtype="float32")
 
 
 def _streams(address: str, params: list[dict], results: dict[int, list[int]], progressed: threading.Semaphore,
@@ -71,12 +65,10 @@ def _streams(address: str, params: list[dict], results: dict[int, list[int]], pr
     return threads
 
 
-
 def test_scale_1_to_2_to_1_while_20_requests_stream(ray_session):
     params = _params(20, 40, {"temperature": 0.8, "top_k": 8})
     want = _offline(params)
-    coord = _server(workers=1)
-    try:
+    with _server(workers=1) as coord:
         results: dict[int, list[int]] = {}
         first_tokens = threading.Semaphore(0)
         threads = _streams(coord.address, params, results, first_tokens, after=1)
@@ -95,8 +87,6 @@ def test_scale_1_to_2_to_1_while_20_requests_stream(ray_session):
         with Client(coord.address) as c:
             stats = c.stats()
         assert stats["running"] == 0 and all(w["kv_blocks_used"] == 0 for w in stats["workers"])
-    finally:
-        coord.shutdown()
 
 
 def test_draining_a_worker_that_holds_running_requests_drops_none(ray_session):
@@ -105,8 +95,7 @@ def test_draining_a_worker_that_holds_running_requests_drops_none(ray_session):
     n = 12
     params = _params(n, 300, {"temperature": 0.8, "top_p": 0.9})
     want = _offline(params)
-    coord = _server(workers=2)
-    try:
+    with _server(workers=2) as coord:
         results: dict[int, list[int]] = {}
         started = threading.Semaphore(0)
         threads = _streams(coord.address, params, results, started, after=2)
@@ -127,8 +116,6 @@ def test_draining_a_worker_that_holds_running_requests_drops_none(ray_session):
             stats = c.stats()
         assert stats["completed"] == n and stats["faults"]["reruns"] == 0
         assert stats["running"] == 0 and all(w["kv_blocks_used"] == 0 for w in stats["workers"])
-    finally:
-        coord.shutdown()
 
 
 @pytest.mark.skipif(shutil.which("ray", path=str(Path(sys.executable).parent)) is None,
@@ -141,13 +128,13 @@ def test_ray_job_submit_serves_and_job_stop_cleans_up(tmp_path):
                RAY_USAGE_STATS_ENABLED="0", FUSEDSERVE_CACHE=os.environ["FUSEDSERVE_CACHE"],
                RAY_JOB_STOP_WAIT_TIME_S="60")
     env.pop("RAY_ADDRESS", None)
-    gcs, dash, port = free_port(), free_port(), free_port()
+    gcs, dash, port, *agents = free_ports(9)
     ray_bin = str(bindir / "ray")
     before = set(list_segments())
     # Every port explicit: the session's in-process cluster already holds the default agent ports.
-    agent = [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-             f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
-             f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}"]
+    names = ("dashboard-agent-listen", "dashboard-agent-grpc", "metrics-export", "runtime-env-agent",
+             "node-manager", "object-manager")
+    agent = [f"--{name}-port={p}" for name, p in zip(names, agents)]
     temp_dir = tempfile.mkdtemp(prefix="rayhead", dir="/tmp")  # short: Ray puts sockets in it
     subprocess.run([ray_bin, "start", "--head", f"--port={gcs}", f"--dashboard-port={dash}",
                     "--dashboard-host=127.0.0.1", "--num-cpus=3", "--disable-usage-stats",
@@ -175,7 +162,7 @@ def test_ray_job_submit_serves_and_job_stop_cleans_up(tmp_path):
                     return False
             wait_for(up, 150, "the job's server", every_s=0.1)
             got = c.generate("The capital of France is", max_tokens=12, ignore_eos=True)
-        with LLMEngine("default", dtype="float32", runner=RunnerConfig(max_batch=4, num_blocks=64)) as eng:
+        with LLMEngine("default", dtype="float32", **dict(max_batch=4, num_blocks=64)) as eng:
             want = eng.generate(["The capital of France is"], SamplingParams(max_tokens=12, ignore_eos=True))
         assert got["token_ids"] == want[0].token_ids
         subprocess.run([ray_bin, "job", "stop", "--address", address, job_id], env=env, check=True,

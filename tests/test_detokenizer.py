@@ -10,9 +10,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from coordinator.engine.detokenizer import Detokenizer
 from coordinator.engine.stop_strings import StopMatcher
+from coordinator.model_files.default_model import resolve_model
+from coordinator.model_files.tokenizer import ByteStream, TextTokenizer, WindowStream
 from coordinator.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingError, SamplingParams
-from kernels.model.default_model import resolve_model
-from kernels.model.tokenizer import ByteStream, TextTokenizer, WindowStream
 
 PROPS = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 CORPUS = ["naïve café déjà vu — 東京 and 北京 are cities 🙂🚀", "the quick brown fox jumps over it",

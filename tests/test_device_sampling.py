@@ -14,7 +14,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from coordinator.engine.llm_engine import LLMEngine
 from coordinator.sampling_params import SamplingParams
 from kernels.sampler import SamplingPlan, sample
-from shared_memory.contract import RunnerConfig
 
 
 def _expected(logits: np.ndarray, t: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
@@ -131,7 +130,7 @@ def test_the_sampler_reads_no_device_value_on_the_host(plan):
             bool((logits > 0).any())
 
 
-RC = RunnerConfig(max_batch=8, block_size=8, num_blocks=96, top_k=8)
+RC = dict(max_batch=8, block_size=8, num_blocks=96, sampler_candidates=8)
 
 
 def test_d2h_is_ids_plus_asked_logprobs_for_any_mix_and_outputs_repeat():
@@ -143,7 +142,7 @@ def test_d2h_is_ids_plus_asked_logprobs_for_any_mix_and_outputs_repeat():
              SamplingParams(max_tokens=10, temperature=0.0, top_logprobs=5, ignore_eos=True)]
     params = greedy + top_p + mixed
     prompts = [f"request {i} says hello" for i in range(len(params))]
-    with LLMEngine("default", dtype="float32", runner=RC) as eng:
+    with LLMEngine("default", dtype="float32", **RC) as eng:
         eng.runtime.keep_history = 10_000
         outs = eng.generate(prompts, params)
         decode = [r for r in eng.runtime.history if r.kind == "decode"]

@@ -16,8 +16,8 @@ import sys
 import pytest
 
 from coordinator.engine.llm_engine import LLMEngine
+from coordinator.model_files.default_model import resolve_model
 from coordinator.sampling_params import SamplingParams
-from kernels.model.default_model import resolve_model
 from tests.serve_proc import ServeProcess
 
 pytest.importorskip("lm_eval")

@@ -13,13 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coordinator.client import Client
-from coordinator.server.config import Limits, ServerConfig
+from coordinator.server.config import Limits
 from coordinator.server.protocol import MAX_FRAME_BYTES, REQUEST_TYPES
-from coordinator.server.server import Server
-from shared_memory.contract import RunnerConfig
-from tests.support import dealer
+from tests.support import dealer, running_server
 
-RC = RunnerConfig(max_batch=8, block_size=8, num_blocks=64, top_k=16)
+RC = dict(max_batch=8, block_size=8, num_blocks=64, sampler_candidates=16)
 FINAL = {"error", "done", "stats", "health", "workers", "scale"}
 FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 
@@ -54,12 +52,9 @@ field_mixes = st.dictionaries(st.sampled_from(sorted(FIELDS)), st.none(), max_si
 
 @pytest.fixture(scope="module")
 def server(ray_session):
-    coord = Server(ServerConfig(workers=1, device="cpu", port=0, runner=RC, dtype="float32",
-                                     max_model_len=256, max_workers=1, limits=Limits(max_tokens=12)))
-    coord.start()
-    coord.serve_in_thread()
-    yield coord
-    coord.shutdown()
+    with running_server(**RC, dtype="float32", max_model_len=256, max_workers=1,
+                        limits=Limits(max_tokens=12)) as coord:
+        yield coord
 
 
 STORM_PROBE = ("after the storm", {"max_tokens": 10, "ignore_eos": True})

@@ -7,7 +7,6 @@ import torch
 
 from coordinator.engine.llm_engine import LLMEngine
 from coordinator.sampling_params import SamplingParams
-from shared_memory.contract import RunnerConfig
 from worker.graphs import batch_buckets
 
 PROMPTS = ["The capital of France is", "Hello", "def hello(name):", "Once upon a time there",
@@ -22,11 +21,11 @@ def test_batch_buckets():
 
 
 def _run(graphs: str):
-    rc = RunnerConfig(max_batch=8, block_size=8, num_blocks=64, top_k=16, graphs=graphs)
+    rc = dict(max_batch=8, block_size=8, num_blocks=64, sampler_candidates=16, graphs=graphs)
     params = [SamplingParams(max_tokens=10 + 3 * i, ignore_eos=True) if i % 2 == 0 else
               SamplingParams(max_tokens=12, temperature=0.8, top_k=8, seed=i, ignore_eos=True)
               for i in range(len(PROMPTS))]
-    with LLMEngine("default", dtype="float32", max_model_len=128, runner=rc) as eng:
+    with LLMEngine("default", dtype="float32", max_model_len=128, **rc) as eng:
         return [o.token_ids for o in eng.generate(PROMPTS, params)]
 
 
@@ -40,11 +39,11 @@ def test_cuda_graph_decode_equals_eager():  # pragma: no cover - runs on GPU mac
     from coordinator.engine.llm_engine import load_model
 
     model, tok = load_model("default", "float32", "cuda", 128)
-    rc = RunnerConfig(max_batch=8, block_size=8, num_blocks=64, top_k=16, graphs="auto")
+    rc = dict(max_batch=8, block_size=8, num_blocks=64, sampler_candidates=16, graphs="auto")
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    with LLMEngine(model, runner=rc, tokenizer=tok) as eng:
+    with LLMEngine(model, **rc, tokenizer=tok) as eng:
         assert set(eng.runner.graphs.graphs) == set(batch_buckets(8))
         graphed = [o.token_ids for o in eng.generate(PROMPTS, params)]
-    with LLMEngine(model, runner=RunnerConfig(**{**vars(rc), "graphs": "off"}), tokenizer=tok) as eng:
+    with LLMEngine(model, **{**rc, "graphs": "off"}, tokenizer=tok) as eng:
         eager = [o.token_ids for o in eng.generate(PROMPTS, params)]
     assert graphed == eager

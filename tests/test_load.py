@@ -18,7 +18,6 @@ import zmq
 from coordinator.client import Client
 from coordinator.engine.llm_engine import LLMEngine
 from coordinator.sampling_params import SamplingParams
-from shared_memory.contract import RunnerConfig
 from tests.serve_proc import ServeProcess
 from tests.support import settled
 
@@ -28,7 +27,7 @@ CLIENTS = 50
 PER_CLIENT = 20  # 1,000 requests in all
 IN_FLIGHT = 4  # per client, so ~200 requests compete for 2 x 16 batch slots
 WARMUP = 4  # requests per client before the memory baseline
-RC = RunnerConfig(max_batch=16, block_size=16, num_blocks=256)
+RC = dict(max_batch=16, block_size=16, num_blocks=256)
 SERVE_ARGS = ("--workers", "2", "--dtype", "float32", "--max-batch", "16", "--block-size", "16",
               "--num-blocks", "256", "--max-requests-per-client", "8")
 
@@ -42,7 +41,7 @@ COMBOS = [(f"load {i % 20}: the quick brown fox",
 
 @pytest.fixture(scope="module")
 def reference() -> list[tuple[list[int], str]]:
-    with LLMEngine("default", dtype="float32", runner=RC) as eng:
+    with LLMEngine("default", dtype="float32", **RC) as eng:
         outs = eng.generate([p for p, _ in COMBOS], [SamplingParams(**kw) for _, kw in COMBOS])
     return [(o.token_ids, o.text) for o in outs]
 

@@ -8,7 +8,6 @@ import torch
 from coordinator.engine.llm_engine import LLMEngine
 from coordinator.sampling_params import SamplingParams
 from kernels.model.qwen3 import Qwen3Model
-from shared_memory.contract import RunnerConfig
 from tests.model_batches import decode_batch, prompt_batch
 
 BLOCK = 4
@@ -54,8 +53,8 @@ def test_greedy_32_tokens_identical_to_transformers_generate(hf_checkpoints, nam
             gen = hf.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
                               pad_token_id=0)
             expected.append(gen[0, len(p):].tolist())
-    with LLMEngine(path, dtype="float32", runner=RunnerConfig(max_batch=4, block_size=BLOCK,
-                                                               num_blocks=64, top_k=8)) as eng:
+    with LLMEngine(path, dtype="float32", **dict(max_batch=4, block_size=BLOCK,
+                                                 num_blocks=64, sampler_candidates=8)) as eng:
         outs = eng.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected
 
@@ -84,8 +83,9 @@ def test_prompt_logprobs_equal_transformers_log_softmax(hf_checkpoints, budget):
     prompt = [5, 17, 42, 99, 3, 250, 1, 8, 77, 77, 12, 140, 7]
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1)
-    rc = RunnerConfig(max_batch=4, block_size=BLOCK, num_blocks=64, top_k=8, max_num_batched_tokens=budget)
-    with LLMEngine(path, dtype="float32", runner=rc) as eng:
+    rc = dict(max_batch=4, block_size=BLOCK, num_blocks=64, sampler_candidates=8,
+              max_num_batched_tokens=budget)
+    with LLMEngine(path, dtype="float32", **rc) as eng:
         eng.generate([prompt], SamplingParams(max_tokens=2))  # its blocks are cached now: not reused
         out = eng.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=3))[0]
     want = [None] + [float(ref[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]

@@ -11,7 +11,6 @@ from coordinator.engine.llm_engine import LLMEngine
 from coordinator.sampling_params import SamplingParams
 from kernels.model.config import Qwen3Config
 from kernels.model.qwen3 import Qwen3Model
-from shared_memory.contract import RunnerConfig
 from tests.model_batches import decode_batch, prompt_batch
 from tests.serve_proc import ServeProcess
 
@@ -68,8 +67,8 @@ def test_greedy_tokens_identical_to_transformers_generate(moe_dir):
     with torch.no_grad():
         want = [hf.generate(torch.tensor([p]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
                             pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
-    rc = RunnerConfig(max_batch=4, block_size=BLOCK, num_blocks=96, top_k=8)
-    with LLMEngine(moe_dir, dtype="float32", runner=rc) as eng:
+    rc = dict(max_batch=4, block_size=BLOCK, num_blocks=96, sampler_candidates=8)
+    with LLMEngine(moe_dir, dtype="float32", **rc) as eng:
         got = eng.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))
     assert [o.token_ids for o in got] == want  # batched: every row routed on its own
 
@@ -92,8 +91,8 @@ def test_quantized_experts_stay_close(moe_dir, quantization):
 
 
 def test_a_moe_model_is_served(ray_session, moe_dir, tmp_path):
-    rc = RunnerConfig(max_batch=8, block_size=16, num_blocks=64)
-    with LLMEngine(moe_dir, dtype="float32", runner=rc) as eng:
+    rc = dict(max_batch=8, block_size=16, num_blocks=64)
+    with LLMEngine(moe_dir, dtype="float32", **rc) as eng:
         want = eng.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
     srv = ServeProcess.start(tmp_path / "serve.log", "--model", str(moe_dir), "--workers", "1", "--dtype",
                              "float32", "--max-batch", "8", "--num-blocks", "64")
@@ -109,7 +108,7 @@ def test_a_moe_model_is_served(ray_session, moe_dir, tmp_path):
 def test_grouped_gemm_path_matches_transformers(moe_dir, monkeypatch):
     """The CUDA path (every expert in two ``torch._grouped_mm`` calls, routing sorted on the device)
     forced on here, where ``torch._grouped_mm`` also runs on the CPU."""
-    from kernels import backend
+    import kernels.backends as backend
 
     monkeypatch.setattr(backend, "_grouped_mm_runs", lambda *a: True)
     model = Qwen3Model.from_pretrained(moe_dir, dtype="float32")
@@ -119,7 +118,7 @@ def test_grouped_gemm_path_matches_transformers(moe_dir, monkeypatch):
     with torch.no_grad():  # batched prompts and decode rows: every row routed on its own
         want = [hf.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
                             pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
-    rc = RunnerConfig(max_batch=4, block_size=BLOCK, num_blocks=96, top_k=8)
-    with LLMEngine(moe_dir, dtype="float32", runner=rc) as eng:
+    rc = dict(max_batch=4, block_size=BLOCK, num_blocks=96, sampler_candidates=8)
+    with LLMEngine(moe_dir, dtype="float32", **rc) as eng:
         got = eng.generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))
     assert [o.token_ids for o in got] == want

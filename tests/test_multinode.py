@@ -21,8 +21,7 @@ import pytest
 from coordinator.client import Client
 from coordinator.engine.llm_engine import LLMEngine
 from coordinator.sampling_params import SamplingParams
-from coordinator.server.ray_cluster import free_port, stop_head
-from shared_memory.contract import RunnerConfig
+from coordinator.server.ray_cluster import free_port, free_ports, stop_head
 from tests.serve_proc import ServeProcess
 from tests.support import wait_for
 
@@ -41,10 +40,12 @@ def _sh(*cmd: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True, timeout=30)
 
 
-def _agent_ports() -> list[str]:
-    return [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-            f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
-            f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}"]
+def _agent_ports(gcs: int) -> list[str]:
+    """Distinct free ports for a node's agents, none of them the head's GCS port."""
+    names = ("dashboard-agent-listen", "dashboard-agent-grpc", "metrics-export", "runtime-env-agent",
+             "node-manager", "object-manager")
+    ports = [p for p in free_ports(len(names) + 1) if p != gcs]
+    return [f"--{name}-port={port}" for name, port in zip(names, ports)]
 
 
 class TwoNodes:
@@ -72,11 +73,11 @@ class TwoNodes:
         # One worker's CPUs a node: each worker (one CPU per rank) goes to a node of its own.
         subprocess.run([RAY, "start", "--head", f"--port={self.gcs}", f"--node-ip-address={self.head_ip}",
                         f"--num-cpus={self.cpus}", "--include-dashboard=false", "--disable-usage-stats",
-                        f"--temp-dir={self.head_tmp}", *_agent_ports()],
+                        f"--temp-dir={self.head_tmp}", *_agent_ports(self.gcs)],
                        env=ENV, check=True, capture_output=True, timeout=120)
         node = (f"mount -t tmpfs tmpfs /dev/shm && exec {RAY} start --address={self.address} "
                 f"--node-ip-address={self.node_ip} --num-cpus={self.cpus} --disable-usage-stats "
-                f"--temp-dir={self.node_tmp} --block " + " ".join(_agent_ports()))
+                f"--temp-dir={self.node_tmp} --block " + " ".join(_agent_ports(self.gcs)))
         self.node = subprocess.Popen(["ip", "netns", "exec", self.ns, "unshare", "-m", "--propagation",
                                       "private", "sh", "-c", node], env=ENV, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
@@ -119,10 +120,10 @@ def nodes(request):
 
 @pytest.mark.parametrize("nodes", [1, 2], indirect=True, ids=["one-device-workers", "tp2-group-per-node"])
 def test_a_remote_node_serves_serially_and_losing_it_loses_nothing(nodes, tmp_path):
-    rc = RunnerConfig(max_batch=8, num_blocks=128)
+    rc = dict(max_batch=8, num_blocks=128)
     params = [SamplingParams(max_tokens=48, temperature=0.8, seed=i, ignore_eos=True)
               for i in range(len(PROMPTS))]
-    with LLMEngine("default", dtype="float32", runner=rc) as eng:
+    with LLMEngine("default", dtype="float32", **rc) as eng:
         want = [o.token_ids for o in eng.generate(PROMPTS, params)]
     srv = ServeProcess.start(tmp_path / "serve.log", *ARGS, "--ray-address", nodes.address,
                              "--tensor-parallel-size", str(nodes.cpus), join_session=False)

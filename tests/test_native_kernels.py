@@ -377,7 +377,9 @@ def test_int4_quantization_keeps_each_groups_extreme_and_16_levels():
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_silu_mul_and_the_cache_write_match_the_aten_ops(dtype):
-    from kernels.layer_ops import NativeLayerOps, NormScratch, TorchLayerOps, rope_tables
+    from kernels.backends.aten import TorchLayerOps
+    from kernels.backends.native import NativeLayerOps
+    from kernels.layer_ops import NormScratch, rope_tables
 
     m = _module(ISAS[0])
     g = torch.Generator().manual_seed(8)

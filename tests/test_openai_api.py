@@ -16,15 +16,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.client import Client
 from coordinator.engine.llm_engine import LLMEngine
+from coordinator.model_files.default_model import resolve_model
 from coordinator.openai.chat_template import ChatTemplate
 from coordinator.sampling_params import SamplingParams
-from kernels.model.default_model import resolve_model
-from shared_memory.contract import RunnerConfig
 from tests.serve_proc import ServeProcess
 from tests.support import settled, wait_for
 
 TOKEN = "http-test-token-0123456789"
-RC = RunnerConfig(max_batch=16, block_size=16, num_blocks=256)
+RC = dict(max_batch=16, block_size=16, num_blocks=256)
 ARGS = ("--workers", "1", "--dtype", "float32", "--max-batch", "16", "--num-blocks", "256",
         "--max-prompt-tokens", "400", "--http-port", "0")
 
@@ -41,7 +40,7 @@ def server(ray_session, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline():
-    eng = LLMEngine("default", dtype="float32", runner=RC)
+    eng = LLMEngine("default", dtype="float32", **RC)
     yield eng
     eng.close()
 
@@ -263,7 +262,7 @@ def test_metrics_count_what_was_served(server, oai):
     assert delta("fusedserve_generation_tokens_total") == n * tokens
     assert delta("fusedserve_time_to_first_token_seconds_count") == n
     assert m1[("fusedserve_workers", ())] == 1 and m1[("fusedserve_kv_blocks_used", ())] == 0
-    assert m1[("fusedserve_kv_blocks_free", ())] == RC.num_blocks
+    assert m1[("fusedserve_kv_blocks_free", ())] == RC["num_blocks"]
     d2h = m1[("fusedserve_d2h_bytes_total", (("worker", "w0"),))] - m0[("fusedserve_d2h_bytes_total",
                                                                          (("worker", "w0"),))]
     assert d2h == n * tokens * 4, "greedy: 4 bytes (the id) come back per generated token"

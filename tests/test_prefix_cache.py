@@ -8,7 +8,6 @@ import pytest
 from coordinator.engine.block_manager import BlockManager, OutOfBlocks
 from coordinator.engine.llm_engine import LLMEngine
 from coordinator.sampling_params import SamplingParams
-from shared_memory.contract import RunnerConfig
 
 SYSTEM = ("You are a helpful assistant. Answer in one short sentence and never repeat the question. "
           "Cite the documentation where it helps. ") * 3
@@ -32,9 +31,9 @@ def test_shared_blocks_are_counted_and_never_freed_while_held():
     bm.commit("a", prompt, 5)
     assert bm.allocate("b", prompt) == 4  # two blocks reused
     shared = bm.table("a")[:2]
-    assert bm.table("b")[:2] == shared and all(bm.ref_count(x) == 2 for x in shared)
+    assert bm.table("b")[:2] == shared and all(bm._refs[x] == 2 for x in shared)
     bm.free("a")
-    assert all(bm.ref_count(x) == 1 for x in shared) and bm.num_used == 3
+    assert all(bm._refs[x] == 1 for x in shared) and bm.num_used == 3
     with pytest.raises(OutOfBlocks):  # 3 free blocks; the shared ones are not among them
         bm.allocate("c", list(range(50, 58)))
     assert bm.table("b")[:2] == shared
@@ -64,33 +63,33 @@ def test_disabled_cache_frees_blocks_and_reuses_nothing():
     assert bm.num_cached == 0 and bm.allocate("b", [1, 2, 3]) == 0 and bm.stats.queries == 0
 
 
-RC = RunnerConfig(max_batch=4, block_size=8, num_blocks=64, top_k=8)
+RC = dict(max_batch=4, block_size=8, num_blocks=64, sampler_candidates=8)
 
 
 def _prompts(engine) -> list[list[int]]:
-    base = engine.encode(SYSTEM)
-    return [base + engine.encode(f" Question {i}: what is {i} plus {i}?") for i in range(6)]
+    base = engine.input.encode(SYSTEM)
+    return [base + engine.input.encode(f" Question {i}: what is {i} plus {i}?") for i in range(6)]
 
 
 def test_outputs_equal_with_and_without_the_cache_and_prefill_skips_the_prefix():
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    with LLMEngine("default", dtype="float32", runner=RC) as eng:
+    with LLMEngine("default", dtype="float32", **RC) as eng:
         prompts = _prompts(eng)
         first = eng.generate(prompts[:1], params)  # fills the cache
         blocks = eng.core.scheduler.blocks
         assert blocks.stats.hits == 0
         eng.runtime.keep_history = 1000
         cached = eng.generate(prompts, params)  # every prompt reuses the system prompt's blocks
-        system = len(eng.encode(SYSTEM)) // 8 * 8  # its whole blocks
+        system = len(eng.input.encode(SYSTEM)) // 8 * 8  # its whole blocks
         assert blocks.stats.hits == len(prompts) and blocks.stats.hit_tokens >= len(prompts) * system
-        prefilled = sum(r.prompt_tokens for r in eng.runtime.history)
+        prefilled = sum(r.dims["T"] - r.num_decode for r in eng.runtime.history)
         assert prefilled == sum(len(p) for p in prompts) - blocks.stats.hit_tokens
         assert prefilled < sum(len(p) for p in prompts) // 3, "prefill ran on the uncached rest only"
         assert blocks.num_used == 0 and blocks.num_cached > 0
         blocks.flush()
-        assert blocks.num_free == RC.num_blocks and blocks.num_cached == 0
-    off = RunnerConfig(**{**vars(RC), "enable_prefix_caching": False})
-    with LLMEngine("default", dtype="float32", runner=off) as eng:
+        assert blocks.num_free == RC["num_blocks"] and blocks.num_cached == 0
+    off = {**RC, "enable_prefix_caching": False}
+    with LLMEngine("default", dtype="float32", **off) as eng:
         want = eng.generate(prompts, params)
         assert eng.core.scheduler.blocks.num_cached == 0 and eng.core.scheduler.blocks.stats.queries == 0
     assert first[0].token_ids == want[0].token_ids
@@ -99,14 +98,14 @@ def test_outputs_equal_with_and_without_the_cache_and_prefill_skips_the_prefix()
 
 def test_preempted_and_rerun_requests_stay_correct_with_the_cache():
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    off = RunnerConfig(max_batch=4, block_size=8, num_blocks=64, top_k=8, enable_prefix_caching=False)
-    with LLMEngine("default", dtype="float32", runner=off) as eng:
+    off = dict(max_batch=4, block_size=8, num_blocks=64, sampler_candidates=8, enable_prefix_caching=False)
+    with LLMEngine("default", dtype="float32", **off) as eng:
         prompts = _prompts(eng)[:4]
         want = [o.token_ids for o in eng.generate(prompts, params)]
     # Too few blocks for four full sequences: the newest is preempted and re-run (its own
     # blocks, and the shared system prompt, come back from the cache).
-    tight = RunnerConfig(max_batch=4, block_size=8, num_blocks=40, top_k=8)
-    with LLMEngine("default", dtype="float32", runner=tight) as eng:
+    tight = dict(max_batch=4, block_size=8, num_blocks=40, sampler_candidates=8)
+    with LLMEngine("default", dtype="float32", **tight) as eng:
         got = eng.generate(prompts, params)
         blocks = eng.core.scheduler.blocks
         assert sum(o.num_preemptions for o in got) > 0, "the tight cache should force preemption"

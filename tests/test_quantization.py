@@ -10,15 +10,15 @@ import torch
 
 from coordinator.client import Client
 from coordinator.engine.llm_engine import LLMEngine
+from coordinator.model_files.default_model import TRAINED_DIR
+from coordinator.model_files.tokenizer import TextTokenizer
 from coordinator.sampling_params import SamplingParams
 from coordinator.server.config import ServerConfig
 from kernels import native
 from kernels.linear import Int8Weight, PackedWeight
-from kernels.model.default_model import TRAINED_DIR
 from kernels.model.qwen3 import Qwen3Model, resolve_dtype
-from kernels.model.tokenizer import TextTokenizer
-from shared_memory.contract import RunnerConfig
 from tests.model_batches import decode_batch, prompt_batch
+from tests.support import running_server
 
 needs_native = pytest.mark.skipif(native.kernels() is None, reason="native kernels unavailable here")
 
@@ -81,11 +81,11 @@ def test_int8_model_stores_int8_projections_and_says_so(hf_checkpoints):
 
 
 def test_auto_dtype_follows_the_documented_rule(monkeypatch):
-    cpu = torch.device("cpu")
+    cpu = "cpu"  # the device's type
     assert resolve_dtype(None, torch.float32, cpu) == torch.float32  # None: the checkpoint's
     assert resolve_dtype("float16", torch.bfloat16, cpu) == torch.float16
-    assert resolve_dtype("auto", torch.bfloat16, torch.device("meta")) == torch.bfloat16
-    assert resolve_dtype("auto", torch.float32, torch.device("meta")) == torch.bfloat16
+    assert resolve_dtype("auto", torch.bfloat16, "meta") == torch.bfloat16
+    assert resolve_dtype("auto", torch.float32, "meta") == torch.bfloat16
     monkeypatch.setattr(native, "kernels", lambda: None)
     monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
     assert resolve_dtype("auto", torch.bfloat16, cpu) == torch.float32
@@ -124,7 +124,7 @@ def test_bf16_decode_rows_are_bit_identical_alone_and_batched(hf_checkpoints, qu
         assert torch.equal(batched[i], _decode_all(model, [p], 5)[0]), f"row {i}"
 
 
-RC = RunnerConfig(max_batch=8, block_size=8, num_blocks=96, top_k=16)
+RC = dict(max_batch=8, block_size=8, num_blocks=96, sampler_candidates=16)
 PROMPTS = [f"prompt {i}: the capital of France is" for i in range(5)] + ["Hello", "def hello(name):"]
 
 
@@ -132,33 +132,26 @@ PROMPTS = [f"prompt {i}: the capital of France is" for i in range(5)] + ["Hello"
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 def test_served_bf16_equals_offline_alone(ray_session, quantization):
     """Served with strangers in bf16 (int8, int4), each request equals the offline run of it alone."""
-    from coordinator.server.server import Server  # Ray: imported here so GPU images without it run the rest
 
     params = {"max_tokens": 10, "ignore_eos": True}
-    with LLMEngine("default", dtype="bfloat16", quantization=quantization, runner=RC) as eng:
+    with LLMEngine("default", dtype="bfloat16", quantization=quantization, **RC) as eng:
         want = [eng.generate([p], SamplingParams(**params))[0].token_ids for p in PROMPTS]
-    srv = Server(ServerConfig(workers=1, device="cpu", port=0, runner=RC, dtype="bfloat16",
-                              quantization=quantization))
-    srv.start()
-    srv.serve_in_thread()
-    try:
+    with running_server(**RC, dtype="bfloat16", quantization=quantization) as coord:
         def one(i: int) -> list[int]:
-            with Client(srv.address) as c:
+            with Client(coord.address) as c:
                 return c.generate(PROMPTS[i], **params)["token_ids"]
 
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             got = list(pool.map(one, range(len(PROMPTS))))
         assert got == want
-        kernels = Client(srv.address).stats()["workers"][0]["kernels"]
+        kernels = Client(coord.address).stats()["workers"][0]["kernels"]
         assert kernels["quantization"] == (quantization or "none")
         assert kernels["linear"].startswith("native-") and kernels["attention"].startswith("native-")
-    finally:
-        srv.shutdown()
 
 
 def test_server_refuses_an_unknown_quantization():
     with pytest.raises(ValueError, match="quantization must be"):
-        ServerConfig(quantization="int3").check()
+        ServerConfig.build(quantization="int3").check()
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

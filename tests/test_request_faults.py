@@ -17,13 +17,10 @@ from coordinator.engine.llm_engine import LLMEngine
 from coordinator.engine.scheduler import Scheduler
 from coordinator.engine.step_outputs import StepOutputs
 from coordinator.sampling_params import SamplingError, SamplingParams
-from coordinator.server.config import ServerConfig
-from coordinator.server.server import Server
-from shared_memory.contract import RunnerConfig
-from tests.support import queue, read_step, settled, wait_for
+from tests.support import queue, read_step, running_server, settled, wait_for
 from tests.test_sampling import draw
 
-RC = RunnerConfig(max_batch=8, block_size=8, num_blocks=96, top_k=16)
+RC = dict(max_batch=8, block_size=8, num_blocks=96, sampler_candidates=16)
 PROPS = settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 any_float = st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True) | st.integers(-5, 300)
 extreme = st.sampled_from([5e-324, 2.2250738585072014e-308, 1e-300, 1e-7, 1e-5, 1e300, math.inf, -0.0, 100.0])
@@ -81,7 +78,7 @@ def test_a_row_that_fails_while_sampling_fails_alone():
 def test_offline_engine_isolates_a_failing_request():
     prompts = ["bystander one", "the broken one", "bystander two"]
     good = SamplingParams(max_tokens=12, ignore_eos=True)
-    with LLMEngine("default", dtype="float32", runner=RC) as eng:
+    with LLMEngine("default", dtype="float32", **RC) as eng:
         want = eng.generate([prompts[0], prompts[2]], good)
         broken = SamplingParams(max_tokens=12, temperature=0.8, top_k=5, seed=3, ignore_eos=True)
         broken.temperature = "hot"  # a bug past validation: sampling raises for this row
@@ -93,16 +90,13 @@ def test_offline_engine_isolates_a_failing_request():
 
 @pytest.fixture(scope="module")
 def server(ray_session):
-    srv = Server(ServerConfig(workers=1, device="cpu", port=0, runner=RC, dtype="float32", max_model_len=256))
-    srv.start()
-    srv.serve_in_thread()
-    yield srv
-    srv.shutdown()
+    with running_server(**RC, dtype="float32", max_model_len=256) as coord:
+        yield coord
 
 
 @pytest.fixture(scope="module")
 def bystander_want():
-    with LLMEngine("default", dtype="float32", runner=RC, max_model_len=256) as eng:
+    with LLMEngine("default", dtype="float32", **RC, max_model_len=256) as eng:
         out = eng.generate(["a bystander stream"], SamplingParams(max_tokens=120, ignore_eos=True))
     return out[0].token_ids
 

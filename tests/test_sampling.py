@@ -10,7 +10,6 @@ import torch
 from coordinator.engine.llm_engine import LLMEngine
 from coordinator.sampling_params import SamplingError, SamplingParams
 from kernels.sampler import SamplingPlan, sample
-from shared_memory.contract import RunnerConfig
 
 
 def draw(values: np.ndarray, ids: np.ndarray, p: SamplingParams, step: int, vocab: int = 1000,
@@ -27,8 +26,8 @@ def draw(values: np.ndarray, ids: np.ndarray, p: SamplingParams, step: int, voca
 
 @pytest.fixture(scope="module")
 def engine():
-    rc = RunnerConfig(max_batch=8, num_blocks=64, top_k=32)
-    with LLMEngine("default", dtype="float32", runner=rc) as eng:
+    rc = dict(max_batch=8, num_blocks=64, sampler_candidates=32)
+    with LLMEngine("default", dtype="float32", **rc) as eng:
         yield eng
 
 
@@ -79,7 +78,7 @@ def test_sample_respects_top_k_and_top_p():
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_tokens=0), dict(max_tokens=-3), dict(temperature=-1.0),
-                                    dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5), dict(seed=-2),
+                                         dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5), dict(seed=-2),
                                     dict(max_tokens="5")])
 def test_bad_sampling_params_raise(kwargs):
     with pytest.raises(SamplingError) as exc:

@@ -6,7 +6,6 @@ from coordinator.engine.block_manager import BlockManager
 from coordinator.engine.llm_engine import LLMEngine
 from coordinator.engine.scheduler import Scheduler
 from coordinator.sampling_params import SamplingParams
-from shared_memory.contract import RunnerConfig
 from tests.support import queue
 
 PROMPTS = [f"request {i}: once upon a time" for i in range(6)]
@@ -19,11 +18,11 @@ def _params():
 
 
 def test_preempted_requests_recompute_to_the_same_output():
-    roomy = RunnerConfig(max_batch=8, block_size=4, num_blocks=200, top_k=16)
-    tight = RunnerConfig(max_batch=8, block_size=4, num_blocks=40, top_k=16)  # 6 x 11 blocks needed
-    with LLMEngine("default", dtype="float32", runner=roomy) as eng:
+    roomy = dict(max_batch=8, block_size=4, num_blocks=200, sampler_candidates=16)
+    tight = dict(max_batch=8, block_size=4, num_blocks=40, sampler_candidates=16)  # 6 x 11 blocks needed
+    with LLMEngine("default", dtype="float32", **roomy) as eng:
         want = eng.generate(PROMPTS, _params())
-    with LLMEngine("default", dtype="float32", runner=tight) as eng:
+    with LLMEngine("default", dtype="float32", **tight) as eng:
         got = eng.generate(PROMPTS, _params())
     assert sum(o.num_preemptions for o in want) == 0
     assert sum(o.num_preemptions for o in got) > 0, "the tight cache should force preemption"

@@ -12,24 +12,19 @@ import pytest
 from coordinator.client import TOKEN_ENV, Client, ServerError
 from coordinator.server.config import Limits, ServerConfig
 from coordinator.server.server import Server
-from shared_memory.contract import RunnerConfig
-from tests.support import dealer
+from tests.support import dealer, running_server
 
 TOKEN = "s3cret-token-for-tests-0123456789"
-RC = RunnerConfig(max_batch=8, block_size=16, num_blocks=128)
+RC = dict(max_batch=8, block_size=16, num_blocks=128)
 LIMITS = Limits(max_prompt_chars=200, max_prompt_tokens=40, max_tokens=64, max_requests_per_client=2)
 
 
 @pytest.fixture(scope="module")
 def server(ray_session):
     """Bound on every interface, so a token is required; reached here over loopback."""
-    coord = Server(ServerConfig(workers=1, device="cpu", host="0.0.0.0", port=0, runner=RC,
-                                     dtype="float32", auth_token=TOKEN, limits=LIMITS))
-    coord.start()
-    coord.serve_in_thread()
-    coord.local = coord.address.replace("0.0.0.0", "127.0.0.1")
-    yield coord
-    coord.shutdown()
+    with running_server(host="0.0.0.0", **RC, dtype="float32", auth_token=TOKEN, limits=LIMITS) as coord:
+        coord.local = coord.address.replace("0.0.0.0", "127.0.0.1")
+        yield coord
 
 
 @pytest.fixture(autouse=True)
@@ -119,9 +114,9 @@ def test_requests_in_flight_per_client(server):
 
 def test_non_loopback_bind_needs_a_token():
     with pytest.raises(ValueError, match="requires an auth token"):
-        Server(ServerConfig(workers=1, device="cpu", host="0.0.0.0", port=0)).start()
+        Server(ServerConfig.build(workers=1, device="cpu", host="0.0.0.0", port=0)).start()
     with pytest.raises(ValueError, match="at least 16 characters"):
-        Server(ServerConfig(workers=1, device="cpu", port=0, auth_token="short")).start()
+        Server(ServerConfig.build(workers=1, device="cpu", port=0, auth_token="short")).start()
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -12,12 +12,10 @@ import pytest
 from coordinator.client import Client, ServerError
 from coordinator.engine.llm_engine import LLMEngine
 from coordinator.sampling_params import SamplingParams
-from coordinator.server.config import ServerConfig
-from coordinator.server.server import Server
 from shared_memory.arena import list_segments
-from shared_memory.contract import RunnerConfig
+from tests.support import running_server
 
-RC = RunnerConfig(max_batch=8, block_size=8, num_blocks=96, top_k=16)
+RC = dict(max_batch=8, block_size=8, num_blocks=96, sampler_candidates=16)
 # float32: its CPU kernels give each row the same bits whatever the batch, so served output
 # (batched with strangers) can equal offline output exactly; bf16 oneDNN kernels do not.
 DTYPE = "float32"
@@ -33,7 +31,7 @@ def _params(i: int) -> dict:
 
 @pytest.fixture(scope="module")
 def reference():
-    with LLMEngine("default", dtype=DTYPE, runner=RC) as eng:
+    with LLMEngine("default", dtype=DTYPE, **RC) as eng:
         def run(prompt: str, params: dict) -> list[int]:
             return eng.generate([prompt], SamplingParams(**params))[0].token_ids
         yield run
@@ -43,15 +41,11 @@ def reference():
                 ids=["1worker", "2workers", "2workers-serial"])
 def server(request, ray_session):
     workers, transport = request.param
-    coord = Server(ServerConfig(workers=workers, device="cpu", port=0, runner=RC, transport=transport,
-                                     dtype=DTYPE))
-    coord.start()
-    coord.serve_in_thread()
-    yield coord
-    names = {a.name for w in coord.workers for a in w.arenas}
-    assert len(names) == 2 * len(coord.workers), "two arena banks per worker (async scheduling)"
-    assert names <= set(list_segments())
-    coord.shutdown()
+    with running_server(workers=workers, **RC, transport=transport, dtype=DTYPE) as coord:
+        yield coord
+        names = {a.name for w in coord.workers for a in w.arenas}
+        assert len(names) == 2 * len(coord.workers), "two arena banks per worker (async scheduling)"
+        assert names <= set(list_segments())
     assert not names & set(list_segments())
 
 
@@ -70,7 +64,7 @@ def test_served_equals_offline_under_concurrency(server, reference):
     stats = Client(server.address).stats()
     assert stats["running"] == 0 and stats["queue_length"] == 0
     for w in stats["workers"]:
-        assert w["kv_blocks_used"] == 0 and w["kv_blocks_free"] == RC.num_blocks
+        assert w["kv_blocks_used"] == 0 and w["kv_blocks_free"] == RC["num_blocks"]
     if len(server.workers) == 2:
         assert all(w["steps"] > 0 for w in stats["workers"]), "least-loaded routing used both"
     for w in stats["workers"]:  # equal outputs with the next launch sent ahead and fed on the device
@@ -156,7 +150,7 @@ BAD_FRAMES = [
 @pytest.mark.parametrize("frame,code", BAD_FRAMES, ids=[c + str(i) for i, (_, c) in enumerate(BAD_FRAMES)])
 def test_malformed_frames_get_errors_and_server_goes_on(server, frame, code):
     with Client(server.address, timeout_s=30) as c:
-        c.send_raw(frame)
+        c.sock.send(frame)  # raw bytes, not a msgpack map
         reply = c.recv()
         assert reply["type"] == "error" and reply["code"] == code, reply
         assert reply["message"]

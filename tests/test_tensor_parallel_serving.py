@@ -17,13 +17,11 @@ import torch
 from coordinator.client import Client
 from coordinator.engine.llm_engine import LLMEngine
 from coordinator.sampling_params import SamplingParams
-from coordinator.server.config import ServerConfig
 from coordinator.server.server import Server
 from shared_memory.arena import pid_alive
-from shared_memory.contract import RunnerConfig
-from tests.support import wait_for
+from tests.support import running_server, wait_for
 
-RC = RunnerConfig(max_batch=8, block_size=4, num_blocks=160, top_k=8)
+RC = dict(max_batch=8, block_size=4, num_blocks=160, sampler_candidates=8)
 PROMPTS = [[5, 17, 42, 99, 3], [250, 1, 8], [77] * 11, list(range(30, 60)), [9, 9, 1], [100, 200, 300]]
 TOKENS = 64  # streams long enough to be running when a rank is killed
 PARAMS = [{"max_tokens": TOKENS, "ignore_eos": True} if i % 2 == 0 else
@@ -32,16 +30,13 @@ PARAMS = [{"max_tokens": TOKENS, "ignore_eos": True} if i % 2 == 0 else
 
 
 def _offline(path) -> list[list[int]]:
-    with LLMEngine(path, dtype="float32", runner=RC) as eng:
+    with LLMEngine(path, dtype="float32", **RC) as eng:
         return [eng.generate([p], SamplingParams(**kw))[0].token_ids for p, kw in zip(PROMPTS, PARAMS)]
 
 
-def _serve(path, **kw) -> Server:
-    coord = Server(ServerConfig(model=str(path), workers=1, device="cpu", port=0, runner=RC, dtype="float32",
-                                max_model_len=256, tensor_parallel_size=2, **kw))
-    coord.start()
-    coord.serve_in_thread()
-    return coord
+def _serve(path, **kw):
+    return running_server(model=str(path), **RC, dtype="float32", max_model_len=256, tensor_parallel_size=2,
+                          **kw)
 
 
 def _streams(coord: Server, progressed: threading.Semaphore | None = None):
@@ -86,8 +81,7 @@ def test_tp2_serves_what_one_device_and_transformers_generate(ray_session, hf_ch
             ref = hf.generate(torch.tensor([PROMPTS[i]]), max_new_tokens=TOKENS, min_new_tokens=TOKENS,
                               do_sample=False, pad_token_id=0)[0, len(PROMPTS[i]):].tolist()
             assert ref == want[i]
-    coord = _serve(path)
-    try:
+    with _serve(path) as coord:
         (w,) = coord.workers
         assert len(w.info["ranks"]) == 2 and len({r["pid"] for r in w.info["ranks"]}) == 2
         frames, errors, threads = _streams(coord)
@@ -97,16 +91,13 @@ def test_tp2_serves_what_one_device_and_transformers_generate(ray_session, hf_ch
         stats = Client(coord.address).stats()
         last = stats["workers"][0]["last_decode"]
         assert last["d2h"] == 4 * last["batch"], "ids only: rank 0's, B x 4 bytes"
-    finally:
-        coord.shutdown()
 
 
 @pytest.mark.parametrize("rank", [1, 0], ids=["peer-killed", "leader-killed"])
 def test_a_rank_killed_mid_stream_replaces_its_group(ray_session, hf_checkpoints, rank):
     path = hf_checkpoints["gqa2_untied"]
     want = _offline(path)
-    coord = _serve(path, step_timeout_s=60)
-    try:
+    with _serve(path, step_timeout_s=60) as coord:
         progressed = threading.Semaphore(0)
         frames, errors, threads = _streams(coord, progressed)
         for _ in PROMPTS:
@@ -125,8 +116,6 @@ def test_a_rank_killed_mid_stream_replaces_its_group(ray_session, hf_checkpoints
         wait_for(lambda: len(coord.pool.active) == 1, 120, "the replacement group")
         assert coord.workers[0].worker_id != victim.worker_id
         wait_for(lambda: not any(pid_alive(p) for p in pids), 30, "every rank of the lost group to be gone")
-    finally:
-        coord.shutdown()
 
 
 def _break_first_layer(actor) -> None:
@@ -141,8 +130,7 @@ def test_a_launch_failing_on_one_rank_replaces_the_group(ray_session, hf_checkpo
 
     path = hf_checkpoints["gqa2_untied"]
     want = _offline(path)
-    coord = _serve(path)
-    try:
+    with _serve(path) as coord:
         victim = coord.workers[0]
         ray.get(victim.group.actors[1].__ray_call__.remote(_break_first_layer))
         frames, errors, threads = _streams(coord)
@@ -151,18 +139,13 @@ def test_a_launch_failing_on_one_rank_replaces_the_group(ray_session, hf_checkpo
             t.join(timeout=300)
         _check_exact(frames, errors, want)
         assert coord.pool.failures[0].worker_id == victim.worker_id
-    finally:
-        coord.shutdown()
 
 
 @pytest.mark.parametrize("ep", [False, True], ids=["experts-split", "expert-parallel"])
 def test_a_moe_model_is_served_by_a_group(ray_session, moe_dir, ep):
     want = _offline(moe_dir)
-    coord = _serve(moe_dir, enable_expert_parallel=ep)
-    try:
+    with _serve(moe_dir, enable_expert_parallel=ep) as coord:
         frames, errors, threads = _streams(coord)
         for t in threads:
             t.join(timeout=300)
         _check_exact(frames, errors, want)
-    finally:
-        coord.shutdown()

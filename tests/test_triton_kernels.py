@@ -26,7 +26,8 @@ if not COMPILED:
         pytest.skip("triton was imported before the interpreter could be chosen", allow_module_level=True)
 
 from kernels import sampler  # noqa: E402
-from kernels.layer_ops import NormScratch, TorchLayerOps, rope_tables  # noqa: E402
+from kernels.backends.aten import TorchLayerOps  # noqa: E402
+from kernels.layer_ops import NormScratch, rope_tables  # noqa: E402
 from kernels.triton.decode_attention import DecodeAttentionScratch, decode_attention  # noqa: E402
 from kernels.triton.layer_ops import TritonLayerOps  # noqa: E402
 from kernels.triton.prompt_attention import prompt_attention  # noqa: E402
@@ -226,8 +227,9 @@ def test_a_model_forward_on_the_triton_kernels_equals_the_aten_one():
     (under the interpreter) against ATen's ops and the gathering attention, in float32."""
     from dataclasses import replace
 
-    from kernels.backend import select_kernels
-    from kernels.model.default_model import resolve_model
+    from coordinator.model_files.default_model import resolve_model
+    from kernels.backends import aten, select_kernels
+    from kernels.backends import triton as triton_backend
     from kernels.model.qwen3 import Qwen3Model
     from kernels.triton.layer_ops import TritonLayerOps
     from tests.model_batches import decode_batch, prompt_batch
@@ -238,13 +240,13 @@ def test_a_model_forward_on_the_triton_kernels_equals_the_aten_one():
         c = model.config
         # The loaded linear op is kept (the weights are packed for it); the layer ops and the
         # attention backend are what differ.
-        base = replace(select_kernels(c, torch.float32, CPU), native=None)
+        base = select_kernels(c, torch.float32, CPU)
         if triton_ops:
             ops = TritonLayerOps(c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads)
         else:
             ops = TorchLayerOps(c.rms_norm_eps, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
                                 c.head_dim, CPU)
-        model.kernels = replace(base, ops=ops, triton=triton_ops)
+        model.kernels = replace(base, ops=ops, backend=triton_backend if triton_ops else aten)
         assert model.kernels.attention_name == ("triton-paged" if triton_ops else "aten-gather")
         kv = model.new_kv_cache(num_blocks=16, block_size=4)
         ws = model.new_workspace(max_rows=16, block_size=4)

@@ -14,13 +14,10 @@ import ray
 from coordinator.client import Client
 from coordinator.engine.llm_engine import LLMEngine
 from coordinator.sampling_params import SamplingParams
-from coordinator.server.config import ServerConfig
-from coordinator.server.server import Server
 from shared_memory.arena import list_segments, pid_alive
-from shared_memory.contract import RunnerConfig
-from tests.support import wait_for
+from tests.support import running_server, wait_for
 
-RC = RunnerConfig(max_batch=16, block_size=8, num_blocks=200, top_k=16)
+RC = dict(max_batch=16, block_size=8, num_blocks=200, sampler_candidates=16)
 N = 10
 PROMPTS = [f"fault {i}: the capital of France is" for i in range(N)]
 PARAMS = [{"max_tokens": 64, "ignore_eos": True} if i % 2 else
@@ -30,7 +27,7 @@ PARAMS = [{"max_tokens": 64, "ignore_eos": True} if i % 2 else
 
 @pytest.fixture(scope="module")
 def want() -> list[list[int]]:
-    with LLMEngine("default", dtype="float32", runner=RC) as eng:
+    with LLMEngine("default", dtype="float32", **RC) as eng:
         return [eng.generate([p], SamplingParams(**kw))[0].token_ids for p, kw in zip(PROMPTS, PARAMS)]
 
 
@@ -40,10 +37,7 @@ FAULTS = [(2, "ray.kill"), (2, "SIGKILL"), (1, "SIGKILL"), (2, "SIGSTOP")]
 
 @pytest.mark.parametrize("workers,how", FAULTS, ids=[f"{w}workers-{h}" for w, h in FAULTS])
 def test_worker_killed_mid_decode(ray_session, want, workers, how):
-    coord = Server(ServerConfig(workers=workers, device="cpu", port=0, runner=RC, dtype="float32"))
-    coord.start()
-    coord.serve_in_thread()
-    try:
+    with running_server(workers=workers, **RC, dtype="float32") as coord:
         frames: dict[int, list[dict]] = {i: [] for i in range(N)}
         errors: dict[int, BaseException] = {}
         progressed = threading.Semaphore(0)
@@ -92,5 +86,3 @@ def test_worker_killed_mid_decode(ray_session, want, workers, how):
         assert all(w["kv_blocks_used"] == 0 for w in stats["workers"])
         assert not segments & set(list_segments()), "the lost worker's arena banks are unlinked"
         wait_for(lambda: not pid_alive(pid), 30, "the killed process to be gone")
-    finally:
-        coord.shutdown()

@@ -23,10 +23,11 @@ from kernels.model.qwen3 import Qwen3Model
 from kernels.model.tensor_parallel import SINGLE, GroupBroken
 from shared_memory import transport
 from shared_memory.arena import HostArena
-from shared_memory.contract import LaunchDescriptor, LaunchReply, RunnerConfig
+from shared_memory.contract import LaunchDescriptor, LaunchReply
+from shared_memory.engine_config import EngineConfig
 from shared_memory.slots import step_table
 from worker.device import torch_device
-from worker.model_runner import ModelRunner, model_dims
+from worker.model_runner import ModelRunner
 from worker.tensor_group import STOP, GroupRank, TensorGroup, rendezvous_address
 
 log = logging.getLogger(__name__)
@@ -54,12 +55,10 @@ class WorkerActor:
         """Rank 0 of a group: the address the group's ranks meet at."""
         return rendezvous_address()
 
-    def start(self, model_dir: str, dtype: str | None, max_model_len: int | None, rc: RunnerConfig,
-              arena_names: list[str | None], host: str = "127.0.0.1",
-              quantization: str | None = None, rank: GroupRank | None = None,
-              rendezvous: str | None = None) -> dict:
-        """Load the model (this rank's share of it in a group), attach the arena banks,
-        allocate everything, warm up, open the step socket (rank 0) or follow rank 0.
+    def start(self, cfg: EngineConfig, arena_names: list[str | None], host: str = "127.0.0.1",
+              rank: GroupRank | None = None, rendezvous: str | None = None) -> dict:
+        """Load the model of the resolved ``cfg`` (this rank's share of it in a group), attach the
+        arena banks, allocate everything, warm up, open the step socket (rank 0) or follow rank 0.
 
         A ``None`` name selects the serializing transport (a worker on another node): the
         worker keeps private banks and launch messages carry the HOST_SHARED bytes.
@@ -69,8 +68,9 @@ class WorkerActor:
         if rank is not None and rank.size > 1:
             self.group = TensorGroup(rank, rendezvous, device, self._ctx)
             tp = self.group.tp
-        model = Qwen3Model.from_pretrained(model_dir, dtype, device, max_model_len, quantization, tp=tp)
-        table, dims = step_table(), model_dims(model, rc)
+        m = cfg.model
+        model = Qwen3Model.from_pretrained(m.model, m.dtype, device, m.max_model_len, m.quantization, tp=tp)
+        table, dims = step_table(), cfg.max_dims(model.config.vocab_size)
         self.arenas = []
         try:
             self.arenas = [HostArena.attach(name, table, dims) for name in arena_names
@@ -86,7 +86,7 @@ class WorkerActor:
             if any(arena_names):  # truly off-node (not forced): reachable on the node's address
                 host = ray.util.get_node_ip_address()
         leader = self.group is None or self.group.leader
-        self.runner = ModelRunner(model, rc, self.arenas, writes_outputs=leader)
+        self.runner = ModelRunner(model, cfg, self.arenas, writes_outputs=leader)
         info = {"pid": os.getpid(), "device": str(device), "transport": "serial" if self.serial else "shm",
                 "node_id": ray.get_runtime_context().get_node_id(), "kv_bytes": self.runner.kv.nbytes,
                 "pool_bytes": self.runner.pool.nbytes, "kernels": model.kernel_info()}
@@ -149,7 +149,7 @@ class WorkerActor:
             table = self.runner.table
             if self.serial:
                 transport.unpack(self.arenas[desc.bank], table, desc.dims, msg["inputs"], outputs=False)
-            reply = LaunchReply.from_record(self.runner.execute(desc))
+            reply = self.runner.execute(desc)
             if self.serial and self.runner.runtime.writes_outputs:
                 reply.outputs = transport.pack_outputs(self.arenas[desc.bank], table, desc.dims)
             return reply

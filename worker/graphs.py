@@ -1,10 +1,11 @@
 """Captured decode steps, per batch-size bucket (CUDA graphs; NPU graphs on Ascend).
 
 A graph replays fixed addresses and shapes, so a decode-only launch of B rows runs the
-graph of the smallest bucket >= B: rows past B are padding (token 0, position 0, length 1)
-that write their K/V into a reserved slot outside every allocatable block, and block
-tables are padded to the widest table. The same padding runs eagerly on the CPU, which
-is how its logic is tested here. Launches with prompt tokens run eagerly.
+graph of the smallest bucket >= B over the scratch pool's own input tensors: rows past B are
+padding (token 0, position 0, length 1) that write their K/V into a reserved slot outside
+every allocatable block, and block tables are read at the widest width. The same padding runs
+eagerly on the CPU, which is how its logic is tested here. Launches with prompt tokens run
+eagerly.
 
 A decode step is one replay, the sampler included: each bucket has a graph that samples greedily
 and one that runs every sampling stage (a row's draw does not depend on which stages its batch
@@ -59,34 +60,38 @@ def _graph_api(device: torch.device):
 
 
 class DecodeGraphs:
-    """Bucketed, padded decode; captured as device graphs where the device has them."""
+    """Bucketed, padded decode over the scratch pool's own input tensors; captured as device
+    graphs where the device has them.
+
+    A launch's inputs are already where a graph reads them: the runtime copied them into the
+    pool (rows [:B], a block table's [:B, :W] corner), so a replay needs no copy, only the padding
+    rows [B:bucket) filled in (and nothing at all when B is a bucket)."""
 
     def __init__(self, model: Qwen3Model, kv: PagedKVCache, ws: Workspace, logits: torch.Tensor,
-                 max_batch: int, pad_slot: int, sample: Sample, capture: bool = True):
+                 inputs: dict[str, torch.Tensor], pad_slot: int, sample: Sample, capture: bool = True):
+        """``inputs``: the pool's full tensors of the forward's slots (token_ids, positions,
+        slot_mapping, query_start_loc, seq_lens, block_tables)."""
         self.model, self.kv, self.ws, self.logits, self.sample = model, kv, ws, logits, sample
+        self.inputs = inputs
+        max_batch = inputs["seq_lens"].shape[0]
         self.buckets = batch_buckets(max_batch)
-        self.max_width = -(-model.max_model_len // kv.block_size)
         self.pad_slot = pad_slot
-        dev = model.device
-        i32 = {"dtype": torch.int32, "device": dev}
-        self.token_ids = torch.zeros(max_batch, **i32)
-        self.positions = torch.zeros(max_batch, **i32)
-        self.seq_lens = torch.ones(max_batch, **i32)
-        self.query_start_loc = torch.arange(max_batch + 1, **i32)  # one token a row
-        self.slot_mapping = torch.full((max_batch,), pad_slot, dtype=torch.int64, device=dev)
-        self.block_tables = torch.zeros(max_batch, self.max_width, **i32)
         self.graphs: dict[tuple[int, SamplingPlan | None], object] = {}
-        api = _graph_api(dev) if capture else None
+        self._pad(0, max_batch)  # the warm-up and capture rows: each a harmless one-token sequence
+        api = _graph_api(model.device) if capture else None
         if api is not None:
             self._capture(*api)
 
-    def _eager(self, b: int, plan: SamplingPlan | None) -> None:
-        batch = ForwardBatch(self.token_ids[:b], self.positions[:b], self.slot_mapping[:b],
-                             self.query_start_loc[: b + 1], self.seq_lens[:b], self.block_tables[:b],
-                             num_decode=b)
-        self.model.forward(batch, self.kv, self.ws, self.logits[:b])
+    def _batch(self, n: int) -> ForwardBatch:
+        v = self.inputs
+        return ForwardBatch(v["token_ids"][:n], v["positions"][:n], v["slot_mapping"][:n],
+                            v["query_start_loc"][: n + 1], v["seq_lens"][:n], v["block_tables"][:n],
+                            num_decode=n)
+
+    def _eager(self, n: int, plan: SamplingPlan | None) -> None:
+        self.model.forward(self._batch(n), self.kv, self.ws, self.logits[:n])
         if plan is not None:
-            self.sample(b, plan)
+            self.sample(n, plan)
 
     def _capture(self, graph_cls, graph_ctx) -> None:
         pool = None  # one memory pool for every graph: they never run at once
@@ -107,24 +112,26 @@ class DecodeGraphs:
                 return size
         raise ValueError(f"batch {b} exceeds the largest bucket {self.buckets[-1]}")
 
-    def run(self, batch: ForwardBatch, plan: SamplingPlan | None) -> None:
-        """A decode-only batch of B rows; rows [:B] of ``logits`` are valid afterwards, and with a
-        ``plan`` the first B sampled ids too (padding rows sample into the rows past them)."""
-        b = batch.num_rows
+    def _pad(self, b: int, n: int) -> None:
+        """Rows [b, n) as padding: token 0 at position 0, one token of context, K/V into the
+        reserved slot, block 0 (never read past the one token)."""
+        v = self.inputs
+        v["token_ids"][b:n].zero_()
+        v["positions"][b:n].zero_()
+        v["seq_lens"][b:n].fill_(1)
+        v["slot_mapping"][b:n].fill_(self.pad_slot)
+        v["block_tables"][b:n].zero_()
+        qsl = v["query_start_loc"]
+        torch.arange(b + 1, n + 1, dtype=qsl.dtype, device=qsl.device, out=qsl[b + 1 : n + 1])
+
+    def run(self, b: int, plan: SamplingPlan | None) -> None:
+        """The decode-only launch of ``b`` rows in the pool; rows [:b] of ``logits`` are valid
+        afterwards, and with a ``plan`` the first b sampled ids too (padding rows sample into the
+        rows past them). A block table's columns past the launch's width hold earlier launches'
+        blocks, never read: each row reads only its own ``seq_lens``."""
         n = self.bucket(b)
-        w = batch.block_tables.shape[1]
-        self.token_ids[:b].copy_(batch.token_ids)
-        self.positions[:b].copy_(batch.positions)
-        self.seq_lens[:b].copy_(batch.seq_lens)
-        self.slot_mapping[:b].copy_(batch.slot_mapping)
-        self.block_tables[:b, :w].copy_(batch.block_tables)
-        self.block_tables[:b, w:].zero_()
-        if n > b:  # padding rows: a harmless one-token sequence writing the reserved slot
-            self.token_ids[b:n].zero_()
-            self.positions[b:n].zero_()
-            self.seq_lens[b:n].fill_(1)
-            self.slot_mapping[b:n].fill_(self.pad_slot)
-            self.block_tables[b:n].zero_()
+        if n > b:
+            self._pad(b, n)
         graph = self.graphs.get((n, variant(plan)))
         if graph is not None:
             graph.replay()

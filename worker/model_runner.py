@@ -18,40 +18,41 @@ from kernels.forward_batch import ForwardBatch
 from kernels.model.qwen3 import Qwen3Model
 from kernels.sampler import SamplingPlan
 from shared_memory.arena import HostArena
-from shared_memory.contract import LaunchDescriptor, RunnerConfig
-from shared_memory.runtime import DeviceScratchPool, LaunchRecord, LaunchRuntime
+from shared_memory.contract import LaunchDescriptor, LaunchReply
+from shared_memory.engine_config import EngineConfig
 from shared_memory.slots import step_table
 from worker.graphs import DecodeGraphs
+from worker.launch_runtime import LaunchRuntime
+from worker.scratch_pool import DeviceScratchPool
 
-
-def model_dims(model: Qwen3Model, rc: RunnerConfig) -> dict[str, int]:
-    """``rc.max_dims`` for this model: what its arena and scratch pool are sized for."""
-    return rc.max_dims(model.config.vocab_size, model.max_model_len)
+# The slots a forward reads (the decode graphs capture the pool's tensors of these).
+FORWARD_SLOTS = ("token_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables")
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3Model, rc: RunnerConfig, arenas: HostArena | list[HostArena],
+    def __init__(self, model: Qwen3Model, cfg: EngineConfig, arenas: HostArena | list[HostArena],
                  writes_outputs: bool = True):
-        """``writes_outputs``: False on a tensor-parallel rank other than 0, which computes the same
-        outputs and leaves them on its device (rank 0 writes them)."""
-        rc.check()
+        """``cfg``: resolved for ``model``. ``writes_outputs``: False on a tensor-parallel rank other
+        than 0, which computes the same outputs and leaves them on its device (rank 0 writes them)."""
+        cfg.check()
         self.model = model
-        self.rc = rc
+        self.cfg = cfg
         self.table = step_table()
-        self.max_dims = model_dims(model, rc)
+        self.max_dims = cfg.max_dims(model.config.vocab_size)
+        max_batch, block_size = cfg.scheduler.max_batch, cfg.cache.block_size
+        self.candidates = cfg.device.sampler_candidates
         # One spare block beyond the allocatable ones: graph padding rows write there.
-        self.kv = model.new_kv_cache(rc.num_blocks + 1, rc.block_size)
-        self.ws = model.new_workspace(rc.max_batch, rc.block_size)
+        self.kv = model.new_kv_cache(cfg.cache.num_blocks + 1, block_size)
+        self.ws = model.new_workspace(max_batch, block_size)
         self.pool = DeviceScratchPool(self.table, self.max_dims, model.device)
         self.runtime = LaunchRuntime(self.table, arenas, self.pool, writes_outputs)
         self.logits = self.pool.full("logits")
         dev = model.device  # the feed's scratch: no allocation per launch
-        self._feed_idx = torch.zeros(rc.max_batch, dtype=torch.int32, device=dev)
-        self._feed_ids = torch.zeros(rc.max_batch, dtype=torch.int32, device=dev)
-        self._feed_mask = torch.zeros(rc.max_batch, dtype=torch.bool, device=dev)
+        self._feed_idx = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        self._feed_ids = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        self._feed_mask = torch.zeros(max_batch, dtype=torch.bool, device=dev)
         # Prompt logprobs: their logits, max_batch tokens at a time.
-        self._prompt_logits = torch.empty(rc.max_batch, model.config.vocab_size, dtype=torch.float32,
-                                          device=dev)
+        self._prompt_logits = torch.empty(max_batch, model.config.vocab_size, dtype=torch.float32, device=dev)
         self._masked: torch.Tensor | None = None  # grammar-masked logits, when logprobs need the raw ones
         self.graphs: DecodeGraphs | None = None
         # A Qwen3-MoE layer reads its routing back to the host: no device graph can capture it.
@@ -59,9 +60,11 @@ class ModelRunner:
         # So do the Ascend fused kernels, whose attention takes the lengths as host lists.
         has_graphs = (model.device.type in ("cuda", "npu") and not model.config.num_experts
                       and model.tp.size == 1 and model.kernels.capturable)
-        if rc.graphs == "padded" or (rc.graphs == "auto" and has_graphs):
-            self.graphs = DecodeGraphs(model, self.kv, self.ws, self.logits, rc.max_batch, rc.pad_slot,
-                                       self._sample_rows, capture=rc.graphs == "auto")
+        graphs = cfg.device.graphs
+        if graphs == "padded" or (graphs == "auto" and has_graphs):
+            inputs = {name: self.pool.full(name) for name in FORWARD_SLOTS}
+            self.graphs = DecodeGraphs(model, self.kv, self.ws, self.logits, inputs, cfg.pad_slot,
+                                       self._sample_rows, capture=graphs == "auto")
         self.warmup()
 
     def warmup(self) -> None:
@@ -69,13 +72,14 @@ class ModelRunner:
         selection, page faults in the workspace) happen before the first request."""
         dev = self.model.device
         zero = torch.zeros(1, dtype=torch.int32, device=dev)
-        batch = ForwardBatch(zero, zero, torch.tensor([self.rc.pad_slot], device=dev),
+        batch = ForwardBatch(zero, zero, torch.tensor([self.cfg.pad_slot], device=dev),
                              torch.tensor([0, 1], dtype=torch.int32, device=dev),
                              torch.ones(1, dtype=torch.int32, device=dev), zero.view(1, 1), num_decode=1)
         self.model.forward(batch, self.kv, self.ws, self.logits[:1])
 
-    def execute(self, desc: LaunchDescriptor) -> LaunchRecord:
-        return self.runtime.launch(desc.dims, lambda v: self._step(v, desc), desc.bank, desc.num_decode)
+    def execute(self, desc: LaunchDescriptor) -> LaunchReply:
+        rec = self.runtime.launch(desc.dims, lambda v: self._step(v, desc), desc.bank, desc.num_decode)
+        return rec.reply()
 
     def _feed(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """``ids[r] = previous launch's sampled_ids[rows[r]]`` where ``rows[r] >= 0`` (decode rows
@@ -98,9 +102,9 @@ class ModelRunner:
         plan = SamplingPlan.of(desc.sampling)
         if self.graphs is not None and batch.decode_only:
             if not (dims["G"] or dims["NL"] or dims["TL"]):  # one replay: forward and sampler
-                self.graphs.run(batch, plan)
+                self.graphs.run(b, plan)
                 return
-            self.graphs.run(batch, None)
+            self.graphs.run(b, None)
         else:
             hidden = self.model.forward(batch, self.kv, self.ws, logits)
         sampled = logits
@@ -112,7 +116,7 @@ class ModelRunner:
                 sampled.copy_(logits)
             self.model.kernels.ops.apply_token_bitmask(sampled, v["token_bitmask"])
         sampler.sample(sampled, v["sampling_params"], v["sampling_seeds"], v["sampled_ids"], plan,
-                       self.rc.top_k)
+                       self.candidates)
         if dims["NL"]:
             rows = v["logprob_rows"]
             sampler.token_logprobs(logits.index_select(0, rows), v["sampled_ids"].index_select(0, rows),
@@ -124,7 +128,7 @@ class ModelRunner:
         """The sampler over the first ``n`` rows of the pool (what a decode graph captures)."""
         pool = self.pool
         sampler.sample(self.logits[:n], pool.full("sampling_params")[:n], pool.full("sampling_seeds")[:n],
-                       pool.full("sampled_ids")[:n], plan, self.rc.top_k)
+                       pool.full("sampled_ids")[:n], plan, self.candidates)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, v: dict[str, torch.Tensor]) -> None:
         """The next prompt token's logprob at each asked token, ``max_batch`` tokens at a time."""

@@ -1,11 +1,15 @@
 """Coordinator side of the argument contract: write a launch's inputs, read its outputs.
 
-Inputs go straight into the worker's arena views (no intermediate buffers); the outputs
-are read back as numpy views of the same shared memory, valid until the next launch on
-that arena bank.
+One way each: ``write_batch`` puts a frozen ``ScheduledBatch`` into an arena bank's input slots
+and returns the ``LaunchDescriptor`` and the ``OutputPlan`` (what will come back, and which rows
+could not be written); ``read_outputs`` reads only output slots, as numpy views of the same
+shared memory, valid until the next launch on that bank. Inputs go straight into the arena
+views (no intermediate buffers).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -16,14 +20,27 @@ from coordinator.structured.grammar_state import fill_rows
 from kernels.sampler import SamplingPlan
 from shared_memory.arena import HostArena
 from shared_memory.contract import LaunchDescriptor
+from shared_memory.slots import bitmask_words
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    """What a launch hands back, known when it is written: the rows whose logprobs come back (in
+    the order of the logprob slots), the prompt-logprob spans, and rows whose settings never
+    reached the device (each fails alone when read)."""
+
+    logprob_rows: tuple[int, ...] = ()
+    prompt_spans: tuple[PromptSpan, ...] = ()
+    invalid: dict[int, str] = field(default_factory=dict)
 
 
 def _put(arena: HostArena, name: str, values: np.ndarray) -> None:
     arena.view(name, values.shape).copy_(torch.from_numpy(np.ascontiguousarray(values)))
 
 
-def write_batch(arena: HostArena, batch: ScheduledBatch, step: int, candidates: int,
-                vocab: int) -> LaunchDescriptor:
+def write_batch(arena: HostArena, batch: ScheduledBatch, step: int, bank: int, candidates: int,
+                vocab: int) -> tuple[LaunchDescriptor, OutputPlan]:
+    """``arena`` is bank ``bank`` of the worker's; ``candidates``: the sampler's candidate count."""
     b, nd = batch.batch_size, batch.num_decode
     dims = {"B": b, "B1": b + 1, "T": batch.num_tokens, "W": batch.block_tables.shape[1], "V": vocab}
     _put(arena, "token_ids", batch.token_ids)
@@ -33,15 +50,17 @@ def write_batch(arena: HostArena, batch: ScheduledBatch, step: int, candidates: 
     _put(arena, "seq_lens", batch.seq_lens)
     _put(arena, "block_tables", batch.block_tables)
     _put(arena, "feed_rows", batch.feed_rows)
-    plan = _write_sampling(arena, batch, dims, candidates, vocab)
-    _write_bitmask(arena, batch, dims, vocab)
-    _write_prompt_logprobs(arena, batch, dims)
-    return LaunchDescriptor(dims, step, num_decode=nd, prompt_query_lens=batch.query_lens[nd:],
+    invalid: dict[int, str] = {}
+    plan, rows = _write_sampling(arena, batch, dims, candidates, vocab, invalid)
+    _write_bitmask(arena, batch, dims, vocab, invalid)
+    spans = _write_prompt_logprobs(arena, batch, dims)
+    desc = LaunchDescriptor(dims, step, bank, num_decode=nd, prompt_query_lens=list(batch.query_lens[nd:]),
                             prompt_seq_lens=batch.seq_lens[nd:].tolist(), sampling=plan.stages())
+    return desc, OutputPlan(tuple(rows), tuple(spans), invalid)
 
 
 def _write_sampling(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int], candidates: int,
-                    vocab: int) -> SamplingPlan:
+                    vocab: int, invalid: dict[int, str]) -> tuple[SamplingPlan, list[int]]:
     """Each row's sampling settings, which rows want logprobs (and how many), and the plan."""
     b = batch.batch_size
     f32 = np.zeros((b, 4), dtype=np.float32)
@@ -54,7 +73,7 @@ def _write_sampling(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int
             seeds[i] = (p.seed & 0x7FFF_FFFF_FFFF_FFFF, batch.draw_steps[i])
         except (TypeError, ValueError, OverflowError) as exc:  # a bug past validation: this row alone
             f32[i], seeds[i] = 0, 0
-            batch.invalid[i] = f"sampling parameters {p!r} cannot be sent to the device: {exc}"
+            invalid[i] = f"sampling parameters {p!r} cannot be sent to the device: {exc}"
             continue
         if p.logprobs:
             rows.append(i)
@@ -63,13 +82,14 @@ def _write_sampling(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int
     _put(arena, "sampling_params", f32)
     _put(arena, "sampling_seeds", seeds)
     _put(arena, "logprob_rows", np.asarray(rows, dtype=np.int64))
-    return SamplingPlan.for_rows(f32, candidates, vocab)
+    return SamplingPlan.for_rows(f32, candidates, vocab), rows
 
 
-def _write_bitmask(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int], vocab: int) -> None:
+def _write_bitmask(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int], vocab: int,
+                   invalid: dict[int, str]) -> None:
     """Structured outputs: each row's allowed next tokens as bits (B rows when any row samples
     under a grammar, else none). The matchers write straight into the arena bank."""
-    words = -(-vocab // 32)
+    words = bitmask_words(vocab)
     rows = [i for i, s in enumerate(batch.seqs) if s.grammar is not None and batch.samples[i]]
     dims["G"], dims["VW"] = (batch.batch_size if rows else 0), words
     if not rows:
@@ -84,12 +104,12 @@ def _write_bitmask(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int]
                 batch.seqs[i].grammar.fill(mask, i)
             except Exception as exc:  # noqa: BLE001
                 mask[i] = -1
-                batch.invalid[i] = f"the grammar could not give its next tokens: {type(exc).__name__}: {exc}"
+                invalid[i] = f"the grammar could not give its next tokens: {type(exc).__name__}: {exc}"
 
 
-def _write_prompt_logprobs(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int]) -> None:
+def _write_prompt_logprobs(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int]) -> list[PromptSpan]:
     """For rows asking prompt logprobs: each chunk token whose next token is still the prompt's."""
-    index, targets, n = [], [], 0
+    index, targets, spans, n = [], [], [], 0
     starts = batch.query_start_loc
     for row in range(batch.num_decode, batch.batch_size):
         seq = batch.seqs[row]
@@ -99,28 +119,30 @@ def _write_prompt_logprobs(arena: HostArena, batch: ScheduledBatch, dims: dict[s
         count = max(0, min(first + batch.query_lens[row], len(seq.prompt_ids) - 1) - first)
         if not count:
             continue
-        batch.prompt_spans.append(PromptSpan(row, len(index), count, first))
+        spans.append(PromptSpan(row, len(index), count, first))
         index.extend(range(int(starts[row]), int(starts[row]) + count))
         targets.extend(seq.prompt_ids[first + 1 : first + 1 + count])
         n = max(n, seq.params.prompt_logprobs)
     dims["TL"], dims["NP"] = len(index), n
     _put(arena, "prompt_logprob_index", np.asarray(index, dtype=np.int64))
     _put(arena, "prompt_logprob_targets", np.asarray(targets, dtype=np.int64))
+    return spans
 
 
-def read_outputs(arena: HostArena, desc: LaunchDescriptor, batch: ScheduledBatch) -> StepOutputs:
+def read_outputs(arena: HostArena, desc: LaunchDescriptor, plan: OutputPlan) -> StepOutputs:
+    """The launch's output slots (and nothing else) as numpy views of its bank."""
     d = desc.dims
     nl, n, tl, np_ = d["NL"], d["N"], d["TL"], d["NP"]
     return StepOutputs(
         step=desc.step,
         sampled_ids=arena.view("sampled_ids", (d["B"],)).numpy(),
-        logprob_rows=arena.view("logprob_rows", (nl,)).tolist(),
+        logprob_rows=list(plan.logprob_rows),
         sampled_logprobs=arena.view("sampled_logprobs", (nl,)).numpy(),
         top_logprob_ids=arena.view("top_logprob_ids", (nl, n)).numpy(),
         top_logprob_values=arena.view("top_logprob_values", (nl, n)).numpy(),
-        prompt_spans=batch.prompt_spans,
+        prompt_spans=list(plan.prompt_spans),
         prompt_logprobs=arena.view("prompt_logprobs", (tl,)).numpy(),
         prompt_top_ids=arena.view("prompt_top_ids", (tl, np_)).numpy(),
         prompt_top_values=arena.view("prompt_top_values", (tl, np_)).numpy(),
-        invalid=batch.invalid,
+        invalid=plan.invalid,
     )

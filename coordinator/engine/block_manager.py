@@ -175,9 +175,6 @@ class BlockManager:
         table = self._tables[seq_id]
         return table[position // self.block_size] * self.block_size + position % self.block_size
 
-    def ref_count(self, block: int) -> int:
-        return self._refs[block]
-
     # ---------------------------------------------------------------- internals
 
     def _take(self, block: int) -> None:

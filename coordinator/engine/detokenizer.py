@@ -9,7 +9,7 @@ string, so a stop string never reaches a client, even when it spans two tokens.
 from __future__ import annotations
 
 from coordinator.engine.stop_strings import StopMatcher
-from kernels.model.tokenizer import TextTokenizer
+from coordinator.model_files.tokenizer import TextTokenizer
 
 
 class Detokenizer:

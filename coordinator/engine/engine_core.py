@@ -18,7 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from coordinator.engine.batch_io import read_outputs, write_batch
+from coordinator.engine.batch_io import OutputPlan, read_outputs, write_batch
 from coordinator.engine.executor import Executor
 from coordinator.engine.output_processor import OutputProcessor
 from coordinator.engine.scheduled_batch import ScheduledBatch
@@ -26,7 +26,8 @@ from coordinator.engine.scheduler import Scheduler
 from coordinator.engine.sequence import Sequence, TokenEvent
 from coordinator.errors import RequestError
 from shared_memory.arena import HostArena
-from shared_memory.contract import LaunchDescriptor, LaunchReply, RunnerConfig
+from shared_memory.contract import LaunchDescriptor, LaunchReply
+from shared_memory.engine_config import EngineConfig
 
 
 @dataclass
@@ -51,6 +52,7 @@ class StepStats:
 class Inflight:
     batch: ScheduledBatch
     desc: LaunchDescriptor
+    plan: OutputPlan
     started: float  # perf_counter when it was sent, or when the launch before it finished
 
 
@@ -67,11 +69,11 @@ class EngineCore:
         self.stats = StepStats()
 
     @classmethod
-    def for_worker(cls, rc: RunnerConfig, vocab_size: int, max_model_len: int, output: OutputProcessor,
-                   arenas: list[HostArena], executor: Executor) -> EngineCore:
+    def for_worker(cls, cfg: EngineConfig, vocab_size: int, output: OutputProcessor, arenas: list[HostArena],
+                   executor: Executor) -> EngineCore:
         """One worker's core, offline and served alike: its scheduler over its own KV blocks."""
-        return cls(Scheduler.for_worker(rc, max_model_len), output, arenas, executor, rc.top_k, vocab_size,
-                   rc.async_scheduling)
+        return cls(Scheduler.for_worker(cfg), output, arenas, executor, cfg.device.sampler_candidates,
+                   vocab_size, cfg.scheduler.async_scheduling)
 
     def has_work(self) -> bool:
         """Requests to run, or launches whose replies are still owed."""
@@ -104,13 +106,12 @@ class EngineCore:
         if batch is None:
             return False
         bank = self.scheduler.steps % len(self.arenas)
-        desc = write_batch(self.arenas[bank], batch, self.scheduler.steps, *self._sampling)
-        desc.bank = bank
+        desc, plan = write_batch(self.arenas[bank], batch, self.scheduler.steps, bank, *self._sampling)
         self.executor.submit(desc)
         self.stats.ahead += bool(self.inflight)
         self.stats.fed_rows += int((batch.feed_rows >= 0).sum())
         self.stats.max_launch_tokens = max(self.stats.max_launch_tokens, batch.num_tokens)
-        self.inflight.append(Inflight(batch, desc, t0))
+        self.inflight.append(Inflight(batch, desc, plan, t0))
         return True
 
     def finish(self, reply: LaunchReply) -> list[TokenEvent]:
@@ -137,7 +138,7 @@ class EngineCore:
         s.launch_s += reply.seconds
         s.idle_s += reply.idle
         s.wait_s += reply.wait
-        out = read_outputs(self.arenas[desc.bank], desc, batch)
+        out = read_outputs(self.arenas[desc.bank], desc, inflight.plan)
         events = self.output.process(batch, self.scheduler.settle(batch), out)
         self.scheduler.update(events)
         s.tokens += sum(ev.token is not None for ev in events)

@@ -16,7 +16,6 @@ import zmq
 from shared_memory import transport
 from shared_memory.arena import HostArena
 from shared_memory.contract import LaunchDescriptor, LaunchReply
-from shared_memory.runtime import LaunchRecord
 from shared_memory.slots import step_table
 
 
@@ -27,7 +26,7 @@ class WorkerGone(RuntimeError):
 class Runner(Protocol):
     """What the in-process executor drives (``worker.model_runner.ModelRunner``)."""
 
-    def execute(self, desc: LaunchDescriptor) -> LaunchRecord: ...
+    def execute(self, desc: LaunchDescriptor) -> LaunchReply: ...
 
 
 class Executor(Protocol):
@@ -48,7 +47,7 @@ class InProcessExecutor:
         self._replies: deque[LaunchReply] = deque()
 
     def submit(self, desc: LaunchDescriptor) -> None:
-        self._replies.append(LaunchReply.from_record(self.runner.execute(desc)))
+        self._replies.append(self.runner.execute(desc))
 
     def wait(self) -> LaunchReply:
         if not self._replies:

@@ -12,11 +12,11 @@ from coordinator.engine.detokenizer import Detokenizer
 from coordinator.engine.request_limits import RequestLimits
 from coordinator.engine.sequence import Sequence
 from coordinator.errors import RequestError
+from coordinator.model_files.tokenizer import TextTokenizer
 from coordinator.sampling_params import SamplingParams
 from coordinator.structured.grammar_compiler import GrammarCompiler
 from coordinator.structured.structured_spec import StructuredError
 from kernels.model.config import Qwen3Config
-from kernels.model.tokenizer import TextTokenizer
 
 
 class InputProcessor:

@@ -11,21 +11,24 @@ import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from coordinator.engine.config_resolution import dtype_name, resolve_config
 from coordinator.engine.engine_core import EngineCore
 from coordinator.engine.executor import InProcessExecutor
 from coordinator.engine.input_processor import InputProcessor
 from coordinator.engine.output_processor import OutputProcessor
 from coordinator.engine.request_limits import RequestLimits
 from coordinator.engine.sequence import Sequence
+from coordinator.model_files.tokenizer import TextTokenizer
 from coordinator.sampling_params import SamplingParams
-from kernels.model.default_model import resolve_model
 from kernels.model.qwen3 import Qwen3Model
-from kernels.model.tokenizer import TextTokenizer
 from shared_memory.arena import HostArena
-from shared_memory.contract import RunnerConfig
-from shared_memory.runtime import LaunchRuntime
+from shared_memory.engine_config import EngineConfig
 from shared_memory.slots import step_table
-from worker.model_runner import ModelRunner, model_dims
+from worker.device import probe, torch_device
+from worker.launch_runtime import LaunchRuntime
+from worker.model_runner import ModelRunner
 
 
 @dataclass
@@ -44,32 +47,45 @@ class GenerationOutput:
 def load_model(model: str | Path, dtype: str | None = None, device: str = "cpu",
                max_model_len: int | None = None,
                quantization: str | None = None) -> tuple[Qwen3Model, TextTokenizer | None]:
-    model_dir = resolve_model(str(model))
-    return (Qwen3Model.from_pretrained(model_dir, dtype, device, max_model_len, quantization),
-            TextTokenizer.from_dir(model_dir))
+    """A model and its tokenizer as ``LLMEngine`` loads them (tests share one model across engines)."""
+    cfg = EngineConfig.build(model=str(model), dtype=dtype, max_model_len=max_model_len,
+                             quantization=quantization)
+    resolved = resolve_config(cfg, torch.device(device).type).config
+    return _load(resolved, torch.device(device)), TextTokenizer.from_dir(resolved.model.model)
+
+
+def _load(cfg: EngineConfig, device: torch.device) -> Qwen3Model:
+    m = cfg.model
+    return Qwen3Model.from_pretrained(m.model, m.dtype, device, m.max_model_len, m.quantization)
 
 
 class LLMEngine:
-    def __init__(self, model: str | Path | Qwen3Model = "default", *, dtype: str | None = None,
-                 max_model_len: int | None = None, runner: RunnerConfig | None = None,
-                 tokenizer: TextTokenizer | None = None, quantization: str | None = None,
-                 device: str = "cpu"):
+    """``LLMEngine(model, **settings)``: ``settings`` are ``EngineConfig`` field names
+    (``dtype="float32", max_batch=8``), over ``config`` when given; the device defaults to the CPU.
+    ``model`` may also be a loaded ``Qwen3Model`` (its dtype and context length then stand)."""
+
+    def __init__(self, model: str | Path | Qwen3Model = "default", *, config: EngineConfig | None = None,
+                 tokenizer: TextTokenizer | None = None, **settings: object):
+        cfg = (config or EngineConfig.build(device="cpu")).replace(**settings)
         if isinstance(model, Qwen3Model):
             self.model, self.tokenizer = model, tokenizer
+            cfg = cfg.replace(max_model_len=model.max_model_len, dtype=dtype_name(model.dtype),
+                              quantization=model.quantization)
+            cfg.check()
         else:
-            self.model, tok = load_model(model, dtype, device, max_model_len, quantization)
-            self.tokenizer = tokenizer or tok
-        self.rc = runner or RunnerConfig()
-        self.rc.check()
-        dims = model_dims(self.model, self.rc)
-        self.arenas = [HostArena.create(step_table(), dims, tag="engine") for _ in range(self.rc.banks)]
-        self.runner = ModelRunner(self.model, self.rc, self.arenas)
-        c, max_len = self.model.config, self.model.max_model_len
-        limits = RequestLimits.for_worker(c, self.rc, max_len)
-        self.input = InputProcessor.for_model(c, self.tokenizer, limits)
-        output = OutputProcessor(c.eos_token_ids, max_len)
-        self.core = EngineCore.for_worker(self.rc, c.vocab_size, max_len, output, self.arenas,
-                                          InProcessExecutor(self.runner))
+            device = probe(cfg.device.device)
+            cfg = resolve_config(cfg.replace(model=str(model)), device.kind).config
+            self.model = _load(cfg, torch_device(device.kind))
+            self.tokenizer = tokenizer or TextTokenizer.from_dir(cfg.model.model)
+        self.config = cfg
+        c = self.model.config
+        dims = cfg.max_dims(c.vocab_size)
+        self.arenas = [HostArena.create(step_table(), dims, tag="engine") for _ in range(cfg.banks)]
+        self.runner = ModelRunner(self.model, cfg, self.arenas)
+        self.input = InputProcessor.for_model(c, self.tokenizer, RequestLimits.for_worker(cfg, c.vocab_size))
+        output = OutputProcessor(c.eos_token_ids, cfg.max_model_len)
+        executor = InProcessExecutor(self.runner)
+        self.core = EngineCore.for_worker(cfg, c.vocab_size, output, self.arenas, executor)
         self._ids = itertools.count(1)
 
     @property

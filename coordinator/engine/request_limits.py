@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from coordinator.errors import RequestError
 from coordinator.sampling_params import SamplingParams
-from kernels.model.config import Qwen3Config
-from shared_memory.contract import RunnerConfig
+from shared_memory.engine_config import EngineConfig
 
 
 class RequestLimits:
@@ -20,9 +19,11 @@ class RequestLimits:
         self.max_prompt_tokens = min(max_prompt_tokens or max_model_len - 1, max_model_len - 1)
 
     @classmethod
-    def for_worker(cls, config: Qwen3Config, rc: RunnerConfig, max_model_len: int,
+    def for_worker(cls, cfg: EngineConfig, vocab_size: int,
                    max_prompt_tokens: int | None = None) -> RequestLimits:
-        return cls(config.vocab_size, max_model_len, rc.num_blocks, rc.block_size, max_prompt_tokens)
+        """What one worker of the resolved ``cfg`` can serve."""
+        c = cfg.cache
+        return cls(vocab_size, cfg.max_model_len, c.num_blocks, c.block_size, max_prompt_tokens)
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError for a prompt this engine cannot serve."""

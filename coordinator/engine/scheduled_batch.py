@@ -1,16 +1,17 @@
 """One launch as the scheduler planned it: host-side arrays in the launch shape, and what each
-row will compute, so the next launch can be planned before this one's ids are read."""
+row will compute, so the next launch can be planned before this one's ids are read. Frozen once
+scheduled: what batch I/O learns while writing it goes into the launch's ``OutputPlan``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from coordinator.engine.sequence import Sequence
 
 
-@dataclass
+@dataclass(frozen=True)
 class PromptSpan:
     """A row's prompt-logprob tokens: ``count`` of them from ``offset`` in the launch's list,
     the first at prompt position ``first`` (its logprob is that of token ``first + 1``)."""
@@ -21,14 +22,14 @@ class PromptSpan:
     first: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduledBatch:
     """Rows are ``seqs`` in order: ``num_decode`` decode rows (one token each), then prompt
     chunks. Token arrays are packed row after row ([T]); row arrays are [B]."""
 
-    seqs: list[Sequence]
+    seqs: tuple[Sequence, ...]
     num_decode: int
-    query_lens: list[int]  # new tokens per row
+    query_lens: tuple[int, ...]  # new tokens per row
     token_ids: np.ndarray  # int32 [T]
     positions: np.ndarray  # int32 [T]
     slot_mapping: np.ndarray  # int64 [T]
@@ -37,11 +38,9 @@ class ScheduledBatch:
     # The row of the launch in flight whose sampled id is this decode row's input (its token is
     # not read yet), or -1 where ``token_ids`` holds it.
     feed_rows: np.ndarray  # int32 [B]
-    samples: list[bool] = field(default_factory=list)  # the row samples a token
-    computed_to: list[int] = field(default_factory=list)  # the row's K/V reach after this launch
-    draw_steps: list[int] = field(default_factory=list)  # the sampled token's index in the output
-    prompt_spans: list[PromptSpan] = field(default_factory=list)  # rows asking prompt logprobs
-    invalid: dict[int, str] = field(default_factory=dict)  # rows whose settings could not be written
+    samples: tuple[bool, ...]  # the row samples a token
+    computed_to: tuple[int, ...]  # the row's K/V reach after this launch
+    draw_steps: tuple[int, ...]  # the sampled token's index in the output
 
     @property
     def batch_size(self) -> int:

@@ -27,12 +27,12 @@ import numpy as np
 from coordinator.engine.block_manager import BlockManager, OutOfBlocks
 from coordinator.engine.scheduled_batch import ScheduledBatch
 from coordinator.engine.sequence import Sequence, TokenEvent
-from shared_memory.contract import DEFAULT_MAX_NUM_BATCHED_TOKENS, RunnerConfig
+from shared_memory.engine_config import EngineConfig
 
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_model_len: int, max_batch: int,
-                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS):
+                 max_num_batched_tokens: int = 2048):
         self.blocks = blocks
         self.max_model_len = max_model_len
         self.max_batch = max_batch
@@ -42,10 +42,11 @@ class Scheduler:
         self.steps = 0
 
     @classmethod
-    def for_worker(cls, rc: RunnerConfig, max_model_len: int) -> Scheduler:
-        """The scheduler of one worker with ``rc``: offline and served alike."""
-        return cls(BlockManager(rc.num_blocks, rc.block_size, rc.enable_prefix_caching), max_model_len,
-                   rc.max_batch, rc.max_num_batched_tokens)
+    def for_worker(cls, cfg: EngineConfig) -> Scheduler:
+        """The scheduler of one worker with the resolved ``cfg``: offline and served alike."""
+        c, s = cfg.cache, cfg.scheduler
+        return cls(BlockManager(c.num_blocks, c.block_size, c.enable_prefix_caching), cfg.max_model_len,
+                   s.max_batch, s.max_num_batched_tokens)
 
     # ------------------------------------------------------------------ requests
 
@@ -131,29 +132,28 @@ class Scheduler:
             feed.append(-1)
         seqs = decoding + [s for s, _ in chunks]
         query_lens = [1] * len(decoding) + [t for _, t in chunks]
+        after = [s.num_computed + n for s, n in zip(seqs, query_lens)]  # each row's K/V reach
         width = max(len(self.blocks.table(s.seq_id)) for s in seqs)
         tables = np.zeros((len(seqs), width), dtype=np.int32)
         for r, s in enumerate(seqs):
             t = self.blocks.table(s.seq_id)
             tables[r, : len(t)] = t
         return ScheduledBatch(
-            seqs=seqs, num_decode=len(decoding), query_lens=query_lens,
+            seqs=tuple(seqs), num_decode=len(decoding), query_lens=tuple(query_lens),
             token_ids=np.asarray(ids, dtype=np.int32), positions=np.asarray(pos, dtype=np.int32),
-            slot_mapping=np.asarray(slots, dtype=np.int64),
-            seq_lens=np.asarray([s.num_computed + n for s, n in zip(seqs, query_lens)], dtype=np.int32),
+            slot_mapping=np.asarray(slots, dtype=np.int64), seq_lens=np.asarray(after, dtype=np.int32),
             block_tables=tables, feed_rows=np.asarray(feed, dtype=np.int32),
+            samples=tuple(a >= s.length for s, a in zip(seqs, after)), computed_to=tuple(after),
+            draw_steps=tuple(len(s.output_ids) + s.num_pending for s in seqs),
         )
 
-    def _advance(self, batch: ScheduledBatch) -> None:
+    @staticmethod
+    def _advance(batch: ScheduledBatch) -> None:
         """Count what the launch will compute and sample, before it runs: the next
         launch may be scheduled before this one's ids are read."""
-        for row, (seq, n) in enumerate(zip(batch.seqs, batch.query_lens)):
-            seq.num_computed += n
-            samples = seq.num_computed >= seq.length
-            batch.samples.append(samples)
-            batch.computed_to.append(seq.num_computed)
-            batch.draw_steps.append(len(seq.output_ids) + seq.num_pending)
-            if samples:
+        for row, seq in enumerate(batch.seqs):
+            seq.num_computed = batch.computed_to[row]
+            if batch.samples[row]:
                 seq.num_pending += 1
                 seq.feed_row = row
 

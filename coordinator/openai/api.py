@@ -25,11 +25,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from coordinator.client import AsyncClient, ServerError
+from coordinator.model_files.tokenizer import TextTokenizer
 from coordinator.openai import chat_output
 from coordinator.openai import protocol as oa
 from coordinator.openai.chat_template import ChatTemplate
 from coordinator.openai.metrics import Metrics
-from kernels.model.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 

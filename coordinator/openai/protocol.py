@@ -14,17 +14,19 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from coordinator.model_files.tokenizer import TextTokenizer
 from coordinator.openai import output_constraint, tool_choice
 from coordinator.openai.api_error import ApiError
 from coordinator.openai.chat_template import ChatTemplate, ChatTemplateError
 from coordinator.openai.tool_choice import ToolPlan
 from coordinator.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from coordinator.structured.structured_spec import StructuredError, StructuredSpec
-from kernels.model.tokenizer import TextTokenizer
 
 MAX_BODY_BYTES = 4 << 20  # the ZeroMQ front end's frame limit
 MAX_N = 16  # choices per prompt
 MAX_CHOICES = 64  # choices per request: prompts x n
+
+
 def _no_constant(name: str) -> float:
     raise ApiError(400, f"{name} is not a valid JSON number", code="bad_json")
 

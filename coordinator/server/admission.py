@@ -11,22 +11,23 @@ from coordinator.engine.input_processor import InputProcessor
 from coordinator.engine.request_limits import RequestLimits
 from coordinator.engine.sequence import Sequence
 from coordinator.errors import RequestError
-from coordinator.server.config import ServerConfig
+from coordinator.model_files.tokenizer import TextTokenizer
+from coordinator.server.config import Limits
 from coordinator.server.protocol import GenerateRequest
 from coordinator.server.request_table import RequestTable
 from kernels.model.config import Qwen3Config
-from kernels.model.tokenizer import TextTokenizer
+from shared_memory.engine_config import EngineConfig
 
 
 class Admission:
-    def __init__(self, cfg: ServerConfig, config: Qwen3Config, tokenizer: TextTokenizer | None,
-                 max_model_len: int):
-        self.limits = cfg.limits
-        self.max_model_len = max_model_len
-        self.max_tokens = min(self.limits.max_tokens or max_model_len, max_model_len)
+    def __init__(self, limits: Limits, engine: EngineConfig, config: Qwen3Config,
+                 tokenizer: TextTokenizer | None):
+        self.limits = limits
+        max_model_len = engine.max_model_len
+        self.max_tokens = min(limits.max_tokens or max_model_len, max_model_len)
         # Every worker has the same shape: one check answers "can this be served?".
         self.input = InputProcessor.for_model(config, tokenizer, RequestLimits.for_worker(
-            config, cfg.runner, max_model_len, self.limits.max_prompt_tokens))
+            engine, config.vocab_size, limits.max_prompt_tokens))
 
     def check_limits(self, identity: bytes, req: GenerateRequest, requests: RequestTable) -> None:
         lim = self.limits

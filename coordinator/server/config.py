@@ -1,13 +1,15 @@
-"""What a server is started with: the model and workers, the socket, auth, and request limits."""
+"""What a server is started with: the workers' engine, the socket, auth, and request limits."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
-from shared_memory.contract import RunnerConfig
+from kernels.quantize import check_quantization
+from shared_memory.engine_config import EngineConfig
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 MIN_TOKEN_CHARS = 16
+DEFAULT_MAX_MODEL_LEN = 1024
 
 
 @dataclass
@@ -23,21 +25,11 @@ class Limits:
 
 @dataclass
 class ServerConfig:
-    model: str = "default"
-    workers: int = 1  # 0: one per device in the Ray cluster
-    device: str = "auto"
+    # The workers' engine (model, cache, scheduler, device, parallel), resolved by the server at start.
+    engine: EngineConfig = field(
+        default_factory=lambda: EngineConfig.build(max_model_len=DEFAULT_MAX_MODEL_LEN))
     host: str = "127.0.0.1"
     port: int = 5557
-    dtype: str | None = None
-    # "int8" (per channel) or "int4" (groups of 32), quantized by each worker at load; the native
-    # CPU kernels multiply them with int8 activations ("int8-weight-only": 16-bit activations).
-    quantization: str | None = None
-    max_model_len: int | None = 1024
-    runner: RunnerConfig = field(default_factory=RunnerConfig)
-    cpus_per_worker: int = 1  # per device: each rank of a tensor-parallel worker reserves these
-    threads_per_worker: int = 1
-    tensor_parallel_size: int = 1  # devices per worker, one Ray actor each, on one node
-    enable_expert_parallel: bool = False  # a MoE model's experts placed whole across the group
     step_timeout_s: float = 60.0  # a launch running longer means a hung worker: replaced
     # "auto": shared memory for workers on this node, serializing for others; "serial" forces it.
     transport: str = "auto"
@@ -49,17 +41,19 @@ class ServerConfig:
     auth_token: str | None = None
     limits: Limits = field(default_factory=Limits)
 
+    @classmethod
+    def build(cls, **settings: object) -> ServerConfig:
+        """From flat names: this class's own fields, and every other one an engine setting
+        (``EngineConfig.build``), with the server's default context length unless given."""
+        own = {f.name for f in fields(cls)} - {"engine"}
+        engine = {k: v for k, v in settings.items() if k not in own}
+        engine.setdefault("max_model_len", DEFAULT_MAX_MODEL_LEN)
+        return cls(engine=EngineConfig.build(**engine), **{k: v for k, v in settings.items() if k in own})
+
     def check(self) -> None:
         """Refuse, before anything starts, a configuration that cannot be served safely."""
-        self.runner.check()
-        if self.quantization not in (None, "none", "int8", "int8-weight-only", "int4"):
-            raise ValueError("quantization must be none, int8, int8-weight-only or int4, "
-                             f"got {self.quantization!r}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
-            raise ValueError("enable_expert_parallel places experts across a tensor-parallel group: "
-                             "it needs tensor_parallel_size > 1")
+        self.engine.check()
+        check_quantization(self.engine.model.quantization)
         if self.transport not in ("auto", "serial"):
             raise ValueError(f"transport must be auto or serial, got {self.transport!r}")
         if self.auth_token is not None and len(self.auth_token) < MIN_TOKEN_CHARS:

@@ -37,7 +37,8 @@ class RayPorts:
     object_manager: int = 0
 
     def resolved(self) -> RayPorts:
-        return RayPorts(**{f.name: getattr(self, f.name) or free_port() for f in fields(self)})
+        spare = iter(free_ports(len(fields(self))))  # distinct: all held open while they are picked
+        return RayPorts(**{f.name: getattr(self, f.name) or next(spare) for f in fields(self)})
 
     def flags(self) -> list[str]:
         names = {"gcs": "port", "dashboard_agent": "dashboard-agent-listen-port",
@@ -47,9 +48,20 @@ class RayPorts:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free now: each socket stays bound until every port is picked (one at a
+    time, the kernel may hand the same port out twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _pids_of(temp_dir: str) -> list[int]:

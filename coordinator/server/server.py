@@ -22,11 +22,13 @@ import time
 
 import zmq
 
+from coordinator.engine.config_resolution import resolve_config
 from coordinator.engine.engine_core import EngineCore
 from coordinator.engine.executor import SocketExecutor, WorkerGone
 from coordinator.engine.output_processor import OutputProcessor
 from coordinator.engine.sequence import TokenEvent
 from coordinator.errors import RequestError
+from coordinator.model_files.tokenizer import TextTokenizer
 from coordinator.server import protocol
 from coordinator.server.admission import Admission
 from coordinator.server.config import ServerConfig
@@ -35,10 +37,7 @@ from coordinator.server.protocol import ControlRequest, GenerateRequest
 from coordinator.server.request_table import ClientRequest, RequestTable
 from coordinator.server.router import Router
 from coordinator.server.stats import FaultCounters, ServerCounters, server_stats
-from coordinator.server.worker_pool import PoolConfig, WorkerHandle, WorkerPool
-from kernels.model.config import Qwen3Config
-from kernels.model.default_model import resolve_model
-from kernels.model.tokenizer import TextTokenizer
+from coordinator.server.worker_pool import PoolConfig, WorkerHandle, WorkerPool, probe_device
 from shared_memory.arena import HostArena, remove_stale
 
 log = logging.getLogger(__name__)
@@ -49,12 +48,13 @@ FRAMES_PER_TURN = 256  # client frames read per loop turn: a flood cannot starve
 class Server:
     def __init__(self, cfg: ServerConfig):
         self.cfg = cfg
-        self.model_dir = str(resolve_model(cfg.model))
-        self.config = Qwen3Config.from_dir(self.model_dir)
+        self.device = probe_device(cfg.engine.device.device)
+        resolved = resolve_config(cfg.engine, self.device.kind)
+        self.engine, self.config = resolved.config, resolved.model  # what every worker loads
+        self.model_dir = self.engine.model.model
+        self.max_model_len = self.engine.max_model_len
         self.tokenizer = TextTokenizer.from_dir(self.model_dir)
-        self.max_model_len = min(cfg.max_model_len or self.config.max_position_embeddings,
-                                 self.config.max_position_embeddings)
-        self.admission = Admission(cfg, self.config, self.tokenizer, self.max_model_len)
+        self.admission = Admission(cfg.limits, self.engine, self.config, self.tokenizer)
         self.output = OutputProcessor(self.config.eos_token_ids, self.max_model_len)
         self.requests = RequestTable()
         self.ctx = zmq.Context()
@@ -74,22 +74,19 @@ class Server:
         cfg = self.cfg
         cfg.check()
         remove_stale()
-        pcfg = PoolConfig(cfg.device, self.model_dir, cfg.dtype, cfg.quantization, self.max_model_len,
-                          cfg.runner,
-                          cfg.cpus_per_worker, cfg.threads_per_worker, cfg.transport == "serial",
-                          cfg.step_timeout_s, cfg.max_restarts, tensor_parallel_size=cfg.tensor_parallel_size,
-                          expert_parallel=cfg.enable_expert_parallel)
+        pcfg = PoolConfig(self.engine, self.device, cfg.transport == "serial", cfg.step_timeout_s,
+                          cfg.max_restarts)
         self.pool = WorkerPool(self.ctx, pcfg, self.config, self._new_core)
         self.router = Router(self.pool, self.requests)
-        n = cfg.workers if cfg.workers > 0 else self.pool.device_slots()
+        workers = self.engine.parallel.workers
+        n = workers if workers > 0 else self.pool.device_slots()
         self.pool.start(n)
         self.frontend = Frontend.bind(self.ctx, cfg.host, cfg.port, cfg.send_hwm, cfg.send_buffer_bytes)
         self.address = self.frontend.address
         log.info("coordinator serving on %s with %d %s workers", self.address, n, self.pool.device.kind)
 
     def _new_core(self, arenas: list[HostArena], executor: SocketExecutor) -> EngineCore:
-        return EngineCore.for_worker(self.cfg.runner, self.config.vocab_size, self.max_model_len, self.output,
-                                     arenas, executor)
+        return EngineCore.for_worker(self.engine, self.config.vocab_size, self.output, arenas, executor)
 
     @property
     def workers(self) -> list[WorkerHandle]:

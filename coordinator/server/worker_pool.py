@@ -30,10 +30,11 @@ from coordinator.engine.scheduler import Scheduler
 from coordinator.engine.sequence import Sequence
 from kernels.model.config import Qwen3Config
 from shared_memory.arena import HostArena
-from shared_memory.contract import RunnerConfig
+from shared_memory.engine_config import EngineConfig
 from shared_memory.slots import step_table
 from worker.actor import WorkerActor
-from worker.device import DeviceInfo, probe
+from worker.device import DeviceInfo
+from worker.device import probe as probe_device  # noqa: F401 - the server's one way to the device probe
 from worker.tensor_group import GroupRank
 
 log = logging.getLogger(__name__)
@@ -128,20 +129,12 @@ class Failure:
 
 @dataclass
 class PoolConfig:
-    device: str  # auto | cpu | cuda | npu: probed once, when the pool is made
-    model_dir: str
-    dtype: str | None
-    quantization: str | None
-    max_model_len: int
-    runner: RunnerConfig
-    cpus_per_worker: int
-    threads_per_worker: int
+    engine: EngineConfig  # resolved: every worker loads exactly this
+    device: DeviceInfo  # probed once, by the server
     serial: bool
     step_timeout_s: float
     max_restarts: int  # replacements allowed per restart_window_s
     restart_window_s: float = 60.0
-    tensor_parallel_size: int = 1  # devices (Ray actors) per worker
-    expert_parallel: bool = False  # a MoE model's experts placed whole across the group
 
 
 class WorkerPool:
@@ -149,10 +142,10 @@ class WorkerPool:
                  new_core: Callable[[list[HostArena], SocketExecutor], EngineCore]):
         self.ctx = ctx
         self.cfg = cfg
-        self.device: DeviceInfo = probe(cfg.device)
+        self.device = cfg.device
         self.table = step_table()
-        self.banks = cfg.runner.banks
-        self.max_dims = cfg.runner.max_dims(model.vocab_size, cfg.max_model_len)
+        self.banks = cfg.engine.banks
+        self.max_dims = cfg.engine.max_dims(model.vocab_size)
         self.new_core = new_core
         self.workers: list[WorkerHandle] = []
         self.starting: list[Starting] = []
@@ -170,7 +163,7 @@ class WorkerPool:
         """Workers for ``--workers auto``: every NPU/GPU the cluster reports, else one per node."""
         res = ray.cluster_resources()
         key = {"npu": "NPU", "cuda": "GPU"}.get(self.device.kind)
-        size = self.cfg.tensor_parallel_size
+        size = self.cfg.engine.parallel.tensor_parallel_size
         if key is not None:
             return max(1, int(res.get(key, 0)) // size)
         return max(1, sum(1 for node in ray.nodes() if node.get("Alive")) // size)
@@ -181,7 +174,9 @@ class WorkerPool:
         wid = f"w{self._next_id}"
         self._next_id += 1
         arenas = [HostArena.create(self.table, self.max_dims, tag=wid) for _ in range(self.banks)]
-        size, options = self.cfg.tensor_parallel_size, self.device.ray_resources(self.cfg.cpus_per_worker)
+        engine = self.cfg.engine
+        size = engine.parallel.tensor_parallel_size
+        options = self.device.ray_resources(engine.device.cpus_per_worker)
         group = WorkerGroup([])
         placements = [{}]
         if size > 1:  # every rank on one node: they share the arena banks and loopback sockets
@@ -190,16 +185,15 @@ class WorkerPool:
                 group.placement, placement_group_bundle_index=r)} for r in range(size)]
         for placement in placements:
             group.actors.append(ray.remote(WorkerActor).options(max_concurrency=2, **options, **placement)
-                                .remote(wid, self.device.kind, self.cfg.threads_per_worker))
+                                .remote(wid, self.device.kind, engine.device.threads_per_worker))
         # A worker on another node cannot attach the arena and falls back to the serializing
         # transport by itself; the serial option forces that path here too.
         names = [None if self.cfg.serial else a.name for a in arenas]
         # Rank 0 names the address the ranks meet at; Ray hands its result to every start call.
         meet = group.actors[0].rendezvous.remote() if size > 1 else None
-        cfg = self.cfg
-        refs = [actor.start.remote(cfg.model_dir, cfg.dtype, cfg.max_model_len, cfg.runner, names,
-                                   quantization=cfg.quantization, rendezvous=meet,
-                                   rank=GroupRank(r, size, cfg.expert_parallel, cfg.step_timeout_s))
+        expert_parallel, timeout = engine.parallel.enable_expert_parallel, self.cfg.step_timeout_s
+        refs = [actor.start.remote(engine, names, rendezvous=meet,
+                                   rank=GroupRank(r, size, expert_parallel, timeout))
                 for r, actor in enumerate(group.actors)]
         self.starting.append(Starting(wid, group, arenas, refs))
 

@@ -17,10 +17,10 @@ import llguidance
 import numpy as np
 from llguidance.gbnf_to_lark import any_to_lark
 
+from coordinator.model_files.tokenizer import TextTokenizer
 from coordinator.structured.grammar_state import GrammarState
 from coordinator.structured.structured_spec import StructuredError, StructuredSpec
 from kernels.model.config import Qwen3Config
-from kernels.model.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,6 @@ class GrammarCompiler:
                  cache_size: int = 256):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.words = -(-vocab_size // 32)
         eos = sorted({t for t in eos_token_ids if 0 <= t < vocab_size})
         self.ends = np.asarray(eos, dtype=np.int64)
         self.lltok = llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=eos or None)

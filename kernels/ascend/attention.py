@@ -20,8 +20,6 @@ CAUSAL_MASK = 2048  # sparse_mode 3 takes a fixed [2048, 2048] upper-triangular 
 
 
 class AscendAttention:
-    name = "npu-fused-infer-attention"
-    capturable = False  # begin() reads the lengths on the host
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int, scale: float, device: torch.device):
         import torch_npu
@@ -45,7 +43,8 @@ class AscendAttention:
         k = k_cache.view(-1, bs, width)
         v = v_cache.view(-1, bs, width)
         got, _ = self.npu.npu_fused_infer_attention_score(
-            q, k, v, atten_mask=self.mask, block_table=self._batch.block_tables, input_layout="TND",
+            q, k, v, atten_mask=self.mask, block_table=self._batch.block_tables.contiguous(),
+            input_layout="TND",
             block_size=bs, actual_seq_lengths=self._q_ends, actual_seq_lengths_kv=self._kv_lens,
             num_key_value_heads=self.kv_heads, num_heads=self.heads, scale=self.scale, sparse_mode=3)
         out.copy_(got.view_as(out))

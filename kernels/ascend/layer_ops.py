@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.layer_ops import NormScratch, TorchLayerOps
+from kernels.backends.aten import TorchLayerOps
+from kernels.layer_ops import NormScratch
 
 
 class AscendLayerOps(TorchLayerOps):

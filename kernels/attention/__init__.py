@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache, one backend per device kind, chosen at load.
+"""Attention over the paged KV cache: the interface each backend's attention implements
+(``kernels/backends/``), and ``prompt_rows``, the prompt-chunk path native and ATen share.
 
 A backend is built per workspace (it may own scratch) and serves one launch in two calls:
 ``begin(batch, block_size)`` once, then ``attend(q, k_cache, v_cache, out)`` per layer,
@@ -18,8 +19,6 @@ from kernels.forward_batch import ForwardBatch
 
 
 class AttentionBackend(Protocol):
-    name: str
-
     def begin(self, batch: ForwardBatch, block_size: int) -> None: ...
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

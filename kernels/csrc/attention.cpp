@@ -67,7 +67,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
                            double scale, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = k_cache.size(1), G = GT > 0 ? GT : H / KVH;
-  const int64_t max_blocks = block_tables.size(1);
+  const int64_t bt_stride = block_tables.stride(0);  // rows may be a corner of a wider table
   const T* qp = q.data_ptr<T>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
@@ -111,7 +111,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
       // the hardware prefetchers do not keep up, so K rows are fetched PREFETCH tokens ahead and
       // V rows while the scores are taken.
       auto kv_offset = [&](int64_t pos) {
-        return (static_cast<int64_t>(bt[b * max_blocks + pos / block_size]) * block_size + pos % block_size) *
+        return (static_cast<int64_t>(bt[b * bt_stride + pos / block_size]) * block_size + pos % block_size) *
                    slot_stride + kh0 * D;
       };
       const bool prefetch = groups > 1;
@@ -123,7 +123,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
         const T* vrows[CHUNK];
         for (int64_t t = 0; t < n; ++t) {
           const int64_t pos = t0 + t;
-          const int64_t slot = static_cast<int64_t>(bt[b * max_blocks + pos / block_size]) * block_size +
+          const int64_t slot = static_cast<int64_t>(bt[b * bt_stride + pos / block_size]) * block_size +
                                pos % block_size;
           krows[t] = kp + slot * slot_stride + kh0 * D;
           vrows[t] = vp + slot * slot_stride + kh0 * D;
@@ -227,7 +227,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "decode_attention: head rows and caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
-              block_tables.is_contiguous() && seq_lens.is_contiguous(), "decode_attention: int32 tables");
+              block_tables.stride(1) == 1 && seq_lens.is_contiguous(), "decode_attention: int32 tables");
   const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
   TORCH_CHECK(H % KVH == 0 && H / KVH <= MAX_GROUP && H <= MAX_GROUP * 64 && D <= MAX_HEAD_DIM &&
               k_cache.size(2) == D,

@@ -1,4 +1,5 @@
-"""Hugging Face-layout weight loading: ``model.safetensors`` or a sharded index.
+"""Hugging Face-layout weight loading: ``model.safetensors`` or a sharded index, then the
+post-processing that makes them runnable (device, quantization, each kernel's layout).
 
 Weights are fused at load time (q/k/v into one matrix, gate/up into another, per expert in a
 Qwen3-MoE layer) so the decode step runs one matmul where the checkpoint has three or two.
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kernels.linear import Int4Weight, Int8Weight, LinearOp
 from kernels.model.config import Qwen3Config
 from kernels.model.tensor_parallel import SINGLE, TensorParallel
 
@@ -179,3 +181,71 @@ def _vocab_rows(reader: _Reader, name: str, c: Qwen3Config, tp: TensorParallel) 
     part = reader.get(name, (c.vocab_size, c.hidden_size), rows=rows)
     pad = tp.vocab_rows(c.vocab_size) - len(rows)
     return torch.cat([part, part.new_zeros(pad, c.hidden_size)]) if pad else part
+
+
+def prepare_weights(w: Qwen3Weights, linear: LinearOp, quantization: str | None, dtype: torch.dtype,
+                    device: torch.device, grouped_moe: bool) -> Qwen3Weights:
+    """The loaded weights as the kernels run them: on ``device``, quantized at load where asked
+    (``int8``, ``int8-weight-only``, ``int4``), then each projection packed into its kernel's
+    layout (and a MoE layer's experts stacked where ``grouped_moe``)."""
+    w = _to_device(w, device)
+    if quantization:
+        _quantize(w, quantization, dtype, device)
+    _prepare(w, linear, grouped_moe)
+    return w
+
+
+def _quantize(w: Qwen3Weights, mode: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Every projection (and the lm_head) quantized in place, one tensor at a time (peak memory
+    stays near the 16-bit model's). int8: per channel, everything. int4: groups of 32 for the
+    projections, the lm_head int8 (the logits keep 8 bits, as llama.cpp keeps 6 there). The
+    embedding gather stays 16-bit."""
+    def q(weight: torch.Tensor) -> Int4Weight | Int8Weight:
+        if mode == "int4":
+            return Int4Weight.quantize(weight, device)
+        return Int8Weight.quantize(weight, dtype, device)
+
+    for lw in w.layers:
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            if getattr(lw, name) is not None:
+                setattr(lw, name, q(getattr(lw, name)))
+        if lw.experts is not None:  # the experts; the router stays 16-bit (routing is sensitive)
+            lw.experts = [None if ex is None else (q(ex[0]), q(ex[1])) for ex in lw.experts]
+    w.lm_head = Int8Weight.quantize(w.lm_head, dtype, device)
+
+
+def _prepare(w: Qwen3Weights, linear: LinearOp, grouped_moe: bool) -> None:
+    """Every projection and the lm_head in its kernel's layout, in place (the embedding gather
+    keeps its own tensor, so a tied lm_head is then a packed copy). ``grouped_moe``: a sparse
+    layer's 16-bit experts, all held here, stacked for the grouped GEMMs."""
+    for lw in w.layers:
+        for name in ("qkv", "o_proj", "gate_up", "down", "router"):
+            if getattr(lw, name) is not None:
+                setattr(lw, name, linear.prepare(getattr(lw, name)))
+        if (grouped_moe and lw.experts is not None and all(isinstance(ex, tuple) for ex in lw.experts)
+                and all(isinstance(t, torch.Tensor) for ex in lw.experts for t in ex)):
+            lw.expert_stack = (torch.stack([gu for gu, _ in lw.experts]),
+                               torch.stack([d for _, d in lw.experts]))
+            lw.experts = [(lw.expert_stack[0][e], lw.expert_stack[1][e]) for e in range(len(lw.experts))]
+        elif lw.experts is not None:
+            lw.experts = [None if ex is None else (linear.prepare(ex[0]), linear.prepare(ex[1]))
+                          for ex in lw.experts]
+    w.lm_head = linear.prepare(w.lm_head)
+
+
+def _to_device(w: Qwen3Weights, device: torch.device) -> Qwen3Weights:
+    if device.type == "cpu":
+        return w
+    embed = w.embed.to(device)
+
+    def move(t):
+        if isinstance(t, list):  # a sparse layer's experts
+            return [None if ex is None else (ex[0].to(device), ex[1].to(device)) for ex in t]
+        return None if t is None else t.to(device)
+
+    return Qwen3Weights(
+        embed=embed,
+        layers=[type(lw)(**{k: move(t) for k, t in vars(lw).items()}) for lw in w.layers],
+        final_norm=w.final_norm.to(device),
+        lm_head=embed if w.lm_head is w.embed else w.lm_head.to(device),
+    )

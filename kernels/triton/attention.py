@@ -1,6 +1,6 @@
 """``TritonAttention``: decode rows through the paged flash-decoding kernels (K/V read in place,
 split-K); prompt chunks through one varlen kernel over the pages (no loop per prompt, no gather
-of a cached prefix). Chosen on CUDA with ``FUSEDSERVE_TRITON=1`` (``kernels/backend.py``)."""
+of a cached prefix). Chosen on CUDA with ``FUSEDSERVE_TRITON=1`` (``kernels/backends/triton.py``)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ TOKENS_PER_SPLIT = 256  # a long context is cut into splits of about this many t
 
 
 class TritonAttention:
-    name = "triton-paged"
-
     def __init__(self, max_batch: int, max_ctx: int, heads: int, head_dim: int, scale: float,
                  device: torch.device):
         self.scale, self.max_ctx = scale, max_ctx

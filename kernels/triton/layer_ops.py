@@ -1,6 +1,6 @@
 """``TritonLayerOps``: the layer-ops interface of ``kernels/layer_ops.py`` on Triton kernels.
 
-Chosen on CUDA when ``FUSEDSERVE_TRITON=1`` (``kernels/backend.py``); ``TorchLayerOps`` stays
+Chosen on CUDA when ``FUSEDSERVE_TRITON=1`` (``kernels/backends/``); ``TorchLayerOps`` stays
 the default there until a GPU run has checked these kernels compiled (they are tested on the
 CPU under the interpreter, and compiled for sm_90 without a GPU).
 """

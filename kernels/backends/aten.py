@@ -1,16 +1,85 @@
-"""The ATen attention backend (CUDA, Ascend, and CPUs without the native build).
-
-Decode rows gather each sequence's context slots from its block table into a scratch
-buffer once per layer and run a masked grouped-query attention there: fixed shapes, so a
-captured graph replays it. Prompt chunks go through ``prompt_rows``.
-"""
+"""The ATen backend (CUDA, Ascend, and CPUs without the native build): the layer ops as ATen's
+ops over float32 scratch (eight ops a norm), and attention whose decode rows gather each
+sequence's context slots from its block table into a scratch buffer once per layer and run a
+masked grouped-query attention there: fixed shapes, so a captured graph replays it. Prompt
+chunks go through ``prompt_rows``."""
 
 from __future__ import annotations
 
 import torch
 
+from kernels import sampler
 from kernels.attention.prompt_rows import PromptChunk, attend_chunks, plan_chunks
 from kernels.forward_batch import ForwardBatch
+from kernels.layer_ops import NormScratch, rms_norm, rotary
+from kernels.model.config import Qwen3Config
+
+NAME = "aten"
+CAPTURABLE = True
+
+
+def usable(device: torch.device) -> bool:
+    return True
+
+
+def attention_name() -> str:
+    return "aten-gather"
+
+
+def layer_ops(c: Qwen3Config, device: torch.device) -> TorchLayerOps:
+    return TorchLayerOps(c.rms_norm_eps, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                         c.head_dim, device)
+
+
+def attention(c: Qwen3Config, dtype: torch.dtype, device: torch.device, max_batch: int, max_ctx: int,
+              block_size: int) -> TorchAttention:
+    scratch = AttentionScratch(max_batch, max_ctx, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                               block_size, dtype, device)
+    return TorchAttention(scratch, c.head_dim ** -0.5)
+
+
+class TorchLayerOps:
+    """ATen's ops over the layer buffers' float32 scratch (eight ops a norm)."""
+
+    def __init__(self, eps: float, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                 device: torch.device):
+        f32 = {"dtype": torch.float32, "device": device}
+        # 0-dim constants: a Python scalar operand would be boxed into a new tensor per op.
+        self.eps = torch.tensor(eps, **f32)
+        self.inv_hidden = torch.tensor(1.0 / hidden, **f32)
+        self.inv_head = torch.tensor(1.0 / head_dim, **f32)
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.bit_table = sampler.bit_table(device)
+
+    def add_rms_norm(self, x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor,
+                     out: torch.Tensor, buf: NormScratch) -> None:
+        if add is not None:
+            x.add_(add)
+        n = x.shape[0]
+        rms_norm(x, weight, self.eps, out, buf.f32_h[:n], buf.var_h[:n], self.inv_hidden)
+
+    def qk_norm_rope(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor, buf: NormScratch,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        n, nh, nkv, hd = qkv.shape[0], self.heads, self.kv_heads, self.head_dim
+        q = qkv[:, : nh * hd].view(n, nh, hd)
+        k = qkv[:, nh * hd : (nh + nkv) * hd].view(n, nkv, hd)
+        rms_norm(q, q_weight, self.eps, q_out, buf.f32_q[:n], buf.var_q[:n], self.inv_head)
+        rms_norm(k, k_weight, self.eps, k, buf.f32_k[:n], buf.var_k[:n], self.inv_head)
+        cos3, sin3 = cos.unsqueeze(1), sin.unsqueeze(1)
+        rotary(q_out, cos3, sin3, buf.rot_q[:n])
+        rotary(k, cos3, sin3, buf.rot_k[:n])
+        k_cache.index_copy_(0, slot_mapping, k)
+        v_cache.index_copy_(0, slot_mapping, qkv[:, (nh + nkv) * hd :].view(n, nkv, hd))
+
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
+        gate = gate_up[:, : out.shape[1]]
+        torch.nn.functional.silu(gate, inplace=True)
+        torch.mul(gate, gate_up[:, out.shape[1] :], out=out)
+
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        allowed = sampler.allowed_tokens(bitmask, logits.shape[1], self.bit_table)
+        logits.masked_fill_(allowed.logical_not_(), float("-inf"))
 
 
 class AttentionScratch:
@@ -114,7 +183,6 @@ def paged_decode_attention(
 class TorchAttention:
     def __init__(self, scratch: AttentionScratch, scale: float):
         self.scratch, self.scale = scratch, scale
-        self.name = "aten-gather"
         self._num_decode = 0
         self._slots_mask: tuple[torch.Tensor, torch.Tensor] | None = None
         self._chunks: list[PromptChunk] = []

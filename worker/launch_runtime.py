@@ -1,9 +1,9 @@
-"""The device scratch pool and the launch runtime that moves only HOST_SHARED bytes.
+"""The launch runtime: moves exactly the HOST_SHARED bytes around each launch, and counts them.
 
-The pool allocates, once per worker and at the largest dims, a device tensor for
-every slot: the DEVICE_RESIDENT ones, and device twins of the HOST_SHARED ones.
-A launch copies the HOST_SHARED inputs arena->device, runs the step on pool views,
-then copies back exactly the HOST_SHARED outputs, counting bytes each way.
+A launch copies its HOST_SHARED inputs from the arena bank the coordinator wrote into the
+scratch pool's device twins, runs the step on pool views, then copies back exactly the
+HOST_SHARED outputs into the same bank, counting bytes each way. Nothing else crosses: the
+DEVICE_RESIDENT slots never leave the device.
 """
 
 from __future__ import annotations
@@ -15,32 +15,9 @@ from dataclasses import dataclass, field
 import torch
 
 from shared_memory.arena import HostArena
-from shared_memory.slots import SlotError, SlotTable, front_view
-
-
-class DeviceScratchPool:
-    """Persistent device tensors for every slot of ``table`` at ``max_dims``."""
-
-    def __init__(self, table: SlotTable, max_dims: dict[str, int], device: torch.device | str = "cpu"):
-        self.max_dims = dict(max_dims)
-        self.device = torch.device(device)
-        self._tensors: dict[str, torch.Tensor] = {
-            slot.name: torch.zeros(slot.concrete(max_dims), dtype=slot.dtype, device=self.device)
-            for slot in table
-        }
-
-    def full(self, name: str) -> torch.Tensor:
-        try:
-            return self._tensors[name]
-        except KeyError:
-            raise SlotError(f"scratch pool has no slot {name!r}") from None
-
-    def view(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        return front_view(self.full(name), shape, name)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+from shared_memory.contract import LaunchReply, launch_kind
+from shared_memory.slots import SlotError, SlotTable
+from worker.scratch_pool import DeviceScratchPool
 
 
 @dataclass
@@ -57,15 +34,10 @@ class LaunchRecord:
         """``decode`` (decode rows only), ``prefill`` (prompt chunks only) or ``mixed``."""
         return launch_kind(self.num_decode, self.dims["B"])
 
-    @property
-    def prompt_tokens(self) -> int:
-        return self.dims["T"] - self.num_decode
-
-
-def launch_kind(num_decode: int, rows: int) -> str:
-    if num_decode == rows:
-        return "decode"
-    return "mixed" if num_decode else "prefill"
+    def reply(self) -> LaunchReply:
+        """The coordinator's view of it (in-process: the whole gap was a wait for the coordinator)."""
+        return LaunchReply(True, self.h2d_bytes, self.d2h_bytes, self.seconds, idle=self.idle_s,
+                           wait=self.idle_s)
 
 
 @dataclass
@@ -122,10 +94,6 @@ class LaunchRuntime:
             for arena in self.arenas:
                 if slot.host_shared:
                     slot.check(arena.full(slot.name), pool.max_dims)
-
-    @property
-    def arena(self) -> HostArena:
-        return self.arenas[0]
 
     def check_dims(self, dims: dict[str, int]) -> None:
         for slot in self.table:

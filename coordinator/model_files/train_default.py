@@ -1,7 +1,7 @@
 """Train the embedded default model (never run by install, tests or CI).
 
     apt-get install python3.11-doc      # the corpus: Python 3.11's documentation sources
-    python -m kernels.model.train_default --out kernels/model/default_model --minutes 25
+    python -m coordinator.model_files.train_default --out coordinator/model_files/default_model --minutes 25
 
 Corpus: the reStructuredText sources of the Python 3.11 documentation, as Debian's
 ``python3.11-doc`` installs them (``/usr/share/doc/python3.11/html/_sources``; PSF
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.model.default_model import CHAT_TEMPLATE, SPECIAL_TOKENS
+from coordinator.model_files.default_model import CHAT_TEMPLATE, SPECIAL_TOKENS
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """The embedded models: ``default``, a small trained Qwen3 shipped in the package, and the
 random-weight presets ``default:tiny`` and ``default:benchmark``, written on first use.
 
-``default`` lives in ``kernels/model/default_model/`` (trained by ``kernels/model/train_default.py``
-on the Python documentation; see its ``training.json``). The presets' weights come from
+``default`` lives in ``coordinator/model_files/default_model/`` (trained by ``train_default.py``
+beside this file on the Python documentation; see its ``training.json``). The presets' weights come from
 a fixed seed and their tokenizer is a byte-level BPE trained on a built-in text, so every
 machine writes the same files: tests that want a random model, and the benchmarks, use
 them. A real model directory with its own ``tokenizer.json`` is used as is.

@@ -1,0 +1,89 @@
+"""The kernels a model runs, chosen once at load by one lookup: the model has no backend branches.
+
+One module per backend (``native``, ``aten``, ``triton``, ``ascend``), each exporting its
+``NAME``, whether a device graph may capture it (``CAPTURABLE``), ``usable(device)``, its layer
+ops (``LayerOps``), its attention (``AttentionBackend``, built per workspace) and the name stats
+report for it. The linear (``kernels/linear.py``) is chosen per weight kind beside it.
+
+The choice: on the CPU, ``native`` where the native build runs; on CUDA, ``triton`` with
+``FUSEDSERVE_TRITON=1``; on Ascend, ``ascend`` with ``FUSEDSERVE_ASCEND_FUSED=1`` (both opt-in
+until a run on their hardware has checked them); else ``aten``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from kernels import native as native_build
+from kernels.attention import AttentionBackend
+from kernels.backends import ascend, aten, native, triton
+from kernels.layer_ops import LayerOps
+from kernels.linear import LinearOp
+from kernels.model.config import Qwen3Config
+
+BACKENDS: dict[str, ModuleType] = {m.NAME: m for m in (native, aten, triton, ascend)}
+PREFERRED = {"cpu": native, "cuda": triton, "npu": ascend}  # where usable; aten otherwise
+
+
+def backend_for(device: torch.device) -> ModuleType:
+    preferred = PREFERRED.get(device.type)
+    return preferred if preferred is not None and preferred.usable(device) else aten
+
+
+@dataclass
+class Kernels:
+    config: Qwen3Config
+    dtype: torch.dtype
+    device: torch.device
+    backend: ModuleType  # one of BACKENDS
+    linear: LinearOp
+    ops: LayerOps
+    # A MoE layer's experts as two grouped GEMMs (torch._grouped_mm) over tokens sorted by expert on
+    # the device, where this device and dtype run it (CUDA, bf16); else one GEMM per expert.
+    grouped_moe: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.backend.NAME
+
+    @property
+    def capturable(self) -> bool:
+        """Whether a device graph can capture a forward."""
+        return self.backend.CAPTURABLE
+
+    @property
+    def attention_name(self) -> str:
+        return self.backend.attention_name()
+
+    def new_attention(self, max_batch: int, max_ctx: int, block_size: int) -> AttentionBackend:
+        """An attention backend with its own scratch (one per workspace)."""
+        return self.backend.attention(self.config, self.dtype, self.device, max_batch, max_ctx, block_size)
+
+
+def select_kernels(config: Qwen3Config, dtype: torch.dtype, device: torch.device,
+                   int8_activations: bool = True) -> Kernels:
+    """``int8_activations``: int8 weights multiply with int8 activations where the build can."""
+    backend = backend_for(device)
+    build = native_build.kernels() if device.type == "cpu" else None
+    linear = LinearOp(device, build, dtype, int8_activations)
+    return Kernels(config, dtype, device, backend, linear, backend.layer_ops(config, device),
+                   grouped_moe=_grouped_mm_runs(config, device, dtype))
+
+
+def _grouped_mm_runs(c: Qwen3Config, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a MoE model here takes the grouped-GEMM path: on CUDA, where a probe of
+    ``torch._grouped_mm`` in this dtype runs (bf16 on sm90 and later). The CPU keeps its native
+    per-expert GEMMs, which read only the experts a token routes to."""
+    if not c.num_experts or device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        x = torch.ones(16, 64, dtype=dtype, device=device)
+        w = torch.ones(2, 32, 64, dtype=dtype, device=device)
+        offs = torch.tensor([8, 16], dtype=torch.int32, device=device)
+        torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False

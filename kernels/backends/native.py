@@ -1,0 +1,86 @@
+"""The native CPU backend (``kernels/csrc/``, built per instruction set by ``kernels/native.py``):
+one fused pass per row (add + norm), per head (norm + rotary + cache write) and per row of the
+MLP (SiLU x up); decode rows read K/V in place from the pages (``attention.cpp``: online softmax
+in fp32, GQA, cost per row's own length); prompt chunks through ``prompt_rows``."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from kernels import native as native_build
+from kernels.attention.prompt_rows import PromptChunk, attend_chunks, plan_chunks
+from kernels.forward_batch import ForwardBatch
+from kernels.layer_ops import NormScratch
+from kernels.model.config import Qwen3Config
+
+NAME = "native"
+CAPTURABLE = True
+
+
+def usable(device: torch.device) -> bool:
+    return device.type == "cpu" and native_build.kernels() is not None
+
+
+def attention_name() -> str:
+    return f"native-{native_build.kernels().isa()}"
+
+
+def layer_ops(c: Qwen3Config, device: torch.device) -> NativeLayerOps:
+    build = native_build.kernels()
+    return NativeLayerOps(build, c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads)
+
+
+def attention(c: Qwen3Config, dtype: torch.dtype, device: torch.device, max_batch: int, max_ctx: int,
+              block_size: int) -> NativeAttention:
+    return NativeAttention(native_build.kernels(), c.head_dim ** -0.5)
+
+
+class NativeLayerOps:
+    """One pass per row (add + norm), per head (norm + rotary + cache write) and per row of the
+    MLP (SiLU x up): ``kernels/csrc/norm.cpp``."""
+
+    def __init__(self, native: ModuleType, eps: float, heads: int, kv_heads: int):
+        self.native, self.eps, self.heads, self.kv_heads = native, eps, heads, kv_heads
+
+    def add_rms_norm(self, x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor,
+                     out: torch.Tensor, buf: NormScratch) -> None:
+        """``x += add`` (if given), then ``out = rms_norm(x) * weight``."""
+        self.native.add_rms_norm(x, add, weight, self.eps, out)
+
+    def qk_norm_rope(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor, buf: NormScratch,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """q heads of ``qkv`` normed and rotated into ``q_out`` [n, heads, hd]; k heads in place;
+        each token's k and v heads into row ``slot_mapping[t]`` of the caches."""
+        self.native.qk_norm_rope(qkv, q_weight, k_weight, cos, sin, self.eps, q_out, self.heads,
+                                 self.kv_heads, k_cache, v_cache, slot_mapping)
+
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
+        """``out = silu(gate) * up`` for ``gate_up = [gate, up]``."""
+        self.native.silu_mul(gate_up, out)
+
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """``logits[b, v] = -inf`` where bit v of ``bitmask[b]`` is clear (one pass, in place)."""
+        self.native.apply_token_bitmask(logits, bitmask)
+
+
+class NativeAttention:
+    def __init__(self, native: ModuleType, scale: float):
+        self.native, self.scale = native, scale
+        self._batch: ForwardBatch | None = None
+        self._block_size = 0
+        self._chunks: list[PromptChunk] = []
+
+    def begin(self, batch: ForwardBatch, block_size: int) -> None:
+        self._batch, self._block_size = batch, block_size
+        self._chunks = plan_chunks(batch, block_size) if batch.prompt_query_lens else []
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               out: torch.Tensor) -> None:
+        b, nd = self._batch, self._batch.num_decode
+        if nd:
+            self.native.decode_attention(q[:nd], k_cache, v_cache, b.block_tables[:nd], b.seq_lens[:nd],
+                                         self._block_size, self.scale, out[:nd])
+        attend_chunks(self._chunks, q, k_cache, v_cache, out, self.scale)

@@ -1,0 +1,158 @@
+"""What an engine is built with, in named parts: the start-time half of the coordinator/worker
+contract.
+
+The coordinator resolves it once (the model's path, ``max_model_len``, dtype; quantization
+checked) and hands the same frozen object to every worker actor, so both sides size the arena
+banks and the scratch pool from one ``max_dims``. Flat field names are unique across the parts:
+``EngineConfig.build(max_batch=8, dtype="float32")`` is how the CLI, the server config and the
+offline engine spell one (vLLM's ``EngineArgs`` -> ``VllmConfig``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from shared_memory.slots import MAX_TOP_LOGPROBS, bitmask_words, table_width
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = "default"  # a Hugging Face-layout directory, or an embedded model's name
+    dtype: str | None = None  # None: the checkpoint's; "auto": the fastest on the device
+    quantization: str | None = None  # int8 | int8-weight-only | int4, quantized by each worker at load
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int = 256  # KV blocks per worker (one spare more is allocated for padding rows)
+    # Keep full KV blocks after their sequence ends, content-hashed, and reuse them as prompt
+    # prefixes (coordinator/engine/block_manager.py).
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch: int = 16  # rows (sequences) a launch may carry
+    # The token budget of one launch: every running stream's decode row first, then prompt chunks
+    # in what is left, so a long prompt is split across launches and never stalls the streams. It
+    # sizes the arena's token slots.
+    max_num_batched_tokens: int = 2048
+    # Two launches in flight: the next is scheduled and sent while one runs, fed the ids it leaves
+    # on the device; the coordinator reads ids one launch behind. One arena bank per launch.
+    async_scheduling: bool = True
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "auto"  # auto | cpu | cuda | npu
+    # "auto": capture decode graphs per batch bucket where the device has graphs (CUDA, NPU);
+    # "padded": the same bucketed, padded decode run eagerly (any device); "off": exact shapes.
+    graphs: str = "auto"
+    # Candidates the sampler sorts per row: a stochastic row whose top_k is 1..this is sampled among
+    # them (its whole top-k set); other stochastic rows over the whole vocabulary.
+    sampler_candidates: int = 64
+    threads_per_worker: int = 1  # torch threads of each worker process (0: torch's default)
+    cpus_per_worker: int = 1  # Ray CPUs each worker (each rank of a group) reserves
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    workers: int = 1  # data-parallel workers (0: one per device in the cluster)
+    tensor_parallel_size: int = 1  # devices per worker, one Ray actor each, on one node
+    enable_expert_parallel: bool = False  # a MoE model's experts placed whole across the group
+
+
+PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig,
+         "parallel": ParallelConfig}
+
+
+def _owner(name: str) -> str:
+    for part, cls in PARTS.items():
+        if name in {f.name for f in dataclasses.fields(cls)}:
+            return part
+    raise TypeError(f"unknown engine setting {name!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @classmethod
+    def fields(cls) -> set[str]:
+        """Every flat setting name."""
+        return {f.name for part in PARTS.values() for f in dataclasses.fields(part)}
+
+    @classmethod
+    def build(cls, **settings: object) -> EngineConfig:
+        """From flat setting names (``max_batch=8, dtype="float32"``); TypeError for unknown ones."""
+        return cls().replace(**settings)
+
+    def replace(self, **settings: object) -> EngineConfig:
+        """A copy with flat settings changed."""
+        by_part: dict[str, dict] = {}
+        for name, value in settings.items():
+            by_part.setdefault(_owner(name), {})[name] = value
+        parts = {p: dataclasses.replace(getattr(self, p), **kw) for p, kw in by_part.items()}
+        return dataclasses.replace(self, **parts)
+
+    def check(self) -> None:
+        """Refuse, at start, settings no launch could honour."""
+        s, c, d, p = self.scheduler, self.cache, self.device, self.parallel
+        for name, value in (("max_batch", s.max_batch), ("block_size", c.block_size),
+                            ("num_blocks", c.num_blocks), ("sampler_candidates", d.sampler_candidates),
+                            ("tensor_parallel_size", p.tensor_parallel_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        n = s.max_num_batched_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n <= s.max_batch:
+            raise ValueError(f"max_num_batched_tokens must be more than max_batch ({s.max_batch}): "
+                             f"room for every decode row and a prompt token; got {n}")
+        if d.graphs not in ("auto", "padded", "off"):
+            raise ValueError(f"graphs must be auto, padded or off, got {d.graphs!r}")
+        if p.enable_expert_parallel and p.tensor_parallel_size == 1:
+            raise ValueError("enable_expert_parallel places experts across a tensor-parallel group: "
+                             "it needs tensor_parallel_size > 1")
+        m = self.model.max_model_len
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {m!r}")
+
+    @property
+    def banks(self) -> int:
+        """Arena banks per worker: one per launch that may be in flight."""
+        return 2 if self.scheduler.async_scheduling else 1
+
+    @property
+    def pad_slot(self) -> int:
+        """The KV slot past every allocatable block: padding and warm-up rows write there."""
+        return self.cache.num_blocks * self.cache.block_size
+
+    @property
+    def max_model_len(self) -> int:
+        """The resolved context length (the coordinator resolves it before anything is sized)."""
+        if self.model.max_model_len is None:
+            raise ValueError("max_model_len is not resolved yet")
+        return self.model.max_model_len
+
+    def max_dims(self, vocab: int) -> dict[str, int]:
+        """The largest dims any launch may use; arena and pool are sized from these."""
+        b, t = self.scheduler.max_batch, self.scheduler.max_num_batched_tokens
+        return {
+            "B": b,
+            "B1": b + 1,
+            "T": t,
+            "W": table_width(self.max_model_len, self.cache.block_size),
+            "NL": b,  # rows asking for logprobs
+            "N": MAX_TOP_LOGPROBS,  # top logprobs per row
+            "TL": t,  # prompt tokens asking for their logprob
+            "NP": MAX_TOP_LOGPROBS,
+            "V": vocab,
+            "G": b,  # rows of token bitmask (structured outputs)
+            "VW": bitmask_words(vocab),
+        }
