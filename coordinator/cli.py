@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from coordinator.client import DEFAULT_ADDRESS, TOKEN_ENV, Client, ServerError
-from coordinator.server.ray_cluster import EmbeddedHead, RayPorts, connect
+from coordinator.server.ray_cluster import LOCAL_ONLY_ENV, EmbeddedHead, RayPorts, connect
 from kernels.quantize import QUANTIZATIONS
 from shared_memory.engine_config import SchedulerConfig
 
@@ -105,6 +105,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     head = _ray(args)
+    if head is not None:
+        print(f"fusedserve: embedded Ray head at {head.address} (session {head.session}), loopback only",
+              flush=True)
     try:
         return _serve(Server(_server_config(args, token)), args, token)
     finally:
@@ -310,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     from coordinator.openai import bench_serve
 
     args = build_parser().parse_args(argv)
+    if args.cmd in ("serve", "demo") and not args.ray_address:
+        os.environ.update(LOCAL_ONLY_ENV)  # an embedded head: Ray on loopback, set before ray is imported
     commands = {"serve": cmd_serve, "generate": cmd_generate, "stats": cmd_stats, "demo": cmd_demo,
                 "scale": cmd_scale, "bench": bench_serve.main}
     try:

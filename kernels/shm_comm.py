@@ -16,6 +16,7 @@ rendezvous does that: ``worker/tensor_group.py``), so nothing is left behind eve
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -40,18 +41,24 @@ class ShmComm:
                  slot_bytes: int = SLOT_BYTES, create: bool = False):
         """``alive()``: False once a peer is gone (checked while a wait runs long)."""
         nbytes = segment_bytes(size, slot_bytes)
-        if create:
-            with open(path, "wb") as f:
-                f.truncate(nbytes)
+        self._lock_fd: int | None = None
+        if create:  # private to this user (the ranks run as the coordinator does), never an existing file,
+            # and held locked until unlinked (a stale-segment sweep leaves a held file alone)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            os.ftruncate(fd, nbytes)
+            self._lock_fd = fd
         self.buf = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
         self.rank, self.size, self.slot_bytes = rank, size, slot_bytes
         self.native, self.alive = native, alive
         self.flags = self.buf[: size * FLAG_BYTES].view(torch.int64)
         self.seq = 0
 
-    @staticmethod
-    def unlink(path: str | Path) -> None:
+    def unlink(self, path: str | Path) -> None:
         os.unlink(path)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def _slot(self, bank: int, rank: int, nbytes: int) -> torch.Tensor:
         start = self.size * FLAG_BYTES + (bank * self.size + rank) * self.slot_bytes

@@ -1,15 +1,19 @@
 """The host arena: one POSIX shared-memory segment holding a worker's HOST_SHARED slots.
 
-The coordinator creates it (unique name: prefix + owner pid + random suffix) and the
-worker attaches by name; both map every slot as a torch tensor over the same bytes,
-so neither side copies to hand data across. The creator unlinks the segment on
-``close``, at interpreter exit and on SIGTERM/SIGINT; segments whose owner pid is
-dead are leftovers of a killed run and ``remove_stale`` deletes them.
+The coordinator creates it (unique name: prefix + owner pid + random suffix; mode 0600,
+``O_EXCL``) and the worker attaches by name; both map every slot as a torch tensor over the
+same bytes, so neither side copies to hand data across. Every process that maps a segment
+holds a shared ``flock`` on it from its first moment (the creator takes it before the segment
+has a size). The creator unlinks the segment on ``close``, at interpreter exit and on
+SIGTERM/SIGINT; ``remove_stale`` deletes leftovers of a killed run: this user's segments whose
+owner pid is dead here and that no process holds locked (a live owner in another PID namespace
+sharing /dev/shm still holds its lock).
 """
 
 from __future__ import annotations
 
 import atexit
+import fcntl
 import logging
 import os
 import secrets
@@ -80,22 +84,51 @@ def pid_alive(pid: int) -> bool:
 
 
 def remove_stale(shm_dir: Path = SHM_DIR) -> list[str]:
-    """Unlink arena segments whose owner process no longer exists; returns their names."""
+    """Unlink this user's arena segments whose owner is gone; returns their names. Another user's
+    files, and segments some process still holds locked, are left alone; nothing here raises."""
     removed = []
     if not shm_dir.is_dir():
         return removed
     for entry in shm_dir.iterdir():
         pid = _owner_pid(entry.name)
-        if pid is not None and pid != os.getpid() and not pid_alive(pid):
-            try:
-                entry.unlink()
-                removed.append(entry.name)
-            except FileNotFoundError:
-                pass
+        if pid is None or pid == os.getpid() or pid_alive(pid):
+            continue
+        if _unlink_if_unheld(entry):
+            removed.append(entry.name)
     if removed:
         log.warning("removed %d stale shared-memory segments (their owner died): %s",
                     len(removed), removed)
     return removed
+
+
+def _unlink_if_unheld(path: Path) -> bool:
+    """Unlink ``path`` if it is this user's and no process holds its lock (taken here first, so
+    nobody can attach to it meanwhile)."""
+    try:
+        if path.stat().st_uid != os.getuid():
+            return False
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        path.unlink()
+        return True
+    except OSError:  # held (a live owner or worker), or already gone
+        return False
+    finally:
+        os.close(fd)
+
+
+def _lock_shared(path: Path, flags: int, mode: int = 0o600) -> int:
+    """An fd of ``path`` holding a shared lock: the mark of a live user of the segment."""
+    fd = os.open(path, flags, mode)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 def list_segments(shm_dir: Path = SHM_DIR) -> list[str]:
@@ -108,8 +141,10 @@ def list_segments(shm_dir: Path = SHM_DIR) -> list[str]:
 class HostArena:
     """Typed tensor views over one shared-memory segment."""
 
-    def __init__(self, shm: shared_memory.SharedMemory, layout: dict[str, SlotLayout], owner: bool):
+    def __init__(self, shm: shared_memory.SharedMemory, layout: dict[str, SlotLayout], owner: bool,
+                 lock_fd: int):
         self._shm = shm
+        self._lock_fd = lock_fd  # held while mapped: remove_stale leaves a held segment alone
         self.layout = layout
         self.owner = owner
         self.name = shm.name
@@ -129,21 +164,36 @@ class HostArena:
     def create(cls, table: SlotTable, max_dims: dict[str, int], tag: str = "w") -> HostArena:
         layout, size = plan_layout(table, max_dims)
         name = f"{PREFIX}_{os.getpid()}_{tag}_{secrets.token_hex(4)}"
-        shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+        # Created here, exclusive and private, and locked before it has a size: never an existing
+        # file, never another user's, never unheld while it exists.
+        fd = _lock_shared(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR)
+        try:
+            os.ftruncate(fd, size)
+            shm = shared_memory.SharedMemory(name=name, create=False)
+        except BaseException:
+            os.close(fd)
+            (SHM_DIR / name).unlink(missing_ok=True)
+            raise
         _untrack(shm)
         log.debug("created arena %s (%d bytes)", name, size)
-        return cls(shm, layout, owner=True)
+        return cls(shm, layout, owner=True, lock_fd=fd)
 
     @classmethod
     def attach(cls, name: str, table: SlotTable, max_dims: dict[str, int]) -> HostArena:
         """Map an existing arena; the layout is recomputed from the same declarations."""
         layout, size = plan_layout(table, max_dims)
-        shm = shared_memory.SharedMemory(name=name, create=False)
+        fd = _lock_shared(SHM_DIR / name, os.O_RDONLY)
+        try:
+            shm = shared_memory.SharedMemory(name=name, create=False)
+        except BaseException:
+            os.close(fd)
+            raise
         _untrack(shm)
         if shm.size < size:
             shm.close()
+            os.close(fd)
             raise SlotError(f"arena {name}: {shm.size} bytes, the slot table needs {size}")
-        return cls(shm, layout, owner=False)
+        return cls(shm, layout, owner=False, lock_fd=fd)
 
     def full(self, name: str) -> torch.Tensor:
         """The slot's tensor at its maximum shape."""
@@ -172,6 +222,7 @@ class HostArena:
             except FileNotFoundError:
                 pass
             _OWNED.pop(self.name, None)
+        os.close(self._lock_fd)
 
     def __enter__(self) -> HostArena:
         return self

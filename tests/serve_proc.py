@@ -29,15 +29,18 @@ class ServeProcess:
 
     @classmethod
     def start(cls, log_path: Path, *args: str, timeout_s: float = 120.0,
-              join_session: bool = True, env: dict[str, str] | None = None) -> ServeProcess:
+              join_session: bool = True, env: dict[str, str] | None = None,
+              new_session: bool = False) -> ServeProcess:
         """Start ``fusedserve serve ARGS`` and wait for its "serving on" line; it joins the
-        test session's Ray cluster unless ``join_session`` is False (its own embedded head)."""
+        test session's Ray cluster unless ``join_session`` is False (its own embedded head).
+        ``new_session``: the process leads a session of its own (its processes can be counted)."""
         cmd = [sys.executable, "-m", "coordinator.cli", "serve", "--port", "0", *args]
         if join_session:
             cmd += ["--ray-address", ray.get_runtime_context().gcs_address]
         err = open(log_path, "w")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
-                                env=None if env is None else {**os.environ, **env})
+                                env=None if env is None else {**os.environ, **env},
+                                start_new_session=new_session)
         err.close()
         lines: list[str] = []
         found: list[str] = []

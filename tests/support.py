@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import zmq
@@ -119,3 +122,37 @@ class EchoRunner:
         self.last = out
         self.launches.append(desc)
         return LaunchReply(True, d2h=b * 4)
+
+
+def listening_sockets(pids: list[int]) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every TCP socket the processes listen on, from /proc/net/tcp{,6}
+    (an IPv4-mapped IPv6 address is given as its IPv4 form)."""
+    listen: dict[str, tuple[str, int]] = {}
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] != "0A":  # TCP_LISTEN
+                continue
+            hexaddr, hexport = f[1].split(":")
+            raw = bytes.fromhex(hexaddr)
+            if v6:  # four little-endian 32-bit words
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+                addr = ipaddress.IPv6Address(raw)
+                addr = addr.ipv4_mapped or addr
+            else:
+                addr = ipaddress.IPv4Address(raw[::-1])
+            listen[f[9]] = (str(addr), int(hexport, 16))
+    found = []
+    for pid in pids:
+        try:
+            fds = list((Path("/proc") / str(pid) / "fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in listen:
+                found.append((pid, *listen[target[8:-1]]))
+    return found

@@ -10,6 +10,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from shared_memory.arena import SHM_DIR, HostArena, list_segments, remove_stale
@@ -93,3 +94,51 @@ def test_remove_stale_spares_live_owners():
     with HostArena.create(TABLE, DIMS, tag="live") as arena:
         assert arena.name not in remove_stale()
         assert (SHM_DIR / arena.name).exists()
+
+
+def _dead_pid() -> int:
+    """A pid that names no process here (the first free one above a finished child's)."""
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                           text=True, check=True)
+    return int(child.stdout)
+
+
+def test_segments_are_private_to_their_owner():
+    with HostArena.create(TABLE, DIMS, tag="mode") as arena:
+        st = (SHM_DIR / arena.name).stat()
+        assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.getuid()
+
+
+def test_another_users_file_is_left_alone_and_nothing_raises():
+    """A file planted under the segment naming scheme by someone else (here: chowned to another
+    uid) is never unlinked, and the sweep does not fail on it."""
+    if os.getuid() != 0:
+        pytest.skip("planting another user's file needs root")
+    path = SHM_DIR / f"fusedserve_{_dead_pid()}_w0_planted"
+    path.write_bytes(b"x")
+    try:
+        os.chown(path, 54321, 54321)
+        assert path.name not in remove_stale() and path.exists()
+    finally:
+        path.unlink()
+
+
+def test_a_live_owner_in_another_pid_namespace_keeps_its_segment():
+    """Its pid means nothing here (it looks dead), but it holds the segment's lock: spared, and
+    swept once the holder is gone."""
+    pid = _dead_pid()
+    path = SHM_DIR / f"fusedserve_{pid}_w0_{os.urandom(4).hex()}"
+    holder = _python(f"""
+        import fcntl, os, sys, time
+        fd = os.open({str(path)!r}, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        print("held", flush=True)
+        time.sleep(120)
+    """)
+    try:
+        assert holder.stdout.readline().strip() == "held", holder.stderr.read()
+        assert path.name not in remove_stale() and path.exists()
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    assert path.name in remove_stale() and not path.exists()

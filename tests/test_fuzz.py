@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from coordinator.client import Client
 from coordinator.server.config import Limits
 from coordinator.server.protocol import MAX_FRAME_BYTES, REQUEST_TYPES
+from coordinator.structured.structured_spec import KINDS
 from tests.support import dealer, running_server
 
 RC = dict(max_batch=8, block_size=8, num_blocks=64, sampler_candidates=16)
@@ -45,6 +46,8 @@ FIELDS = {
     "stream": st.booleans() | values,
     "target": st.integers(0, 3) | values,
     "workers": st.integers(-1, 300) | values,
+    # A constraint whose value JSON cannot hold (non-string keys, bytes): refused, never "internal".
+    "structured": st.fixed_dictionaries({"kind": st.sampled_from(KINDS), "value": values}) | values,
 }
 field_mixes = st.dictionaries(st.sampled_from(sorted(FIELDS)), st.none(), max_size=len(FIELDS)).flatmap(
     lambda keys: st.fixed_dictionaries({k: FIELDS[k] for k in keys}))
@@ -80,6 +83,7 @@ def _exchange(c: Client, frames: list[bytes]) -> dict:
 def _check(reply: dict) -> None:
     if reply["type"] == "error":
         assert isinstance(reply["code"], str) and reply["message"], reply
+        assert reply["code"] != "internal", reply  # what reached the generic handler: a bug
 
 
 @FUZZ
@@ -116,3 +120,4 @@ def test_server_intact_after_the_storm(server, client):
     assert stats["running"] == 0 and stats["coordinator"]["pending"] == 0 and stats["queue_length"] == 0
     assert all(w["kv_blocks_used"] == 0 for w in stats["workers"])
     assert len(stats["workers"]) == 1 and stats["starting"] == 0
+    assert stats["faults"]["request_errors"] == 0, "no frame reached the generic handler"

@@ -309,7 +309,8 @@ def test_a_non_streaming_client_that_leaves_has_its_request_aborted(server):
 @pytest.mark.parametrize("code,status", [
     ("too_many_requests", 429), ("server_busy", 429), ("no_workers", 503), ("shutdown", 503),
     ("unauthorized", 401), ("prompt_too_long", 413), ("bad_param", 400), ("token_out_of_range", 400),
-    ("sampling_error", 500),
+    ("sampling_error", 500), ("grammar_error", 400), ("grammar_timeout", 400), ("bad_structured_output", 400),
+    ("bad_prompt", 400),
 ])
 def test_coordinator_codes_map_to_http_statuses(code, status):
     from coordinator.openai.protocol import ApiError

@@ -114,7 +114,7 @@ class TensorGroup:
             comm = ShmComm(path, rank, size, build, self.peers_alive)
         dist.barrier(group=self._control)
         if self.leader:
-            ShmComm.unlink(path)
+            comm.unlink(path)
         return comm
 
     def peers_alive(self) -> bool:

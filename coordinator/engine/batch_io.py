@@ -16,6 +16,7 @@ import torch
 
 from coordinator.engine.scheduled_batch import PromptSpan, ScheduledBatch
 from coordinator.engine.step_outputs import StepOutputs
+from coordinator.errors import RequestError
 from coordinator.structured.grammar_state import fill_rows
 from kernels.sampler import SamplingPlan
 from shared_memory.arena import HostArena
@@ -31,7 +32,7 @@ class OutputPlan:
 
     logprob_rows: tuple[int, ...] = ()
     prompt_spans: tuple[PromptSpan, ...] = ()
-    invalid: dict[int, str] = field(default_factory=dict)
+    invalid: dict[int, RequestError] = field(default_factory=dict)
 
 
 def _put(arena: HostArena, name: str, values: np.ndarray) -> None:
@@ -50,7 +51,7 @@ def write_batch(arena: HostArena, batch: ScheduledBatch, step: int, bank: int, c
     _put(arena, "seq_lens", batch.seq_lens)
     _put(arena, "block_tables", batch.block_tables)
     _put(arena, "feed_rows", batch.feed_rows)
-    invalid: dict[int, str] = {}
+    invalid: dict[int, RequestError] = {}
     plan, rows = _write_sampling(arena, batch, dims, candidates, vocab, invalid)
     _write_bitmask(arena, batch, dims, vocab, invalid)
     spans = _write_prompt_logprobs(arena, batch, dims)
@@ -60,7 +61,7 @@ def write_batch(arena: HostArena, batch: ScheduledBatch, step: int, bank: int, c
 
 
 def _write_sampling(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int], candidates: int,
-                    vocab: int, invalid: dict[int, str]) -> tuple[SamplingPlan, list[int]]:
+                    vocab: int, invalid: dict[int, RequestError]) -> tuple[SamplingPlan, list[int]]:
     """Each row's sampling settings, which rows want logprobs (and how many), and the plan."""
     b = batch.batch_size
     f32 = np.zeros((b, 4), dtype=np.float32)
@@ -73,7 +74,8 @@ def _write_sampling(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int
             seeds[i] = (p.seed & 0x7FFF_FFFF_FFFF_FFFF, batch.draw_steps[i])
         except (TypeError, ValueError, OverflowError) as exc:  # a bug past validation: this row alone
             f32[i], seeds[i] = 0, 0
-            invalid[i] = f"sampling parameters {p!r} cannot be sent to the device: {exc}"
+            invalid[i] = RequestError("sampling_error", f"sampling parameters {p!r} cannot be sent to the "
+                                      f"device: {exc}")
             continue
         if p.logprobs:
             rows.append(i)
@@ -86,7 +88,7 @@ def _write_sampling(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int
 
 
 def _write_bitmask(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int], vocab: int,
-                   invalid: dict[int, str]) -> None:
+                   invalid: dict[int, RequestError]) -> None:
     """Structured outputs: each row's allowed next tokens as bits (B rows when any row samples
     under a grammar, else none). The matchers write straight into the arena bank."""
     words = bitmask_words(vocab)
@@ -104,7 +106,8 @@ def _write_bitmask(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int]
                 batch.seqs[i].grammar.fill(mask, i)
             except Exception as exc:  # noqa: BLE001
                 mask[i] = -1
-                invalid[i] = f"the grammar could not give its next tokens: {type(exc).__name__}: {exc}"
+                why = f"the grammar could not give its next tokens: {exc}"
+                invalid[i] = RequestError("grammar_error", why)
 
 
 def _write_prompt_logprobs(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int]) -> list[PromptSpan]:

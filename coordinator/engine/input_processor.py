@@ -14,7 +14,7 @@ from coordinator.engine.sequence import Sequence
 from coordinator.errors import RequestError
 from coordinator.model_files.tokenizer import TextTokenizer
 from coordinator.sampling_params import SamplingParams
-from coordinator.structured.grammar_compiler import GrammarCompiler
+from coordinator.structured.grammar_compiler import GrammarCompiler, GrammarLimits
 from coordinator.structured.structured_spec import StructuredError
 from kernels.model.config import Qwen3Config
 
@@ -27,9 +27,9 @@ class InputProcessor:
         self.grammars = grammars
 
     @classmethod
-    def for_model(cls, config: Qwen3Config, tokenizer: TextTokenizer | None,
-                  limits: RequestLimits) -> InputProcessor:
-        return cls(tokenizer, limits, GrammarCompiler.for_model(tokenizer, config))
+    def for_model(cls, config: Qwen3Config, tokenizer: TextTokenizer | None, limits: RequestLimits,
+                  grammar_limits: GrammarLimits | None = None) -> InputProcessor:
+        return cls(tokenizer, limits, GrammarCompiler.for_model(tokenizer, config, grammar_limits))
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text prompt (ids are taken as given; ``RequestLimits`` checks them)."""
@@ -44,9 +44,11 @@ class InputProcessor:
                                f"character {exc.start}") from None
         return self.tokenizer.encode(prompt)
 
-    def process(self, seq_id: str, arrival: int, prompt: str | list[int],
-                params: SamplingParams) -> Sequence:
-        """The request as a sequence, or RequestError naming what it exceeds."""
+    def process(self, seq_id: str, arrival: int, prompt: str | list[int], params: SamplingParams,
+                compile_grammar: bool = True) -> Sequence:
+        """The request as a sequence, or RequestError naming what it exceeds. ``compile_grammar``
+        False: its constraint is compiled elsewhere (the server's ``CompileQueue``) and attached
+        before it is queued."""
         ids = self.encode(prompt)
         self.limits.check(ids, params)
         detok = Detokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
@@ -54,6 +56,8 @@ class InputProcessor:
         if params.structured is not None:
             if self.grammars is None:
                 raise RequestError("no_tokenizer", "structured outputs need the model's tokenizer")
+            if not compile_grammar:
+                return seq
             try:
                 seq.grammar = self.grammars.state(params.structured)
             except StructuredError as exc:

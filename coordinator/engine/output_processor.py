@@ -37,6 +37,10 @@ class OutputProcessor:
                 out.record_prompt_logprobs(row, seq)
                 if batch.samples[row]:
                     events.append(self._append(seq, out.token(row, seq.seq_id), row, out))
+            except RequestError as exc:  # a coded failure of this request (a grammar past its limits)
+                log.warning("request %s failed: %s: %s", seq.seq_id, exc.code, exc)
+                seq.finish_reason = "error"
+                events.append(TokenEvent(seq, None, True, error=exc))
             except Exception as exc:  # noqa: BLE001 - isolated to this request
                 log.exception("request %s failed while reading its token", seq.seq_id)
                 seq.finish_reason = "error"
@@ -45,14 +49,18 @@ class OutputProcessor:
         return events
 
     def _append(self, seq: Sequence, token: int, row: int, out: StepOutputs) -> TokenEvent:
+        if seq.grammar is not None:  # first: a token the grammar refuses never joins the output
+            try:
+                seq.grammar.accept(token)
+            except ValueError as exc:  # the parser refused the token, or hit one of its limits
+                raise RequestError("grammar_error", f"the constraint stopped at output token "
+                                   f"{len(seq.output_ids)}: {str(exc).splitlines()[0]}") from None
         if seq.params.logprobs:
             lp, top = out.logprobs(row, seq.seq_id, seq.params.top_logprobs)
             seq.logprobs.append(lp)
             if seq.params.top_logprobs:
                 seq.top_logprobs.append(top)
         seq.output_ids.append(token)
-        if seq.grammar is not None:
-            seq.grammar.accept(token)
         if seq.detok is not None:
             seq.detok.push(token)
         seq.finish_reason = self._finish_reason(seq, token)

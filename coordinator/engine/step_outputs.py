@@ -12,6 +12,7 @@ import numpy as np
 
 from coordinator.engine.scheduled_batch import PromptSpan
 from coordinator.engine.sequence import Sequence
+from coordinator.errors import RequestError
 
 
 class MissingRowError(RuntimeError):
@@ -37,11 +38,13 @@ class StepOutputs:
     prompt_logprobs: np.ndarray = field(default_factory=lambda: _empty(0))  # [TL]
     prompt_top_ids: np.ndarray = field(default_factory=lambda: _empty(0, 0, dtype=np.int32))  # [TL, NP]
     prompt_top_values: np.ndarray = field(default_factory=lambda: _empty(0, 0))
-    invalid: dict[int, str] = field(default_factory=dict)  # rows whose settings never reached the device
+    # Rows whose settings never reached the device, each with the error that fails its request.
+    invalid: dict[int, RequestError] = field(default_factory=dict)
 
     def token(self, row: int, request_id: str) -> int:
         if row in self.invalid:
-            raise MissingRowError(f"request {request_id!r}, step {self.step}: {self.invalid[row]}")
+            err = self.invalid[row]
+            raise RequestError(err.code, f"request {request_id!r}, step {self.step}: {err}")
         if row >= len(self.sampled_ids):
             raise MissingRowError(f"request {request_id!r}, step {self.step}: row {row} has no sampled id")
         return int(self.sampled_ids[row])

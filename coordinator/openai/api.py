@@ -103,6 +103,7 @@ def build_app(gw: Gateway) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        gw.metrics.internal_errors.inc()
         log.exception("HTTP %s %s failed", request.method, request.url.path)
         err = oa.ApiError(500, f"internal error: {type(exc).__name__}", code="internal")
         return JSONResponse(err.body(), status_code=500)

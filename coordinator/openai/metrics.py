@@ -68,6 +68,10 @@ class Metrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("fusedserve_e2e_request_latency_seconds", "Arrival to last token",
                              buckets=LATENCY_BUCKETS, registry=r)
+        # Requests that reached the generic handler: a 500 from a bug, never from a client's input
+        # (every bad input has its own 4xx). The fuzz tests require it to stay 0.
+        self.internal_errors = Counter("fusedserve_http_internal_errors", "Requests answered by the "
+                                       "gateway's generic 500 handler", registry=r)
         self._stats = _StatsCollector()
         r.register(self._stats)
 

@@ -23,6 +23,9 @@ from coordinator.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from coordinator.structured.structured_spec import StructuredError, StructuredSpec
 
 MAX_BODY_BYTES = 4 << 20  # the ZeroMQ front end's frame limit
+MAX_JSON_DEPTH = 64  # nesting of a request body: more is refused before anything reads it
+# chat_template_kwargs that would replace what the server renders with.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt"})
 MAX_N = 16  # choices per prompt
 MAX_CHOICES = 64  # choices per request: prompts x n
 
@@ -39,11 +42,43 @@ def parse_body(raw: bytes) -> dict:
         body = json.loads(raw, parse_constant=_no_constant)
     except ApiError:
         raise
+    except RecursionError:
+        raise ApiError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep",
+                       code="bad_json") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}", code="bad_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object", code="bad_json")
+    _check_tree(body)
     return body
+
+
+def _check_tree(body: dict) -> None:
+    """Every value within ``MAX_JSON_DEPTH`` levels, and every string (key or value) text a tokenizer
+    and a ZeroMQ frame can carry (JSON's \ud800 escapes make lone surrogates, which UTF-8 cannot
+    encode). One pass, no recursion."""
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep",
+                           code="bad_json")
+        if isinstance(value, dict):
+            for k, v in value.items():
+                _check_text(k)
+                stack.append((v, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+        elif isinstance(value, str):
+            _check_text(value)
+
+
+def _check_text(s: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, f"a string in the request is not valid Unicode text: {exc.reason} at character "
+                       f"{exc.start}", code="bad_text") from None
 
 
 def _get(body: dict, key: str, kind: type | tuple, default: Any = None) -> Any:
@@ -253,6 +288,10 @@ def chat_request(body: dict, tok: TextTokenizer | None, template: ChatTemplate |
                        code="no_chat_template")
     tools = tool_choice.plan(body, tool_parser, tok.token_id("<tool_call>") is not None)
     kwargs = _get(body, "chat_template_kwargs", dict, {})
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise ApiError(400, f"chat_template_kwargs may not set {reserved}: the server renders those",
+                       param="chat_template_kwargs", code="bad_field")
     if tools.tools:
         kwargs = {**kwargs, "tools": tools.tools}
     try:

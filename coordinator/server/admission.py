@@ -15,19 +15,20 @@ from coordinator.model_files.tokenizer import TextTokenizer
 from coordinator.server.config import Limits
 from coordinator.server.protocol import GenerateRequest
 from coordinator.server.request_table import RequestTable
+from coordinator.structured.grammar_compiler import GrammarLimits
 from kernels.model.config import Qwen3Config
 from shared_memory.engine_config import EngineConfig
 
 
 class Admission:
     def __init__(self, limits: Limits, engine: EngineConfig, config: Qwen3Config,
-                 tokenizer: TextTokenizer | None):
+                 tokenizer: TextTokenizer | None, grammar_limits: GrammarLimits | None = None):
         self.limits = limits
         max_model_len = engine.max_model_len
         self.max_tokens = min(limits.max_tokens or max_model_len, max_model_len)
         # Every worker has the same shape: one check answers "can this be served?".
         self.input = InputProcessor.for_model(config, tokenizer, RequestLimits.for_worker(
-            engine, config.vocab_size, limits.max_prompt_tokens))
+            engine, config.vocab_size, limits.max_prompt_tokens), grammar_limits)
 
     def check_limits(self, identity: bytes, req: GenerateRequest, requests: RequestTable) -> None:
         lim = self.limits
@@ -47,10 +48,11 @@ class Admission:
                                f"max_tokens is {req.params.max_tokens}; this server allows {self.max_tokens}")
 
     def sequence(self, seq_id: str, arrival: int, req: GenerateRequest) -> Sequence:
-        """The request as a sequence, or RequestError (with the client's id) naming what it exceeds."""
+        """The request as a sequence, or RequestError (with the client's id) naming what it exceeds.
+        Its constraint, if any, is not compiled here: the server's ``CompileQueue`` does that."""
         try:
             prompt = req.prompt if req.prompt is not None else req.prompt_ids
-            return self.input.process(seq_id, arrival, prompt, req.params)
+            return self.input.process(seq_id, arrival, prompt, req.params, compile_grammar=False)
         except RequestError as exc:
             exc.request_id = req.id
             raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from coordinator.structured.grammar_compiler import GrammarLimits
 from kernels.quantize import check_quantization
 from shared_memory.engine_config import EngineConfig
 
@@ -40,6 +41,7 @@ class ServerConfig:
     # Required for any bind beyond loopback; when set, every frame must carry it as "auth".
     auth_token: str | None = None
     limits: Limits = field(default_factory=Limits)
+    grammar: GrammarLimits = field(default_factory=GrammarLimits)  # parser limits and compile timeout
 
     @classmethod
     def build(cls, **settings: object) -> ServerConfig:

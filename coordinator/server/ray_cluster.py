@@ -64,42 +64,71 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _pids_of(temp_dir: str) -> list[int]:
-    """Processes of the Ray head started with ``temp_dir`` (it is in their command lines)."""
-    found, me, key = [], os.getpid(), temp_dir.encode()
+# Ray's single-node mode (its name notwithstanding: ``ENABLE_RAY_CLUSTER`` off): the node's address is
+# the loopback one, so with ``--node-ip-address=127.0.0.1`` every server of the head, its agents and
+# workers, and this process's driver listen on loopback alone. Read when ``ray`` is imported.
+LOCAL_ONLY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def session_of(pid: int) -> int | None:
+    """The session id of a process (``/proc/PID/stat``), or None once it is gone."""
+    try:
+        stat = (Path("/proc") / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[3])
+
+
+def session_pids(session: int) -> list[int]:
+    """Every process in a session, whoever its parent is now (Ray's agents are reparented to init
+    and ignore SIGTERM: counting by parentage misses them)."""
+    me = os.getpid()
+    return [int(d.name) for d in Path("/proc").iterdir()
+            if d.name.isdigit() and int(d.name) != me and session_of(int(d.name)) == session]
+
+
+def _pids_of(temp_dir: str, session: int | None = None) -> list[int]:
+    """Processes of the Ray head started with ``temp_dir`` (in their command lines) or in its
+    session."""
+    found, me, key = set(), os.getpid(), temp_dir.encode()
     for d in Path("/proc").iterdir():
         if d.name.isdigit() and int(d.name) != me:
             try:
                 if key in (d / "cmdline").read_bytes():
-                    found.append(int(d.name))
+                    found.add(int(d.name))
             except OSError:
                 pass
-    return found
+    if session is not None:
+        found.update(session_pids(session))
+    return sorted(found)
 
 
-def stop_head(temp_dir: str, grace_s: float = 5.0) -> None:
-    """End the processes of the head started with ``temp_dir``, and only those (SIGTERM, then
-    SIGKILL after ``grace_s``; not ``ray stop``, which ends every cluster on the machine),
-    and remove its temp dir."""
+def stop_head(temp_dir: str, grace_s: float = 5.0, session: int | None = None) -> None:
+    """End the processes of the head started with ``temp_dir`` (and, given its ``session``, every
+    process of that session, agents included), and only those (SIGTERM, then SIGKILL after
+    ``grace_s``; not ``ray stop``, which ends every cluster on the machine), and remove its temp
+    dir."""
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        pids = _pids_of(temp_dir)
+        pids = _pids_of(temp_dir, session)
         for pid in pids:
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
         deadline = time.time() + wait_s
-        while pids and _pids_of(temp_dir) and time.time() < deadline:
+        while pids and _pids_of(temp_dir, session) and time.time() < deadline:
             time.sleep(0.1)
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 class EmbeddedHead:
-    """A local Ray head owned by one server process."""
+    """A local Ray head owned by one server process: in a session of its own, every server of it
+    on loopback (``LOCAL_ONLY_ENV``), every process of it ended with it."""
 
-    def __init__(self, temp_dir: str, ports: RayPorts):
+    def __init__(self, temp_dir: str, ports: RayPorts, session: int | None = None):
         self.temp_dir = temp_dir
         self.ports = ports
+        self.session = session
 
     @property
     def address(self) -> str:
@@ -113,31 +142,45 @@ class EmbeddedHead:
         ports = (ports or RayPorts()).resolved()
         temp_dir = tempfile.mkdtemp(prefix="fsray", dir="/tmp")  # short: Ray puts sockets in it
         cmd = [str(ray_cli), "start", "--head", f"--num-cpus={num_cpus}", "--include-dashboard=false",
-               "--disable-usage-stats", f"--temp-dir={temp_dir}", *ports.flags()]
-        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+               "--disable-usage-stats", "--node-ip-address=127.0.0.1", f"--temp-dir={temp_dir}",
+               *ports.flags()]
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", **LOCAL_ONLY_ENV)
         env.pop("RAY_ADDRESS", None)
-        head = cls(temp_dir, ports)
+        # A session of its own: `ray start` leads it and every process it starts stays in it.
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        head = cls(temp_dir, ports, proc.pid)
         try:
-            subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=timeout_s)
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+            _, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        if proc.returncode != 0:
             head.stop()
-            out = getattr(exc, "stderr", "") or ""
-            raise RuntimeError(f"could not start an embedded Ray head: {out[-2000:]}") from None
-        log.info("embedded Ray head at %s in %s (ports %s)", head.address, temp_dir, ports)
+            raise RuntimeError(f"could not start an embedded Ray head: {(err or '')[-2000:]}")
+        log.info("embedded Ray head at %s in %s (session %d, ports %s)", head.address, temp_dir, proc.pid,
+                 ports)
         return head
 
     def stop(self, grace_s: float = 5.0) -> None:
-        stop_head(self.temp_dir, grace_s)
+        stop_head(self.temp_dir, grace_s, self.session)
 
 
 def connect(address: str | None, num_cpus: int, ports: RayPorts | None = None) -> EmbeddedHead | None:
     """Join the cluster at ``address`` ("auto": the one this process was started in), or start
     an embedded head; returns the head to stop at exit (None when joining)."""
-    import ray
-
     head = None
     if not address:
+        if "ray" in sys.modules and any(os.environ.get(k) != v for k, v in LOCAL_ONLY_ENV.items()):
+            log.warning("ray was imported before the embedded head's loopback mode was set: this driver "
+                        "may listen beyond loopback (the CLI sets %s first)", LOCAL_ONLY_ENV)
+        os.environ.update(LOCAL_ONLY_ENV)
         head = EmbeddedHead.start(num_cpus, ports)
         address = head.address
-    ray.init(address=address, log_to_driver=False)
+    import ray
+
+    if head is not None:
+        ray.init(address=address, log_to_driver=False, _node_ip_address="127.0.0.1")
+    else:
+        ray.init(address=address, log_to_driver=False)
     return head

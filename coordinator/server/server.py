@@ -38,6 +38,7 @@ from coordinator.server.request_table import ClientRequest, RequestTable
 from coordinator.server.router import Router
 from coordinator.server.stats import FaultCounters, ServerCounters, server_stats
 from coordinator.server.worker_pool import PoolConfig, WorkerHandle, WorkerPool, probe_device
+from coordinator.structured.compile_queue import CompileQueue
 from shared_memory.arena import HostArena, remove_stale
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,9 @@ class Server:
         self.model_dir = self.engine.model.model
         self.max_model_len = self.engine.max_model_len
         self.tokenizer = TextTokenizer.from_dir(self.model_dir)
-        self.admission = Admission(cfg.limits, self.engine, self.config, self.tokenizer)
+        self.admission = Admission(cfg.limits, self.engine, self.config, self.tokenizer, cfg.grammar)
+        grammars = self.admission.input.grammars
+        self.compiles = CompileQueue(grammars) if grammars is not None else None
         self.output = OutputProcessor(self.config.eos_token_ids, self.max_model_len)
         self.requests = RequestTable()
         self.ctx = zmq.Context()
@@ -116,6 +119,8 @@ class Server:
         for req in self.requests:
             self.requests.pop(req.seq.seq_id)
             self._send(req.identity, protocol.error(req.client_id, "shutdown", "server is shutting down"))
+        if self.compiles is not None:
+            self.compiles.close()
         if self.pool is not None:
             self.pool.shutdown()
         if self.frontend is not None:
@@ -131,13 +136,15 @@ class Server:
             pool.service()
         if self.router.orphans:
             self.router.service_orphans(self._fail)
+        if self.compiles is not None and self.compiles.pending:
+            self._admit_compiled()
         for w in list(pool.workers):
             while w.core.wants_launch() and self._launch(w):
                 pass  # with async scheduling, a second launch goes out behind the first
         poller = zmq.Poller()
         for sock in (fe.sock, fe.monitor, *pool.sockets()):
             poller.register(sock, zmq.POLLIN)
-        ready = dict(poller.poll(50))
+        ready = dict(poller.poll(5 if self.compiles is not None and self.compiles.pending else 50))
         for w in list(pool.workers):
             if w.executor.ready(ready):
                 for ev in w.core.finish(w.executor.wait()):
@@ -201,8 +208,24 @@ class Server:
         seq = self.admission.sequence(f"r{n}", n, req)
         if not self.pool.active and not self.pool.starting:
             raise RequestError("no_workers", "no worker is running and none is starting")
-        w = self.router.admit(seq)
-        self.requests.add(ClientRequest(identity, req.id, req.stream, seq, w, time.perf_counter()))
+        entry = ClientRequest(identity, req.id, req.stream, seq, None, time.perf_counter())
+        if req.params.structured is not None:  # routed once its grammar compiled, off this thread
+            self.compiles.submit(seq.seq_id, req.params.structured)
+        else:
+            entry.worker = self.router.admit(seq)
+        self.requests.add(entry)
+
+    def _admit_compiled(self) -> None:
+        """Route the requests whose grammars compiled; refuse those that could not (or in time)."""
+        for seq_id, result in self.compiles.finished():
+            entry = self.requests.get(seq_id)
+            if entry is None:  # aborted or its client left while compiling
+                continue
+            if isinstance(result, RequestError):
+                self._fail(seq_id, result.code, str(result))
+                continue
+            entry.seq.grammar = result
+            entry.worker = self.router.admit(entry.seq)
 
     def _control(self, identity: bytes, req: ControlRequest) -> None:
         reply: dict
@@ -236,7 +259,7 @@ class Server:
             return
         try:
             if ev.error is not None:
-                self.faults.request_errors += ev.error.code != "worker_error"
+                self.faults.request_errors += ev.error.code not in ("worker_error", "grammar_error")
                 self._fail(ev.seq.seq_id, ev.error.code, str(ev.error))
                 return
             if req.t_first is None:

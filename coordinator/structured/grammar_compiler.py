@@ -1,19 +1,28 @@
 """Requests' constraints -> llguidance matchers, compiled once per constraint and cached.
 
+Every grammar compiles and runs inside explicit parser limits (``GrammarLimits``, the server's
+``--grammar-*`` flags): a grammar that exceeds them is refused at admission where llguidance can
+tell, by the compile or by a probe that consumes a few of the first allowed tokens on copies of
+the matcher; one that exceeds them only later ends its request alone with ``grammar_error``.
+The server compiles on threads with a timeout (``compile_queue.py``), never on its loop.
+
 llguidance was chosen over xgrammar by measurement (``benchmarks/grammar_libs.py``): at a
 152k-token vocabulary it builds a constraint in under a millisecond where xgrammar takes
-20-36 ms (compiling runs on the coordinator's loop thread, a stall for every stream), its
-mask per token is faster on natural JSON (xgrammar's is faster on short bounded strings and
-on small vocabularies), and it depends on nothing (xgrammar pulls transformers and triton).
+20-36 ms, its mask per token is faster on natural JSON (xgrammar's is faster on short bounded
+strings and on small vocabularies), and it depends on nothing (xgrammar pulls transformers and
+triton).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
+from dataclasses import asdict, dataclass
 
 import llguidance
+import llguidance.numpy as llnp
 import numpy as np
 from llguidance.gbnf_to_lark import any_to_lark
 
@@ -28,6 +37,26 @@ THINK_START, THINK_END = "<think>", "</think>"
 # JSON as ``json.dumps`` writes it: no free whitespace, whose runs a sampled row could extend
 # until max_tokens (a schema's own "x-guidance" options override this).
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+PROBE_TOKENS = 4  # first tokens tried, each on its own copy of a new matcher, before admission
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    """llguidance's parser limits (``LLParserLimits``; its defaults), and how long a compile may take."""
+
+    max_items_in_row: int = 2000  # alternatives of one production row
+    initial_lexer_fuel: int = 1_000_000  # building the lexer's regexes (~50k/ms)
+    step_lexer_fuel: int = 200_000  # one token's mask in the lexer (~14k/ms)
+    step_max_items: int = 50_000  # Earley items of one token's mask (~20k/ms)
+    max_lexer_states: int = 250_000  # ~1-2 kB each
+    max_grammar_size: int = 500_000  # symbols in the grammar's productions
+    compile_timeout_s: float = 10.0  # a compile still running then is refused (grammar_timeout)
+
+    def parser_limits(self) -> llguidance.LLParserLimits:
+        kw = {k: v for k, v in asdict(self).items() if k != "compile_timeout_s"}
+        return llguidance.LLParserLimits(**kw, verbose_errors=False)
 
 
 def grammar_text(spec: StructuredSpec) -> str:
@@ -54,8 +83,11 @@ class GrammarCompiler:
     constraint (an LRU of ``cache_size``), copied for each request."""
 
     def __init__(self, tokenizer: TextTokenizer, vocab_size: int, eos_token_ids: list[int],
-                 cache_size: int = 256):
+                 cache_size: int = 256, limits: GrammarLimits | None = None):
         self.tokenizer = tokenizer
+        self.limits = limits or GrammarLimits()
+        self._parser_limits = self.limits.parser_limits()
+        self._lock = threading.Lock()  # the cache: compiles run on several threads
         self.vocab_size = vocab_size
         eos = sorted({t for t in eos_token_ids if 0 <= t < vocab_size})
         self.ends = np.asarray(eos, dtype=np.int64)
@@ -71,33 +103,68 @@ class GrammarCompiler:
         self.has_end_token = end is not None
 
     @classmethod
-    def for_model(cls, tokenizer: TextTokenizer | None, config: Qwen3Config) -> GrammarCompiler | None:
+    def for_model(cls, tokenizer: TextTokenizer | None, config: Qwen3Config,
+                  limits: GrammarLimits | None = None) -> GrammarCompiler | None:
         """The compiler of a served model (None without a tokenizer). A grammar may end the output
         at the model's EOS ids and at the chat and text end tokens."""
         if tokenizer is None:
             return None
         ends = [tokenizer.token_id(t) for t in ("<|im_end|>", "<|endoftext|>")]
-        return cls(tokenizer, config.vocab_size, [*config.eos_token_ids, *(t for t in ends if t is not None)])
+        return cls(tokenizer, config.vocab_size, [*config.eos_token_ids, *(t for t in ends if t is not None)],
+                   limits=limits)
 
     def matcher(self, spec: StructuredSpec) -> llguidance.LLMatcher:
         key = spec.key()
-        proto = self._cache.get(key)
-        if proto is None:
-            self.misses += 1
-            grammar = grammar_text(spec)
-            err = llguidance.LLMatcher.validate_grammar(grammar, self.lltok)
-            if err:
-                raise StructuredError(f"invalid {spec.kind} constraint: {err}")
-            proto = llguidance.LLMatcher(self.lltok, grammar)
-            if proto.is_error():
-                raise StructuredError(f"invalid {spec.kind} constraint: {proto.get_error()}")
+        with self._lock:
+            proto = self._cache.get(key)
+            if proto is not None:
+                self.hits += 1
+                self._cache.move_to_end(key)
+                return proto.deep_copy()
+        self.misses += 1
+        proto = self._compile(spec)
+        with self._lock:
             self._cache[key] = proto
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
-        else:
-            self.hits += 1
-            self._cache.move_to_end(key)
         return proto.deep_copy()
+
+    def _compile(self, spec: StructuredSpec) -> llguidance.LLMatcher:
+        """A new matcher within the limits, probed: StructuredError if it cannot compile or the
+        first tokens already exceed a limit."""
+        grammar = grammar_text(spec)
+        err = llguidance.LLMatcher.validate_grammar(grammar, self.lltok, limits=self._parser_limits)
+        if err:
+            raise StructuredError(f"invalid {spec.kind} constraint: {err}")
+        proto = llguidance.LLMatcher(self.lltok, grammar, limits=self._parser_limits)
+        if proto.is_error():
+            raise StructuredError(f"invalid {spec.kind} constraint: {proto.get_error()}")
+        self._probe(proto, spec)
+        return proto
+
+    def _probe(self, proto: llguidance.LLMatcher, spec: StructuredSpec) -> None:
+        """Take the first steps as generation will (mask, then consume, then mask), for a few of the
+        first allowed tokens, each on its own copy: a grammar whose first steps already exceed the
+        parser's limits is refused now, not after its request was admitted."""
+        mask = np.zeros((1, -(-self.vocab_size // 32)), dtype=np.int32)
+        first = proto.deep_copy()
+        llnp.fill_next_token_bitmask(first, mask, 0)
+        self._check(first, spec)
+        bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[: self.vocab_size]
+        allowed = np.flatnonzero(bits)
+        for t in allowed[np.linspace(0, len(allowed) - 1, min(PROBE_TOKENS, len(allowed))).astype(int)]:
+            copy = proto.deep_copy()
+            llnp.fill_next_token_bitmask(copy, mask, 0)
+            copy.consume_token(int(t))
+            self._check(copy, spec)
+            llnp.fill_next_token_bitmask(copy, mask, 0)
+            self._check(copy, spec)
+
+    @staticmethod
+    def _check(matcher: llguidance.LLMatcher, spec: StructuredSpec) -> None:
+        if matcher.is_error():
+            why = matcher.get_error().splitlines()[0]
+            raise StructuredError(f"the {spec.kind} constraint exceeds the parser's limits: {why}")
 
     def state(self, spec: StructuredSpec) -> GrammarState:
         """A fresh per-request state (raises StructuredError for a constraint that cannot compile)."""

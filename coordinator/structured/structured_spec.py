@@ -4,6 +4,7 @@ grammar library checks the content when it compiles it (``GrammarCompiler``)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -38,10 +39,15 @@ class StructuredSpec:
         if self.kind == "choice" and (not isinstance(v, list) or not v
                                       or not all(isinstance(c, str) and c for c in v)):
             raise StructuredError("a choice constraint needs a non-empty list of non-empty strings")
+        try:  # a schema from a msgpack frame may hold what JSON cannot (non-string keys, bytes)
+            text = json.dumps([self.kind, v], sort_keys=True)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise StructuredError(f"the {self.kind} constraint is not JSON: {exc}") from None
+        object.__setattr__(self, "_key", hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest())
 
     def key(self) -> str:
-        """What identifies the compiled grammar (the cache key)."""
-        return json.dumps([self.kind, self.value], sort_keys=True)
+        """What identifies the compiled grammar (the cache key): a hash of its kind and value."""
+        return self._key
 
     def to_wire(self) -> dict:
         return {"kind": self.kind, "value": self.value, "thinking": self.thinking}
