@@ -11,10 +11,16 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+import zmq
+
 from coordinator.client import DEFAULT_ADDRESS, TOKEN_ENV, Client, ServerError
+from coordinator.server.config import Limits
 from coordinator.server.ray_cluster import LOCAL_ONLY_ENV, EmbeddedHead, RayPorts, connect
+from coordinator.structured.grammar_compiler import GrammarLimits
 from kernels.quantize import QUANTIZATIONS
 from shared_memory.engine_config import SchedulerConfig
 
@@ -49,16 +55,25 @@ AUTH_HELP = (f"a file holding the shared auth token (or set ${TOKEN_ENV}); requi
 
 def _read_token(args: argparse.Namespace) -> str | None:
     if getattr(args, "auth_token_file", None):
-        with open(args.auth_token_file) as f:
-            return f.read().strip() or None
+        return _read_file(args.auth_token_file)
     return os.environ.get(TOKEN_ENV) or None
 
 
+def _read_file(path: str | None) -> str | None:
+    """A secret from a file (a token, a key), stripped; None when no file is named."""
+    if not path:
+        return None
+    with open(path) as f:
+        return f.read().strip() or None
+
+
 def _server_config(args: argparse.Namespace, token: str | None = None):
-    from coordinator.server.config import Limits, ServerConfig
+    from coordinator.server.config import ServerConfig
 
     limits = Limits(max_tokens=args.max_tokens_limit, max_requests_per_client=args.max_requests_per_client,
-                    max_prompt_tokens=args.max_prompt_tokens)
+                    max_prompt_tokens=args.max_prompt_tokens, max_queued_requests=args.max_queued_requests,
+                    max_prompt_chars=args.max_prompt_chars)
+    grammar = GrammarLimits(**{f.name: getattr(args, f"grammar_{f.name}") for f in fields(GrammarLimits)})
     return ServerConfig.build(
         model=args.model, workers=args.workers, device=args.device, dtype=args.dtype,
         quantization=args.quantization, max_model_len=args.max_model_len, max_batch=args.max_batch,
@@ -67,7 +82,9 @@ def _server_config(args: argparse.Namespace, token: str | None = None):
         max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=not args.no_async_scheduling,
         threads_per_worker=args.threads_per_worker, tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
-        host=args.host, port=args.port, transport=args.transport, auth_token=token, limits=limits)
+        host=args.host, port=args.port, transport=args.transport, auth_token=token, limits=limits,
+        grammar=grammar, admin_token=_read_file(args.admin_token_file),
+        curve_secret_key=_read_file(args.curve_secret_key_file))
 
 
 def _ray(args: argparse.Namespace) -> EmbeddedHead | None:
@@ -130,8 +147,9 @@ def _serve(coord: Server, args: argparse.Namespace, token: str | None) -> int:
             local = coord.address.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")
             gw = Gateway(local, coord.tokenizer, coord.model_dir, args.served_model_name or args.model,
                          coord.max_model_len, coord.admission.max_tokens, token,
-                         args.reasoning_parser, args.tool_call_parser)
-            http = HttpServer(gw, args.host, args.http_port)
+                         args.reasoning_parser, args.tool_call_parser, args.max_prompt_chars,
+                         coord.curve_public_key)
+            http = HttpServer(gw, args.host, args.http_port, args.ssl_keyfile, args.ssl_certfile)
             http.start()
             print(f"fusedserve: OpenAI API on {http.url} (model {gw.model_name!r})", flush=True)
         while not stop.wait(0.5):
@@ -147,7 +165,23 @@ def _serve(coord: Server, args: argparse.Namespace, token: str | None) -> int:
 
 
 def _client(args: argparse.Namespace) -> Client:
-    return Client(args.address, token=_read_token(args))
+    return Client(args.address, token=_read_token(args), admin_token=_read_file(args.admin_token_file),
+                  curve_server_key=_read_file(args.curve_server_key_file))
+
+
+def cmd_curve_keygen(args: argparse.Namespace) -> int:
+    """A CURVE key pair for the ZeroMQ front end: the secret for the server, the public key for
+    its clients (z85 text, the secret file readable by its owner alone)."""
+    public, secret = zmq.curve_keypair()
+    out = Path(args.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out / "server.key", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret.decode() + "\n")
+    (out / "server.pub").write_text(public.decode() + "\n")
+    print(f"fusedserve: serve with --curve-secret-key-file {out / 'server.key'}; clients use "
+          f"--curve-server-key-file {out / 'server.pub'}")
+    return 0
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
@@ -217,6 +251,25 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+GRAMMAR_HELP = {
+    "max_items_in_row": "alternatives one grammar production may have",
+    "initial_lexer_fuel": "work allowed building a grammar's lexer (about 50k a millisecond)",
+    "step_lexer_fuel": "lexer work allowed for one token's mask (about 14k a millisecond)",
+    "step_max_items": "Earley items allowed for one token's mask (about 20k a millisecond)",
+    "max_lexer_states": "lexer states a grammar may build (1-2 kB each)",
+    "max_grammar_size": "symbols a grammar's productions may hold",
+    "compile_timeout_s": "seconds a grammar may take to compile (off the loop) before its request is refused",
+}
+
+
+def _grammar_flags(p: argparse.ArgumentParser) -> None:
+    """Structured outputs' limits (llguidance's LLParserLimits): a grammar past them is refused at
+    admission where the parser can tell, else ends its request alone with grammar_error."""
+    for f in fields(GrammarLimits):
+        p.add_argument(f"--grammar-{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
+                       dest=f"grammar_{f.name}", help=f"{GRAMMAR_HELP[f.name]} (default {f.default})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand's flags (tests parse with it too)."""
     ap = argparse.ArgumentParser(prog="fusedserve")
@@ -233,12 +286,27 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--host", default="127.0.0.1",
                        help="bind address; anything beyond loopback requires --auth-token-file")
         p.add_argument("--auth-token-file", default=None, help=AUTH_HELP)
+        p.add_argument("--admin-token-file", default=None,
+                       help="a file holding the admin token, different from the client token: admin frames "
+                       "(scale, workers) must carry it; without it a server with a client token refuses them")
+        p.add_argument("--curve-secret-key-file", default=None,
+                       help="encrypt the ZeroMQ socket with CURVE: the server's secret key (fusedserve "
+                       "curve-keygen writes a pair); clients need its public key")
+        p.add_argument("--ssl-keyfile", default=None, help="serve the HTTP API over TLS: the key (PEM)")
+        p.add_argument("--ssl-certfile", default=None,
+                       help="serve the HTTP API over TLS: the certificate (PEM)")
         p.add_argument("--max-tokens-limit", type=int, default=None,
                        help="largest max_tokens a request may ask for (default: max-model-len)")
         p.add_argument("--max-prompt-tokens", type=int, default=None,
                        help="longest prompt in tokens (default: max-model-len - 1)")
-        p.add_argument("--max-requests-per-client", type=int, default=256,
-                       help="requests one connection may have in flight")
+        p.add_argument("--max-requests-per-client", type=int, default=Limits.max_requests_per_client,
+                       help="requests one client may have in flight: a ZeroMQ connection, or an HTTP "
+                       "client (its API key and address); more get 429 with Retry-After")
+        p.add_argument("--max-queued-requests", type=int, default=Limits.max_queued_requests,
+                       help="requests in flight on the whole server; more get 429 (server_busy)")
+        p.add_argument("--max-prompt-chars", type=int, default=Limits.max_prompt_chars,
+                       help="characters of text one request may ask to tokenize (prompts, chat messages "
+                       "and the rendered turn), checked before tokenizing; more get 413")
         p.add_argument("--port", type=int, default=5557)
         p.add_argument("--http-port", type=int, default=None,
                        help="also serve the OpenAI-compatible HTTP API on this port (0: a free one)")
@@ -279,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --tensor-parallel-size: place a MoE model's experts whole across the "
                        "group instead of splitting every expert")
         p.add_argument("--max-tokens", type=int, default=16)
+        _grammar_flags(p)
         p.add_argument("--ray-address", default=None,
                        help="join this Ray cluster ('auto': the one this process runs in); default: "
                        "start a head of this server's own, stopped with it")
@@ -304,6 +373,11 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (g, s, sc):
         p.add_argument("--address", default=DEFAULT_ADDRESS)
         p.add_argument("--auth-token-file", default=None, help=f"the server's token file (or ${TOKEN_ENV})")
+        p.add_argument("--admin-token-file", default=None, help="the server's admin token file (scale)")
+        p.add_argument("--curve-server-key-file", default=None,
+                       help="the server's CURVE public key file, where its socket is encrypted")
+    kg = sub.add_parser("curve-keygen", help="write a CURVE key pair for the ZeroMQ front end")
+    kg.add_argument("dir")
     return ap
 
 
@@ -316,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd in ("serve", "demo") and not args.ray_address:
         os.environ.update(LOCAL_ONLY_ENV)  # an embedded head: Ray on loopback, set before ray is imported
     commands = {"serve": cmd_serve, "generate": cmd_generate, "stats": cmd_stats, "demo": cmd_demo,
-                "scale": cmd_scale, "bench": bench_serve.main}
+                "scale": cmd_scale, "bench": bench_serve.main, "curve-keygen": cmd_curve_keygen}
     try:
         return commands[args.cmd](args)
     except (ServerError, TimeoutError) as exc:  # a refused or unanswered client command

@@ -28,6 +28,10 @@ class ServerError(RuntimeError):
         self.reply = reply
 
 
+# Frames that change or reveal the deployment: they carry the admin token ("admin"), not just "auth".
+ADMIN_TYPES = ("scale", "workers")
+
+
 def _generate_msg(rid: Any, prompt: str | list[int], stream: bool, params: dict) -> dict:
     msg = {"type": "generate", "id": rid, "stream": stream, **params}
     msg["prompt" if isinstance(prompt, str) else "prompt_ids"] = prompt
@@ -38,16 +42,31 @@ def _token(token: str | None) -> str | None:
     return token if token is not None else os.environ.get(TOKEN_ENV) or None
 
 
+def _secure(sock: zmq.Socket, server_key: str | bytes | None) -> None:
+    """CURVE encryption to a server whose public key is ``server_key`` (z85), with a fresh key pair
+    of this client's own (the server authenticates clients by their token, not their key)."""
+    if server_key is None:
+        return
+    public, secret = zmq.curve_keypair()
+    sock.curve_publickey, sock.curve_secretkey = public, secret
+    sock.curve_serverkey = server_key.encode() if isinstance(server_key, str) else server_key
+
+
 class Client:
-    """``token``: the server's auth token (default: $FUSEDSERVE_AUTH_TOKEN), sent on every frame."""
+    """``token``: the server's auth token (default: $FUSEDSERVE_AUTH_TOKEN), sent on every frame;
+    ``admin_token``: sent on admin frames (``scale``, ``workers``); ``curve_server_key``: the
+    server's CURVE public key, where it encrypts its socket."""
 
     def __init__(self, address: str = DEFAULT_ADDRESS, timeout_s: float = 120.0,
-                 token: str | None = None):
+                 token: str | None = None, admin_token: str | None = None,
+                 curve_server_key: str | bytes | None = None):
         self.token = _token(token)
+        self.admin_token = admin_token
         self._ctx = zmq.Context.instance()
         self.sock = self._ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+        _secure(self.sock, curve_server_key)
         self.sock.connect(address)
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
@@ -58,6 +77,8 @@ class Client:
     def send(self, msg: dict) -> None:
         if self.token is not None:
             msg = {**msg, "auth": self.token}
+        if self.admin_token is not None and msg.get("type") in ADMIN_TYPES:
+            msg = {**msg, "admin": self.admin_token}
         self.sock.send(msgpack.packb(msg, use_bin_type=True))
 
     def recv(self) -> dict:
@@ -127,11 +148,13 @@ class Client:
 class AsyncClient:
     """Many concurrent requests over one socket; a reader task routes replies by id."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, token: str | None = None):
+    def __init__(self, address: str = DEFAULT_ADDRESS, token: str | None = None,
+                 curve_server_key: str | bytes | None = None):
         self.token = _token(token)
         self._ctx = zmq.asyncio.Context.instance()
         self.sock = self._ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        _secure(self.sock, curve_server_key)
         self.sock.connect(address)
         self._queues: dict[Any, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None

@@ -96,3 +96,15 @@ def test_parallel_flags_reach_the_server_config():
     alone = _server_config(build_parser().parse_args(["serve", "--enable-expert-parallel"]))
     with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
         alone.check()
+
+
+def test_grammar_and_fairness_flags_reach_the_server_config():
+    from coordinator.cli import _server_config, build_parser
+
+    cfg = _server_config(build_parser().parse_args([
+        "serve", "--grammar-step-max-items", "1000", "--grammar-compile-timeout-s", "2.5",
+        "--max-queued-requests", "7", "--max-prompt-chars", "900", "--max-requests-per-client", "3"]))
+    assert cfg.grammar.step_max_items == 1000 and cfg.grammar.compile_timeout_s == 2.5
+    assert cfg.grammar.max_items_in_row == 2000  # llguidance's default where no flag is given
+    assert (cfg.limits.max_queued_requests, cfg.limits.max_prompt_chars) == (7, 900)
+    assert cfg.limits.max_requests_per_client == 3

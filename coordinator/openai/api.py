@@ -11,6 +11,7 @@ same token as the ZeroMQ ``auth`` field); ``/health`` and ``/metrics`` do not.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -39,13 +40,16 @@ class Gateway:
 
     def __init__(self, coordinator: str, tokenizer: TextTokenizer | None, model_dir: str | Path,
                  model_name: str, max_model_len: int, max_tokens: int, token: str | None = None,
-                 reasoning_parser: str = "auto", tool_call_parser: str = "auto"):
+                 reasoning_parser: str = "auto", tool_call_parser: str = "auto",
+                 max_prompt_chars: int = oa.MAX_PROMPT_CHARS, curve_server_key: str | None = None):
         self.coordinator = coordinator
         self.tokenizer = tokenizer  # the server's: loaded once per process
         self.template = ChatTemplate.from_dir(model_dir)
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.max_tokens = max_tokens
+        self.max_prompt_chars = max_prompt_chars
+        self.curve_server_key = curve_server_key  # the coordinator's, where its socket is encrypted
         self.token = token
         self.metrics = Metrics()
         self.client: AsyncClient | None = None
@@ -64,11 +68,25 @@ class Gateway:
             raise oa.ApiError(401, "missing or wrong bearer token (Authorization: Bearer ...)",
                               code="unauthorized")
 
-    def check_model(self, prepared: oa.Prepared) -> None:
+    def admit(self, prepared: oa.Prepared, request: Request) -> oa.Prepared:
+        """The request for this server's model, named for its end client (whom the coordinator's
+        per-client limits count it for)."""
         if prepared.model and prepared.model != self.model_name:
             raise oa.ApiError(404, f"model {prepared.model!r} does not exist; this server has "
                               f"{self.model_name!r}", param="model", code="model_not_found")
         prepared.model = self.model_name
+        prepared.params["client"] = end_client(request)
+        return prepared
+
+
+def end_client(request: Request) -> str:
+    """Who a request counts for: its API key (a hash: never the key) and its address. A client can
+    open many connections, but not be many addresses; one that fills its share of the server's
+    capacity gets 429s while the others are served."""
+    auth = request.headers.get("authorization", "")
+    key = hashlib.sha256(auth.encode()).hexdigest()[:12] if auth else "-"
+    host = request.client.host if request.client is not None else "unknown"
+    return f"{key}@{host}"
 
 
 async def _read_body(request: Request) -> dict:
@@ -99,7 +117,7 @@ def build_app(gw: Gateway) -> FastAPI:
 
     @app.exception_handler(oa.ApiError)
     async def _api_error(request: Request, exc: oa.ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
@@ -134,17 +152,19 @@ def build_app(gw: Gateway) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         gw.check_auth(request)
-        prep = oa.completion_request(await _read_body(request), gw.tokenizer)
-        gw.check_model(prep)
-        return await _run(gw, request, prep, chat=False)
+        body = await _read_body(request)
+        # Tokenizing (and, for chat, rendering the template) runs on a thread: never on this loop.
+        prep = await anyio.to_thread.run_sync(oa.completion_request, body, gw.tokenizer, 16,
+                                              gw.max_prompt_chars)
+        return await _run(gw, request, gw.admit(prep, request), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         gw.check_auth(request)
-        prep = oa.chat_request(await _read_body(request), gw.tokenizer, gw.template, gw.max_tokens,
-                               gw.reasoning, gw.tool_parser)
-        gw.check_model(prep)
-        return await _run(gw, request, prep, chat=True)
+        body = await _read_body(request)
+        prep = await anyio.to_thread.run_sync(oa.chat_request, body, gw.tokenizer, gw.template, gw.max_tokens,
+                                              gw.reasoning, gw.tool_parser, gw.max_prompt_chars)
+        return await _run(gw, request, gw.admit(prep, request), chat=True)
 
     return app
 
@@ -331,13 +351,19 @@ async def _stream(gw: Gateway, prep: oa.Prepared, chat: bool) -> AsyncIterator[s
 
 
 class HttpServer:
-    """uvicorn on a thread of its own; ``start`` returns once it accepts connections."""
+    """uvicorn on a thread of its own; ``start`` returns once it accepts connections. With
+    ``ssl_certfile`` and ``ssl_keyfile`` (PEM) it serves HTTPS only."""
 
-    def __init__(self, gw: Gateway, host: str, port: int):
+    def __init__(self, gw: Gateway, host: str, port: int, ssl_keyfile: str | None = None,
+                 ssl_certfile: str | None = None):
+        if (ssl_keyfile is None) != (ssl_certfile is None):
+            raise ValueError("TLS needs both --ssl-keyfile and --ssl-certfile")
         self.gw = gw
         self.app = build_app(gw)
+        self.tls = ssl_certfile is not None
         config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=2)
+                                lifespan="off", timeout_graceful_shutdown=2, ssl_keyfile=ssl_keyfile,
+                                ssl_certfile=ssl_certfile)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._run, daemon=True, name="http")
         self.host, self.port = host, port
@@ -346,7 +372,8 @@ class HttpServer:
         asyncio.run(self._serve())
 
     async def _serve(self) -> None:
-        self.gw.client = AsyncClient(self.gw.coordinator, token=self.gw.token)
+        self.gw.client = AsyncClient(self.gw.coordinator, token=self.gw.token,
+                                     curve_server_key=self.gw.curve_server_key)
         try:
             await self.server.serve()
         finally:
@@ -364,7 +391,7 @@ class HttpServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
 
     def stop(self) -> None:
         self.server.should_exit = True

@@ -11,10 +11,18 @@ TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_fo
          503: "service_unavailable"}
 
 
+RETRY_AFTER_S = 1  # a 429's Retry-After: requests in flight here finish in about that time
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.param, self.code = status, param, code
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """A 429 says when to come back (RFC 9110 Retry-After, in seconds)."""
+        return {"Retry-After": str(RETRY_AFTER_S)} if self.status == 429 else {}
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": TYPES.get(self.status, "invalid_request_error"),

@@ -23,6 +23,7 @@ from coordinator.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from coordinator.structured.structured_spec import StructuredError, StructuredSpec
 
 MAX_BODY_BYTES = 4 << 20  # the ZeroMQ front end's frame limit
+MAX_PROMPT_CHARS = 1 << 19  # text a request may ask to tokenize (the server's --max-prompt-chars)
 MAX_JSON_DEPTH = 64  # nesting of a request body: more is refused before anything reads it
 # chat_template_kwargs that would replace what the server renders with.
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt"})
@@ -210,7 +211,14 @@ def _prompt_ids(prompt: Any, tok: TextTokenizer | None) -> list[int]:
                    code="bad_field")
 
 
-def completion_request(body: dict, tok: TextTokenizer | None, default_max: int = 16) -> Prepared:
+def _check_chars(n: int, limit: int) -> None:
+    if n > limit:
+        raise ApiError(413, f"the prompt has {n} characters; the limit is {limit} (--max-prompt-chars)",
+                       param="prompt", code="prompt_too_long")
+
+
+def completion_request(body: dict, tok: TextTokenizer | None, default_max: int = 16,
+                       max_prompt_chars: int = MAX_PROMPT_CHARS) -> Prepared:
     prompt = body.get("prompt")
     batch = [prompt] if isinstance(prompt, str) or (
         isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
@@ -218,6 +226,7 @@ def completion_request(body: dict, tok: TextTokenizer | None, default_max: int =
     if not isinstance(batch, list) or not batch:
         raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list of either",
                        param="prompt", code="bad_field")
+    _check_chars(sum(len(p) for p in batch if isinstance(p, str)), max_prompt_chars)  # before tokenizing
     ids = [_prompt_ids(p, tok) for p in batch]
     n, echo = _choices(body), _get(body, "echo", bool, False)
     if n * len(ids) > MAX_CHOICES:
@@ -278,11 +287,13 @@ def thinking_state(prompt: str, reasoning: bool) -> str:
 
 
 def chat_request(body: dict, tok: TextTokenizer | None, template: ChatTemplate | None,
-                 default_max: int, reasoning: bool = False, tool_parser: bool = False) -> Prepared:
+                 default_max: int, reasoning: bool = False, tool_parser: bool = False,
+                 max_prompt_chars: int = MAX_PROMPT_CHARS) -> Prepared:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages", code="bad_field")
     clean = [_message(m, i) for i, m in enumerate(messages)]
+    _check_chars(sum(len(m["content"]) for m in clean), max_prompt_chars)
     if template is None or tok is None:
         raise ApiError(400, "this model has no chat template (tokenizer_config.json)",
                        code="no_chat_template")
@@ -298,6 +309,7 @@ def chat_request(body: dict, tok: TextTokenizer | None, template: ChatTemplate |
         text = template.render(clean, _get(body, "add_generation_prompt", bool, True), **kwargs)
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), param="messages", code="bad_field") from None
+    _check_chars(len(text), max_prompt_chars)  # the rendered turn (tools and all), before tokenizing
     ids = tok.encode(text)
     n = _choices(body)
     params = _sampling(body, default_max)

@@ -34,9 +34,10 @@ class Admission:
         lim = self.limits
         if requests.find(identity, req.id) is not None:
             raise RequestError("duplicate_id", f"request id {req.id!r} is already in flight", req.id)
-        if requests.in_flight(identity) >= lim.max_requests_per_client:
+        if requests.in_flight(identity, req.client) >= lim.max_requests_per_client:
+            who = "this connection" if req.client is None else "this client"
             raise RequestError("too_many_requests",
-                               f"this connection has {lim.max_requests_per_client} requests in flight "
+                               f"{who} has {lim.max_requests_per_client} requests in flight "
                                "(max_requests_per_client); wait for one to finish")
         if len(requests) >= lim.max_queued_requests:
             raise RequestError("server_busy", f"{len(requests)} requests in flight; retry later")

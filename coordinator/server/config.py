@@ -17,7 +17,9 @@ DEFAULT_MAX_MODEL_LEN = 1024
 class Limits:
     """Bounds on what one request or one client may ask; each refusal has its own code."""
 
-    max_prompt_chars: int = 1 << 16  # text prompts: tokenizing runs on the loop thread
+    # Text a request may ask to tokenize (ZeroMQ text prompts are tokenized on the loop thread; the
+    # gateway checks its prompts, messages and rendered turns before tokenizing, on a thread).
+    max_prompt_chars: int = 1 << 19
     max_prompt_tokens: int | None = None  # None: max_model_len - 1
     max_tokens: int | None = None  # None: max_model_len
     max_requests_per_client: int = 256  # in flight per connection
@@ -40,6 +42,12 @@ class ServerConfig:
     send_buffer_bytes: int = 0  # kernel send buffer per client (0: the OS default, autotuned)
     # Required for any bind beyond loopback; when set, every frame must carry it as "auth".
     auth_token: str | None = None
+    # Required on admin frames (scale, workers) when set; without it a server with an auth token
+    # refuses them, and a loopback server without one takes them from its local clients.
+    admin_token: str | None = None
+    # The ZeroMQ socket's CURVE secret key (z85): clients then need its public key, and every byte
+    # between them is encrypted.
+    curve_secret_key: str | None = None
     limits: Limits = field(default_factory=Limits)
     grammar: GrammarLimits = field(default_factory=GrammarLimits)  # parser limits and compile timeout
 
@@ -60,5 +68,11 @@ class ServerConfig:
             raise ValueError(f"transport must be auto or serial, got {self.transport!r}")
         if self.auth_token is not None and len(self.auth_token) < MIN_TOKEN_CHARS:
             raise ValueError(f"auth token must have at least {MIN_TOKEN_CHARS} characters")
+        if self.admin_token is not None and len(self.admin_token) < MIN_TOKEN_CHARS:
+            raise ValueError(f"admin token must have at least {MIN_TOKEN_CHARS} characters")
+        if self.admin_token is not None and self.admin_token == self.auth_token:
+            raise ValueError("the admin token must differ from the client token")
+        if self.curve_secret_key is not None and len(self.curve_secret_key) != 40:
+            raise ValueError("a CURVE secret key is 40 z85 characters (fusedserve curve-keygen writes one)")
         if self.host not in LOOPBACK and self.auth_token is None:
             raise ValueError(f"binding {self.host} (beyond loopback) requires an auth token")

@@ -62,10 +62,14 @@ class Frontend:
 
     @classmethod
     def bind(cls, ctx: zmq.Context, host: str, port: int, send_hwm: int,
-             send_buffer_bytes: int = 0) -> Frontend:
-        """Bind the ROUTER; ``send_buffer_bytes`` > 0 caps each peer's kernel send buffer."""
+             send_buffer_bytes: int = 0, curve_secret_key: str | None = None) -> Frontend:
+        """Bind the ROUTER; ``send_buffer_bytes`` > 0 caps each peer's kernel send buffer;
+        ``curve_secret_key`` (z85) encrypts every connection with CURVE."""
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        if curve_secret_key is not None:
+            sock.curve_secretkey = curve_secret_key.encode()
+            sock.curve_server = True
         # Oversize frames are refused by libzmq while reading the header: the peer is
         # disconnected and the body is never buffered.
         sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)

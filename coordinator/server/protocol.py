@@ -18,12 +18,14 @@ from typing import Any
 
 import msgpack
 
+from coordinator.client import ADMIN_TYPES
 from coordinator.engine.sequence import Sequence, TokenEvent
 from coordinator.errors import RequestError
 from coordinator.sampling_params import SamplingError, SamplingParams
 from coordinator.structured.structured_spec import StructuredError, StructuredSpec
 
 MAX_FRAME_BYTES = 4 << 20
+MAX_CLIENT_CHARS = 128
 REQUEST_TYPES = ("generate", "abort", "stats", "health", "workers", "scale")
 _SAMPLING_FIELDS = {
     "max_tokens": int, "temperature": (int, float), "top_k": int, "top_p": (int, float),
@@ -39,6 +41,8 @@ class GenerateRequest:
     prompt_ids: list[int] | None
     params: SamplingParams
     stream: bool
+    # The end client a gateway serves this for (its key or address): limits count per end client.
+    client: str | None = None
 
 
 @dataclass
@@ -73,7 +77,10 @@ def check_token(expected: str | None, given: Any) -> bool:
     return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
 
 
-def parse(frame: bytes, token: str | None = None) -> GenerateRequest | ControlRequest:
+def parse(frame: bytes, token: str | None = None,
+          admin_token: str | None = None) -> GenerateRequest | ControlRequest:
+    """``admin_token``: what admin frames must carry as "admin". A server without one refuses them
+    once it has a client token (beyond loopback), and takes them from anyone on loopback without."""
     msg = unpack(frame)
     if not isinstance(msg, dict):
         raise RequestError("bad_frame", f"frame must be a msgpack map, got {type(msg).__name__}")
@@ -87,6 +94,12 @@ def parse(frame: bytes, token: str | None = None) -> GenerateRequest | ControlRe
     kind = msg.get("type")
     if kind not in REQUEST_TYPES:
         raise RequestError("unknown_type", f"unknown request type {kind!r}; one of {REQUEST_TYPES}", rid)
+    if kind in ADMIN_TYPES:
+        if admin_token is None and token is not None:
+            raise RequestError("unauthorized", f"{kind!r} is an admin frame; this server takes none (start "
+                               "it with --admin-token-file)", rid)
+        if not check_token(admin_token, msg.get("admin")):
+            raise RequestError("unauthorized", "missing or wrong admin token (field 'admin')", rid)
     if kind == "generate":
         return _parse_generate(msg, rid)
     if kind == "abort":
@@ -128,6 +141,10 @@ def _parse_generate(msg: dict, rid: Any) -> GenerateRequest:
     stream = msg.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError("bad_field", "field 'stream' must be a boolean", rid)
+    client = msg.get("client")
+    if client is not None and (not isinstance(client, str) or not 0 < len(client) <= MAX_CLIENT_CHARS):
+        raise RequestError("bad_field", f"field 'client' must be a string of 1-{MAX_CLIENT_CHARS} characters",
+                           rid)
     if msg.get("structured") is not None:
         try:
             kwargs["structured"] = StructuredSpec.from_wire(msg["structured"])
@@ -137,7 +154,7 @@ def _parse_generate(msg: dict, rid: Any) -> GenerateRequest:
         params = SamplingParams(**kwargs)
     except SamplingError as exc:
         raise RequestError("bad_param", str(exc), rid) from None
-    return GenerateRequest(rid, prompt, prompt_ids, params, stream)
+    return GenerateRequest(rid, prompt, prompt_ids, params, stream, client)
 
 
 def pack(msg: dict) -> bytes:

@@ -84,12 +84,19 @@ class Server:
         workers = self.engine.parallel.workers
         n = workers if workers > 0 else self.pool.device_slots()
         self.pool.start(n)
-        self.frontend = Frontend.bind(self.ctx, cfg.host, cfg.port, cfg.send_hwm, cfg.send_buffer_bytes)
+        self.frontend = Frontend.bind(self.ctx, cfg.host, cfg.port, cfg.send_hwm, cfg.send_buffer_bytes,
+                                      cfg.curve_secret_key)
         self.address = self.frontend.address
         log.info("coordinator serving on %s with %d %s workers", self.address, n, self.pool.device.kind)
 
     def _new_core(self, arenas: list[HostArena], executor: SocketExecutor) -> EngineCore:
         return EngineCore.for_worker(self.engine, self.config.vocab_size, self.output, arenas, executor)
+
+    @property
+    def curve_public_key(self) -> str | None:
+        """What clients need to reach a CURVE-encrypted front end."""
+        key = self.cfg.curve_secret_key
+        return None if key is None else zmq.curve_public(key.encode()).decode()
 
     @property
     def workers(self) -> list[WorkerHandle]:
@@ -184,7 +191,7 @@ class Server:
 
     def _handle(self, identity: bytes, frame: bytes) -> None:
         try:
-            req = protocol.parse(frame, self.cfg.auth_token)
+            req = protocol.parse(frame, self.cfg.auth_token, self.cfg.admin_token)
         except RequestError as exc:
             if exc.code == "unauthorized":
                 self.faults.unauthorized += 1
@@ -208,7 +215,8 @@ class Server:
         seq = self.admission.sequence(f"r{n}", n, req)
         if not self.pool.active and not self.pool.starting:
             raise RequestError("no_workers", "no worker is running and none is starting")
-        entry = ClientRequest(identity, req.id, req.stream, seq, None, time.perf_counter())
+        entry = ClientRequest(identity, req.id, req.stream, seq, None, time.perf_counter(),
+                              end_client=req.client)
         if req.params.structured is not None:  # routed once its grammar compiled, off this thread
             self.compiles.submit(seq.seq_id, req.params.structured)
         else:
