@@ -3,7 +3,8 @@
 lm-eval's ``local-completions`` scores a multiple-choice task through ``/v1/completions``
 with ``echo`` and ``logprobs`` (the prompt's own logprobs: its loglikelihood requests). Its
 accuracy must equal the one the offline engine's prompt logprobs give on the same questions;
-before ``echo`` was honoured it read generated tokens' logprobs as the prompt's.
+before ``echo`` was honoured it read generated tokens' logprobs as the prompt's, and before the
+model directory named its tokenizer class, lm-eval split digits where the server did not.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ QUESTIONS = [
     ("Strings are", ["immutable", "mutable", "lists", "numbers"], 0),
     ("The value of None is", ["falsy", "truthy", "zero", "empty"], 0),
     ("To import a module, use", ["import", "include", "require", "using"], 0),
+    # Digits: a client whose tokenizer split them differently from the server's would score these
+    # on misaligned tokens (lm-eval counts the context's tokens with its own tokenizer).
+    ("Python 3.11 was released in", ["2022", "1999", "2050", "1066"], 0),
+    ("The first index of a list is", ["0", "1", "-1", "100"], 0),
+    ("In 4096 bytes there are", ["4 KiB", "12 bits", "2 MiB", "7 pages"], 0),
 ]
 
 

@@ -29,7 +29,7 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # tool results as <tool_response> in a user turn, <think> blocks, and enable_thinking.
 CHAT_TEMPLATE = "".join(  # one line per tag in the file; its text's newlines are '\n' escapes
     line.strip() for line in (Path(__file__).with_name("qwen3_chat_template.jinja")).read_text().splitlines())
-FORMAT = 2  # bump when the written files change: a cache of an older format is rewritten
+FORMAT = 3  # bump when the written files change: a cache of an older format is rewritten
 
 #: Shape of the embedded model; ``benchmark`` is large enough to spill the CPU caches.
 PRESETS: dict[str, dict] = {
@@ -123,10 +123,17 @@ def write_checkpoint(out_dir: Path, preset: str = "tiny", seed: int = 0,
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     tok.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None,
-        "pad_token": "<|endoftext|>", "model_max_length": config["max_position_embeddings"],
-    }, indent=2))
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(tokenizer_config(config["max_position_embeddings"]), indent=2))
+
+
+def tokenizer_config(model_max_length: int) -> dict:
+    """The embedded models' tokenizer_config.json. ``tokenizer_class`` makes transformers read
+    tokenizer.json as written: by the model type alone it would build Qwen2's tokenizer, whose own
+    pre-tokenizer splits digits where ours does not, and a client's ids would not be the server's."""
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE,
+            "eos_token": "<|im_end|>", "bos_token": None, "pad_token": "<|endoftext|>",
+            "model_max_length": model_max_length}
 
 
 def default_model_dir(preset: str = "tiny") -> Path:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from coordinator.model_files.default_model import CHAT_TEMPLATE, SPECIAL_TOKENS
+from coordinator.model_files.default_model import SPECIAL_TOKENS, tokenizer_config
 
 log = logging.getLogger(__name__)
 
@@ -157,9 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None,
-        "pad_token": "<|endoftext|>", "model_max_length": 2048}, indent=2))
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(2048), indent=2))
     (out / "heldout.txt").write_text("\n\n".join(held_docs) + "\n")
     (out / "training.json").write_text(json.dumps({
         "corpus": "Python 3.11 documentation sources (Debian python3.11-doc), PSF License Version 2",
