@@ -148,7 +148,7 @@ def _serve(coord: Server, args: argparse.Namespace, token: str | None) -> int:
             gw = Gateway(local, coord.tokenizer, coord.model_dir, args.served_model_name or args.model,
                          coord.max_model_len, coord.admission.max_tokens, token,
                          args.reasoning_parser, args.tool_call_parser, args.max_prompt_chars,
-                         coord.curve_public_key)
+                         coord.curve_public_key, args.chat_template, args.trust_request_chat_template)
             http = HttpServer(gw, args.host, args.http_port, args.ssl_keyfile, args.ssl_certfile)
             http.start()
             print(f"fusedserve: OpenAI API on {http.url} (model {gw.model_name!r})", flush=True)
@@ -316,6 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "none"],
                        help="parse <tool_call> JSON into tool_calls for tool_choice auto (auto: where "
                        "the chat template renders tools that way, as Qwen3's does)")
+        p.add_argument("--chat-template", default=None,
+                       help="the chat template (a file, or its text); default: the model directory's "
+                       "chat_template.jinja, else its tokenizer_config.json's")
+        p.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let a request's own chat_template render its prompt (Jinja, sandboxed); "
+                       "without it such a request gets 400")
         p.add_argument("--served-model-name", default=None,
                        help="the model id of the HTTP API (default: --model as given)")
         p.add_argument("--dtype", default=None,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from shared_memory.slots import MAX_TOP_LOGPROBS, bitmask_words, table_width
+from shared_memory.slots import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, bitmask_words, table_width
 
 
 @dataclass(frozen=True)
@@ -155,4 +155,8 @@ class EngineConfig:
             "V": vocab,
             "G": b,  # rows of token bitmask (structured outputs)
             "VW": bitmask_words(vocab),
+            "PR": b,  # penalty slots reset
+            "PT": t,  # chunk tokens counted for penalties
+            "PB": b,  # penalized rows
+            "LB": b * MAX_LOGIT_BIAS,  # logit-bias entries
         }

@@ -8,7 +8,8 @@ worker's scratch pool and never move. There is one launch shape (``step_table``)
 Dimensions: B rows (sequences), B1 = B + 1, T packed tokens, W block-table width, NL rows
 asking for logprobs, N top logprobs per such row, TL prompt tokens asking for their
 logprob, NP top logprobs per such token, V vocabulary, G rows of token bitmask (B when a row
-of the launch decodes under a grammar, else 0), VW = ceil(V / 32) bitmask words per row.
+of the launch samples under a mask, else 0), VW = ceil(V / 32) bitmask words per row; for
+penalties, PR slots reset, PT tokens counted, PB rows penalized; LB logit-bias entries.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from enum import Enum
 import torch
 
 MAX_TOP_LOGPROBS = 20  # N and NP at most (coordinator.sampling_params refuses more)
+MAX_LOGIT_BIAS = 300  # logit_bias entries of one request (OpenAI's limit): LB is at most B times this
 
 
 def bitmask_words(vocab: int) -> int:
@@ -158,8 +160,21 @@ def step_table() -> SlotTable:
             # Prompt logprobs: the tokens whose next prompt token's logprob is asked, and it.
             Slot("prompt_logprob_index", ("TL",), i64, IN, HS),
             Slot("prompt_logprob_targets", ("TL",), i64, IN, HS),
-            # Structured outputs: bit v of row r allows token v (a row without a grammar: all set).
+            # Structured outputs, allowed_token_ids, bad_words, min_tokens: bit v of row r allows token v
+            # (a row without a mask: all set).
             Slot("token_bitmask", ("G", "VW"), i32, IN, HS),
+            # Penalties (kernels/penalties.py): slots to zero, chunk tokens to count (their index in
+            # token_ids, and slot * 2 + is_output), the penalized rows, their slots and settings.
+            Slot("penalty_reset", ("PR",), i64, IN, HS),
+            Slot("penalty_token_index", ("PT",), i64, IN, HS),
+            Slot("penalty_token_code", ("PT",), i64, IN, HS),
+            Slot("penalty_rows", ("PB",), i64, IN, HS),
+            Slot("penalty_slots", ("PB",), i64, IN, HS),
+            Slot("penalty_params", ("PB", 3), f32, IN, HS),  # presence, frequency, repetition
+            # logit_bias: logits[bias_rows[i], bias_ids[i]] += bias_values[i].
+            Slot("bias_rows", ("LB",), i64, IN, HS),
+            Slot("bias_ids", ("LB",), i64, IN, HS),
+            Slot("bias_values", ("LB",), f32, IN, HS),
             Slot("sampled_ids", ("B",), i32, OUT, HS),
             Slot("sampled_logprobs", ("NL",), f32, OUT, HS),
             Slot("top_logprob_ids", ("NL", "N"), i32, OUT, HS),

@@ -124,10 +124,11 @@ def test_the_stop_automaton_matches_brute_force(data):
     pieces = data.draw(st.lists(st.text(alphabet, max_size=4), min_size=1, max_size=12))
     m, text = StopMatcher(stops), ""
     for piece in pieces:
-        cut = m.feed(piece)
+        found = m.feed(piece)
         want = _first_stop(text + piece, stops)  # none ended in ``text``: checked at earlier pieces
-        if cut is not None or want is not None:
-            assert cut is not None and len(text) + cut == want, (stops, text, piece)
+        if found is not None or want is not None:
+            assert found is not None and len(text) + found[0] == want, (stops, text, piece)
+            assert (text + piece)[len(text) + found[0] : len(text) + found[1]] in stops
             return
         text += piece
         assert m.held == _held(text, stops), (stops, text)

@@ -16,6 +16,7 @@ import torch
 from kernels import sampler
 from kernels.forward_batch import ForwardBatch
 from kernels.model.qwen3 import Qwen3Model
+from kernels.penalties import PenaltyState, apply_logit_bias
 from kernels.sampler import SamplingPlan
 from shared_memory.arena import HostArena
 from shared_memory.contract import LaunchDescriptor, LaunchReply
@@ -53,7 +54,9 @@ class ModelRunner:
         self._feed_mask = torch.zeros(max_batch, dtype=torch.bool, device=dev)
         # Prompt logprobs: their logits, max_batch tokens at a time.
         self._prompt_logits = torch.empty(max_batch, model.config.vocab_size, dtype=torch.float32, device=dev)
-        self._masked: torch.Tensor | None = None  # grammar-masked logits, when logprobs need the raw ones
+        self._masked: torch.Tensor | None = None  # processed logits, when logprobs need the raw ones
+        # Penalties' token counts per slot (at most one slot per running sequence), made on first use.
+        self.penalties = PenaltyState(max_batch, model.config.vocab_size, dev)
         self.graphs: DecodeGraphs | None = None
         # A Qwen3-MoE layer reads its routing back to the host: no device graph can capture it.
         # Tensor-parallel ranks run eagerly too (collectives in a captured graph: not yet checked).
@@ -100,23 +103,36 @@ class ModelRunner:
         logits = self.logits[:b]
         hidden = None
         plan = SamplingPlan.of(desc.sampling)
+        processed = dims["G"] or dims["PB"] or dims["LB"]  # the logits change before sampling
         if self.graphs is not None and batch.decode_only:
-            if not (dims["G"] or dims["NL"] or dims["TL"]):  # one replay: forward and sampler
+            if not (processed or dims["NL"] or dims["TL"]):  # one replay: forward and sampler
                 self.graphs.run(b, plan)
                 return
             self.graphs.run(b, None)
         else:
             hidden = self.model.forward(batch, self.kv, self.ws, logits)
+        if dims["PR"]:  # requests starting their first chunk: fresh counts
+            self.penalties.reset(v["penalty_reset"])
+        if dims["PT"]:
+            self.penalties.count(v["token_ids"].index_select(0, v["penalty_token_index"]),
+                                 v["penalty_token_code"])
         sampled = logits
-        if dims["G"]:  # rows under a grammar: its bitmask, applied here on the device
-            if dims["NL"]:  # logprobs are the model's: mask a copy
-                if self._masked is None:
-                    self._masked = torch.empty_like(self.logits)
-                sampled = self._masked[:b]
-                sampled.copy_(logits)
+        if processed and dims["NL"]:  # logprobs are the model's: process a copy
+            if self._masked is None:
+                self._masked = torch.empty_like(self.logits)
+            sampled = self._masked[:b]
+            sampled.copy_(logits)
+        if dims["LB"]:
+            apply_logit_bias(sampled, v["bias_rows"], v["bias_ids"], v["bias_values"])
+        if dims["G"]:  # masked rows (a grammar, the request's own rules): applied here on the device
             self.model.kernels.ops.apply_token_bitmask(sampled, v["token_bitmask"])
+        if dims["PB"]:
+            self.penalties.apply(sampled, v["penalty_rows"], v["penalty_slots"], v["penalty_params"])
         sampler.sample(sampled, v["sampling_params"], v["sampling_seeds"], v["sampled_ids"], plan,
                        self.candidates)
+        if dims["PB"]:
+            picked = v["sampled_ids"].index_select(0, v["penalty_rows"])
+            self.penalties.count_sampled(v["penalty_slots"], picked)
         if dims["NL"]:
             rows = v["logprob_rows"]
             sampler.token_logprobs(logits.index_select(0, rows), v["sampled_ids"].index_select(0, rows),

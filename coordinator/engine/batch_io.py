@@ -40,8 +40,10 @@ def _put(arena: HostArena, name: str, values: np.ndarray) -> None:
 
 
 def write_batch(arena: HostArena, batch: ScheduledBatch, step: int, bank: int, candidates: int,
-                vocab: int) -> tuple[LaunchDescriptor, OutputPlan]:
-    """``arena`` is bank ``bank`` of the worker's; ``candidates``: the sampler's candidate count."""
+                vocab: int,
+                penalty_slots: dict[int, int] | None = None) -> tuple[LaunchDescriptor, OutputPlan]:
+    """``arena`` is bank ``bank`` of the worker's; ``candidates``: the sampler's candidate count;
+    ``penalty_slots``: each penalized row's slot of the worker's token counts."""
     b, nd = batch.batch_size, batch.num_decode
     dims = {"B": b, "B1": b + 1, "T": batch.num_tokens, "W": batch.block_tables.shape[1], "V": vocab}
     _put(arena, "token_ids", batch.token_ids)
@@ -54,6 +56,8 @@ def write_batch(arena: HostArena, batch: ScheduledBatch, step: int, bank: int, c
     invalid: dict[int, RequestError] = {}
     plan, rows = _write_sampling(arena, batch, dims, candidates, vocab, invalid)
     _write_bitmask(arena, batch, dims, vocab, invalid)
+    _write_penalties(arena, batch, dims, penalty_slots or {})
+    _write_logit_bias(arena, batch, dims)
     spans = _write_prompt_logprobs(arena, batch, dims)
     desc = LaunchDescriptor(dims, step, bank, num_decode=nd, prompt_query_lens=list(batch.query_lens[nd:]),
                             prompt_seq_lens=batch.seq_lens[nd:].tolist(), sampling=plan.stages())
@@ -89,15 +93,28 @@ def _write_sampling(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int
 
 def _write_bitmask(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int], vocab: int,
                    invalid: dict[int, RequestError]) -> None:
-    """Structured outputs: each row's allowed next tokens as bits (B rows when any row samples
-    under a grammar, else none). The matchers write straight into the arena bank."""
+    """Each masked row's allowed next tokens as bits (B rows when any row samples under a mask,
+    else none): its grammar's (the matchers write straight into the arena bank), narrowed by its
+    own rules (allowed_token_ids, bad_words, min_tokens)."""
     words = bitmask_words(vocab)
+    ruled = [i for i, s in enumerate(batch.seqs)
+             if batch.samples[i] and s.rules is not None and s.rules.applies(batch.draw_steps[i])]
     rows = [i for i, s in enumerate(batch.seqs) if s.grammar is not None and batch.samples[i]]
-    dims["G"], dims["VW"] = (batch.batch_size if rows else 0), words
-    if not rows:
+    dims["G"], dims["VW"] = (batch.batch_size if rows or ruled else 0), words
+    if not rows and not ruled:
         return
     mask = arena.view("token_bitmask", (batch.batch_size, words)).numpy()
     mask.fill(-1)
+    _fill_grammars(batch, rows, mask, invalid)
+    for i in ruled:
+        seq = batch.seqs[i]
+        seq.rules.apply(mask[i].view(np.uint32), seq.output_ids, batch.draw_steps[i])
+
+
+def _fill_grammars(batch: ScheduledBatch, rows: list[int], mask: np.ndarray,
+                   invalid: dict[int, RequestError]) -> None:
+    if not rows:
+        return
     try:
         fill_rows([(batch.seqs[i].grammar, i) for i in rows], mask)
     except Exception:  # noqa: BLE001 - row by row, so that a matcher that fails fails its row alone
@@ -108,6 +125,46 @@ def _write_bitmask(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int]
                 mask[i] = -1
                 why = f"the grammar could not give its next tokens: {exc}"
                 invalid[i] = RequestError("grammar_error", why)
+
+
+def _write_penalties(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int],
+                     slots: dict[int, int]) -> None:
+    """Penalized rows: the slots their first chunks reset, every chunk token counted into its slot
+    (an output token where its position is past the prompt: a recomputed request rebuilds its
+    counts), and the rows that sample with their slots and settings."""
+    reset, index, codes, rows, params = [], [], [], [], []
+    starts = batch.query_start_loc
+    for row, slot in slots.items():
+        seq = batch.seqs[row]
+        if row >= batch.num_decode:  # a chunk: count its tokens
+            first = batch.chunk_start(row)
+            if first == 0:
+                reset.append(slot)
+            n, prompt = batch.query_lens[row], len(seq.prompt_ids)
+            index.extend(range(int(starts[row]), int(starts[row]) + n))
+            codes.extend(slot * 2 + (first + k >= prompt) for k in range(n))
+        if batch.samples[row]:
+            p = seq.params
+            rows.append(row)
+            params.append((p.presence_penalty, p.frequency_penalty, p.repetition_penalty))
+    dims["PR"], dims["PT"], dims["PB"] = len(reset), len(index), len(rows)
+    _put(arena, "penalty_reset", np.asarray(reset, dtype=np.int64))
+    _put(arena, "penalty_token_index", np.asarray(index, dtype=np.int64))
+    _put(arena, "penalty_token_code", np.asarray(codes, dtype=np.int64))
+    _put(arena, "penalty_rows", np.asarray(rows, dtype=np.int64))
+    _put(arena, "penalty_slots", np.asarray([slots[r] for r in rows], dtype=np.int64))
+    _put(arena, "penalty_params", np.asarray(params, dtype=np.float32).reshape(len(rows), 3))
+
+
+def _write_logit_bias(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int]) -> None:
+    """Every (row, token, value) of the sampling rows' logit_bias."""
+    entries = [(row, t, v) for row, seq in enumerate(batch.seqs) if batch.samples[row]
+               for t, v in seq.params.logit_bias.items()]
+    dims["LB"] = len(entries)
+    cols = list(zip(*entries)) if entries else [(), (), ()]
+    _put(arena, "bias_rows", np.asarray(cols[0], dtype=np.int64))
+    _put(arena, "bias_ids", np.asarray(cols[1], dtype=np.int64))
+    _put(arena, "bias_values", np.asarray(cols[2], dtype=np.float32))
 
 
 def _write_prompt_logprobs(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int]) -> list[PromptSpan]:

@@ -13,9 +13,12 @@ from coordinator.model_files.tokenizer import TextTokenizer
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: TextTokenizer, stop: list[str]):
+    def __init__(self, tokenizer: TextTokenizer, stop: list[str], include_stop: bool = False):
+        """``include_stop``: the text ends after the stop string that ended it (vLLM's
+        ``include_stop_str_in_output``), not before it."""
         self._stream = tokenizer.stream()
         self._stops = StopMatcher(stop)
+        self._include_stop = include_stop
         self.text = ""  # the output so far, cut before a stop string once one appears
         self.stopped = False  # a stop string appeared
         self._sent = 0  # characters of ``text`` handed out as deltas
@@ -33,10 +36,11 @@ class Detokenizer:
     def _append(self, piece: str) -> None:
         if not piece:
             return
-        cut = self._stops.feed(piece)
-        if cut is None:
+        found = self._stops.feed(piece)
+        if found is None:
             self.text += piece
         else:
+            cut = found[1] if self._include_stop else found[0]
             self.text = (self.text + piece)[: len(self.text) + cut]
             self.stopped = True
 

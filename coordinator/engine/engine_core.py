@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from coordinator.engine.batch_io import OutputPlan, read_outputs, write_batch
 from coordinator.engine.executor import Executor
 from coordinator.engine.output_processor import OutputProcessor
+from coordinator.engine.penalty_slots import PenaltySlots
 from coordinator.engine.scheduled_batch import ScheduledBatch
 from coordinator.engine.scheduler import Scheduler
 from coordinator.engine.sequence import Sequence, TokenEvent
@@ -67,6 +68,7 @@ class EngineCore:
         self.inflight: deque[Inflight] = deque()
         self.async_scheduling = async_scheduling and len(arenas) > 1
         self.stats = StepStats()
+        self.penalties = PenaltySlots(scheduler.max_batch)
 
     @classmethod
     def for_worker(cls, cfg: EngineConfig, vocab_size: int, output: OutputProcessor, arenas: list[HostArena],
@@ -106,7 +108,8 @@ class EngineCore:
         if batch is None:
             return False
         bank = self.scheduler.steps % len(self.arenas)
-        desc, plan = write_batch(self.arenas[bank], batch, self.scheduler.steps, bank, *self._sampling)
+        slots = self.penalties.assign(batch, self.scheduler.running)
+        desc, plan = write_batch(self.arenas[bank], batch, self.scheduler.steps, bank, *self._sampling, slots)
         self.executor.submit(desc)
         self.stats.ahead += bool(self.inflight)
         self.stats.fed_rows += int((batch.feed_rows >= 0).sum())

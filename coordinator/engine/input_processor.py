@@ -11,6 +11,7 @@ from __future__ import annotations
 from coordinator.engine.detokenizer import Detokenizer
 from coordinator.engine.request_limits import RequestLimits
 from coordinator.engine.sequence import Sequence
+from coordinator.engine.token_rules import TokenRules
 from coordinator.errors import RequestError
 from coordinator.model_files.tokenizer import TextTokenizer
 from coordinator.sampling_params import SamplingParams
@@ -21,15 +22,17 @@ from kernels.model.config import Qwen3Config
 
 class InputProcessor:
     def __init__(self, tokenizer: TextTokenizer | None, limits: RequestLimits,
-                 grammars: GrammarCompiler | None):
+                 grammars: GrammarCompiler | None, eos_token_ids: tuple[int, ...] = ()):
         self.tokenizer = tokenizer
         self.limits = limits
         self.grammars = grammars
+        self.eos = eos_token_ids
 
     @classmethod
     def for_model(cls, config: Qwen3Config, tokenizer: TextTokenizer | None, limits: RequestLimits,
                   grammar_limits: GrammarLimits | None = None) -> InputProcessor:
-        return cls(tokenizer, limits, GrammarCompiler.for_model(tokenizer, config, grammar_limits))
+        return cls(tokenizer, limits, GrammarCompiler.for_model(tokenizer, config, grammar_limits),
+                   config.eos_token_ids)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text prompt (ids are taken as given; ``RequestLimits`` checks them)."""
@@ -44,6 +47,21 @@ class InputProcessor:
                                f"character {exc.start}") from None
         return self.tokenizer.encode(prompt)
 
+    def _rules(self, p: SamplingParams) -> TokenRules | None:
+        """The request's allowed_token_ids, bad_words (tokenized as vLLM does: the word alone and
+        after a space) and min_tokens, as mask rules."""
+        bad = []
+        if p.bad_words:
+            if self.tokenizer is None:
+                raise RequestError("no_tokenizer", "bad_words need the model's tokenizer")
+            for word in p.bad_words:
+                for text in (word.lstrip(), " " + word.lstrip()):
+                    ids = self.tokenizer.encode(text)
+                    if ids and ids not in bad:
+                        bad.append(ids)
+        ends = [*p.stop_token_ids, *([] if p.ignore_eos else self.eos)]
+        return TokenRules.build(p.allowed_token_ids, p.min_tokens, ends, bad, self.limits.vocab_size)
+
     def process(self, seq_id: str, arrival: int, prompt: str | list[int], params: SamplingParams,
                 compile_grammar: bool = True) -> Sequence:
         """The request as a sequence, or RequestError naming what it exceeds. ``compile_grammar``
@@ -51,8 +69,9 @@ class InputProcessor:
         before it is queued."""
         ids = self.encode(prompt)
         self.limits.check(ids, params)
-        detok = Detokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
-        seq = Sequence(seq_id, ids, params, arrival=arrival, detok=detok)
+        detok = (Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+                 if self.tokenizer is not None else None)
+        seq = Sequence(seq_id, ids, params, arrival=arrival, detok=detok, rules=self._rules(params))
         if params.structured is not None:
             if self.grammars is None:
                 raise RequestError("no_tokenizer", "structured outputs need the model's tokenizer")

@@ -33,6 +33,10 @@ class RequestLimits:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
                 raise RequestError("token_out_of_range", f"prompt token {i} is {t!r}; token ids must be "
                                    f"integers in [0, {self.vocab_size})")
+        for t in params.token_ids():  # stop ids, logit_bias keys, allowed_token_ids
+            if not 0 <= t < self.vocab_size:
+                raise RequestError("token_out_of_range", f"token id {t} named by the request's settings is "
+                                   f"outside [0, {self.vocab_size})")
         n = len(prompt_ids)
         if n > self.max_prompt_tokens:
             if self.max_prompt_tokens < self.max_model_len - 1:

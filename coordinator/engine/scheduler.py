@@ -94,9 +94,9 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:  # preempted with its newest token still on the device
                 break
-            # Prompt logprobs need every token computed: no cached prefix. One lookup serves both
-            # the sibling check and the allocation.
-            hit = [] if seq.params.prompt_logprobs is not None else self.blocks.cached_prefix(seq.all_ids)
+            # Prompt logprobs and penalties need every token through the device: no cached prefix.
+            # One lookup serves both the sibling check and the allocation.
+            hit = [] if seq.params.full_prefill else self.blocks.cached_prefix(seq.all_ids)
             if self._sibling_computing(seq, len(hit)):  # the same prompt is being computed: share it
                 break
             try:  # room for one generated token too
@@ -162,7 +162,7 @@ class Scheduler:
         (``n`` choices of one prompt, or the same prompt sent twice): ``seq`` waits for them to
         be committed and reads them from the prefix cache, instead of computing them again.
         ``hit_blocks``: how many of its blocks the cache already has."""
-        if not self.blocks.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+        if not self.blocks.enable_prefix_caching or seq.params.full_prefill:
             return False
         ids, bs = seq.all_ids, self.blocks.block_size
         full = (len(ids) - 1) // bs
@@ -196,10 +196,10 @@ class Scheduler:
                 i += 1
             except OutOfBlocks:
                 self._preempt(self.running[-1])
-        # A row under a grammar needs its previous token for its mask: it skips a launch rather
-        # than run one ahead (the other rows stay one launch ahead).
+        # A row whose mask needs its previous token (a grammar, a multi-token bad word) skips a
+        # launch rather than run one ahead (the other rows stay one launch ahead).
         return [s for s in self.running if s.prefilled and not self._length_done(s)
-                and not (s.grammar is not None and s.num_pending)]
+                and not (s.needs_last_token and s.num_pending)]
 
     def _preempt(self, seq: Sequence) -> None:
         self._retire(seq)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from coordinator.engine.detokenizer import Detokenizer
+from coordinator.engine.token_rules import TokenRules
 from coordinator.errors import RequestError
 from coordinator.sampling_params import SamplingParams
 from coordinator.structured.grammar_state import GrammarState
@@ -34,6 +35,12 @@ class Sequence:
     num_pending: int = 0
     feed_row: int = -1  # the row of the launch in flight that samples the pending token
     grammar: GrammarState | None = None  # structured outputs: advanced by each sampled token
+    rules: TokenRules | None = None  # allowed_token_ids, bad_words, min_tokens: its mask's own part
+
+    @property
+    def needs_last_token(self) -> bool:
+        """Its next mask depends on its newest token: it never runs a launch ahead of reading it."""
+        return self.grammar is not None or (self.rules is not None and self.rules.needs_last_token)
 
     @property
     def length(self) -> int:

@@ -81,15 +81,15 @@ class StopMatcher:
     def empty(self) -> bool:
         return self._auto.longest == 0
 
-    def feed(self, piece: str) -> int | None:
-        """Advance over ``piece``; the index in ``piece`` where the first stop string to end
-        starts (negative when it began in earlier text), or None when none ended."""
+    def feed(self, piece: str) -> tuple[int, int] | None:
+        """Advance over ``piece``; where in ``piece`` the first stop string to end starts (negative
+        when it began in earlier text) and ends, or None when none ended."""
         auto, state = self._auto, self._state
         for i, ch in enumerate(piece):
             state = auto.step(state, ch)
             if auto.match[state]:
                 self._state = state
-                return i + 1 - auto.match[state]
+                return i + 1 - auto.match[state], i + 1
         self._state = state
         return None
 

@@ -41,10 +41,12 @@ class Gateway:
     def __init__(self, coordinator: str, tokenizer: TextTokenizer | None, model_dir: str | Path,
                  model_name: str, max_model_len: int, max_tokens: int, token: str | None = None,
                  reasoning_parser: str = "auto", tool_call_parser: str = "auto",
-                 max_prompt_chars: int = oa.MAX_PROMPT_CHARS, curve_server_key: str | None = None):
+                 max_prompt_chars: int = oa.MAX_PROMPT_CHARS, curve_server_key: str | None = None,
+                 chat_template: str | None = None, trust_request_template: bool = False):
         self.coordinator = coordinator
         self.tokenizer = tokenizer  # the server's: loaded once per process
-        self.template = ChatTemplate.from_dir(model_dir)
+        self.template = ChatTemplate.from_dir(model_dir, chat_template)
+        self.trust_request_template = trust_request_template  # a request's own chat_template runs
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.max_tokens = max_tokens
@@ -76,6 +78,8 @@ class Gateway:
                               f"{self.model_name!r}", param="model", code="model_not_found")
         prepared.model = self.model_name
         prepared.params["client"] = end_client(request)
+        if prepared.user is not None:
+            log.info("request for user %r from %s", prepared.user, prepared.params["client"])
         return prepared
 
 
@@ -163,7 +167,8 @@ def build_app(gw: Gateway) -> FastAPI:
         gw.check_auth(request)
         body = await _read_body(request)
         prep = await anyio.to_thread.run_sync(oa.chat_request, body, gw.tokenizer, gw.template, gw.max_tokens,
-                                              gw.reasoning, gw.tool_parser, gw.max_prompt_chars)
+                                              gw.reasoning, gw.tool_parser, gw.max_prompt_chars,
+                                              gw.trust_request_template)
         return await _run(gw, request, gw.admit(prep, request), chat=True)
 
     return app
@@ -224,7 +229,8 @@ def _final(gw: Gateway, prep: oa.Prepared, dones: list[dict], chat: bool) -> dic
                 if prep.echo:
                     choice["logprobs"] = oa.echo_logprobs(gw.tokenizer, done, choice["logprobs"])
         choices.append(choice)
-    return {"id": oa.new_id("chatcmpl" if chat else "cmpl"), "created": prep.created, "model": prep.model,
+    return {"id": prep.request_id or oa.new_id("chatcmpl" if chat else "cmpl"), "created": prep.created,
+            "model": prep.model,
             "object": "chat.completion" if chat else "text_completion", "choices": choices,
             "usage": oa.usage(dones, prep.n, prep.echo_only)}
 
@@ -266,7 +272,7 @@ async def _stream(gw: Gateway, prep: oa.Prepared, chat: bool) -> AsyncIterator[s
     disconnects cancels this and the requests are aborted."""
     rids = [gw.client.new_id() for _ in range(prep.choices)]
     finished: set[int] = set()
-    cid = oa.new_id("chatcmpl" if chat else "cmpl")
+    cid = prep.request_id or oa.new_id("chatcmpl" if chat else "cmpl")
     head = {"id": cid, "created": prep.created, "model": prep.model,
             "object": "chat.completion.chunk" if chat else "text_completion"}
     frames = _merged(gw, prep, rids)

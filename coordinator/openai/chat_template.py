@@ -51,18 +51,29 @@ class ChatTemplate:
         self.special = special
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ChatTemplate | None:
+    def from_dir(cls, model_dir: str | Path, override: str | None = None) -> ChatTemplate | None:
+        """The model's template, from the first of: ``override`` (``--chat-template``: a file, or
+        the template's text), the directory's ``chat_template.jinja`` (how transformers saves it
+        now), its ``tokenizer_config.json``'s ``chat_template``. None if there is none."""
         path = Path(model_dir) / "tokenizer_config.json"
-        if not path.is_file():
-            return None
-        cfg = json.loads(path.read_text())
-        source = cfg.get("chat_template")
-        if isinstance(source, list):  # several named templates: the default one
-            source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+        cfg = json.loads(path.read_text()) if path.is_file() else {}
+        special = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        jinja = Path(model_dir) / "chat_template.jinja"
+        if override is not None:
+            source = Path(override).read_text() if Path(override).is_file() else override
+        elif jinja.is_file():
+            source = jinja.read_text()
+        else:
+            source = cfg.get("chat_template")
+            if isinstance(source, list):  # several named templates: the default one
+                source = next((t.get("template") for t in source if t.get("name") == "default"), None)
         if not isinstance(source, str):
             return None
-        special = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
         return cls(source, special)
+
+    def replaced(self, source: str) -> ChatTemplate:
+        """Another template with this model's special tokens (a trusted request's own)."""
+        return ChatTemplate(source, self.special)
 
     @property
     def eos_token(self) -> str | None:

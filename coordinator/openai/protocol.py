@@ -131,6 +131,8 @@ class Prepared:
         """Choice ``i``'s prompt: its ids and (echo) its text."""
         k = i // self.n
         return (self.prompt_ids, self.prompt_text) if k == 0 else self.more_prompts[k - 1]
+    request_id: str | None = None  # vLLM's request_id: the response's id
+    user: str | None = None  # OpenAI's end-user id: logged with the request
     reasoning: bool = False  # chat: split <think> blocks into reasoning_content
     thinking_opened: bool = False  # the prompt opened a think block: the output starts in it
     tools: ToolPlan = field(default_factory=lambda: ToolPlan("none"))
@@ -169,7 +171,33 @@ def _constrain(params: dict, body: dict, thinking: str = "none",
             raise ApiError(400, str(exc), code="bad_structured_output") from None
 
 
+# Documented request fields (OpenAI's, and vLLM's extra ones) this server does not do, with the
+# values that ask nothing of it: anything else is refused (400 "unsupported"), never ignored.
+UNSUPPORTED: dict[str, tuple] = {
+    "suffix": (None, ""), "audio": (None,), "prediction": (None,), "web_search_options": (None,),
+    "functions": (None,), "function_call": (None,), "reasoning_effort": (None,), "documents": (None,),
+    "logits_processors": (None,), "cache_salt": (None,), "kv_transfer_params": (None,),
+    "vllm_xargs": (None,), "mm_processor_kwargs": (None,), "prompt_logprobs": (None,),
+    "modalities": (None, ["text"]), "parallel_tool_calls": (None, True), "store": (None, False),
+    "metadata": (None, {}), "service_tier": (None, "auto", "default"), "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0), "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True), "continue_final_message": (None, False),
+    "add_special_tokens": (None, False), "priority": (None, 0), "return_tokens_as_token_ids": (None, False),
+}
+# vLLM's extra sampling fields passed to the coordinator as they are (SamplingParams checks them).
+PASSED = {"presence_penalty": float, "frequency_penalty": float, "repetition_penalty": float,
+          "min_tokens": int, "logit_bias": dict, "bad_words": list, "allowed_token_ids": list,
+          "stop_token_ids": list, "include_stop_str_in_output": bool}
+
+
+def refuse_unsupported(body: dict, also: dict[str, tuple] | None = None) -> None:
+    for key, fine in {**UNSUPPORTED, **(also or {})}.items():
+        if key in body and body[key] not in fine:
+            raise ApiError(400, f"'{key}' is not supported by this server", param=key, code="unsupported")
+
+
 def _sampling(body: dict, default_max: int) -> dict:
+    refuse_unsupported(body)
     max_tokens = _get(body, "max_completion_tokens", int) or _get(body, "max_tokens", int, default_max)
     top_k = _get(body, "top_k", int, 0)
     params = {"max_tokens": max_tokens, "temperature": _get(body, "temperature", float, 1.0),
@@ -188,7 +216,26 @@ def _sampling(body: dict, default_max: int) -> dict:
             raise ApiError(400, f"'stop' may hold at most {MAX_STOP_STRINGS} strings of at most "
                            f"{MAX_STOP_CHARS} characters", param="stop", code="bad_param")
         params["stop"] = [s for s in stops if s]
+    for key, kind in PASSED.items():
+        value = _get(body, key, kind)
+        if value is not None:
+            params[key] = value
     return params
+
+
+def _truncate(ids: list[int], body: dict) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the prompt's last k tokens."""
+    k = _get(body, "truncate_prompt_tokens", int)
+    if k is None:
+        return ids
+    if k < 1:
+        raise ApiError(400, "truncate_prompt_tokens must be >= 1", param="truncate_prompt_tokens",
+                       code="bad_field")
+    return ids[-k:]
+
+
+def _identity(body: dict) -> dict:
+    return {"request_id": _get(body, "request_id", str), "user": _get(body, "user", str)}
 
 
 def _stream_opts(body: dict) -> tuple[bool, bool]:
@@ -227,7 +274,7 @@ def completion_request(body: dict, tok: TextTokenizer | None, default_max: int =
         raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list of either",
                        param="prompt", code="bad_field")
     _check_chars(sum(len(p) for p in batch if isinstance(p, str)), max_prompt_chars)  # before tokenizing
-    ids = [_prompt_ids(p, tok) for p in batch]
+    ids = [_truncate(_prompt_ids(p, tok), body) for p in batch]
     n, echo = _choices(body), _get(body, "echo", bool, False)
     if n * len(ids) > MAX_CHOICES:
         raise ApiError(400, f"{len(ids)} prompts x n={n} exceeds {MAX_CHOICES} choices", param="prompt",
@@ -244,7 +291,8 @@ def completion_request(body: dict, tok: TextTokenizer | None, default_max: int =
     texts = [p if isinstance(p, str) else (tok.decode(i) if tok is not None and echo else "")
              for p, i in zip(batch, ids)]
     return Prepared(_get(body, "model", str, ""), ids[0], params, stream, usage, logprobs, n=n, echo=echo,
-                    echo_only=echo_only, prompt_text=texts[0], more_prompts=list(zip(ids[1:], texts[1:])))
+                    echo_only=echo_only, prompt_text=texts[0], more_prompts=list(zip(ids[1:], texts[1:])),
+                    **_identity(body))
 
 
 def _message_text(content: Any, i: int) -> str:
@@ -288,7 +336,18 @@ def thinking_state(prompt: str, reasoning: bool) -> str:
 
 def chat_request(body: dict, tok: TextTokenizer | None, template: ChatTemplate | None,
                  default_max: int, reasoning: bool = False, tool_parser: bool = False,
-                 max_prompt_chars: int = MAX_PROMPT_CHARS) -> Prepared:
+                 max_prompt_chars: int = MAX_PROMPT_CHARS, trust_request_template: bool = False) -> Prepared:
+    refuse_unsupported(body, {"echo": (None, False)})
+    own = _get(body, "chat_template", str)
+    if own is not None:
+        if not trust_request_template:
+            raise ApiError(400, "a request's own chat_template runs only on a server started with "
+                           "--trust-request-chat-template", param="chat_template", code="unsupported")
+        try:
+            template = (template or ChatTemplate(own, {})).replaced(own)
+        except Exception as exc:  # noqa: BLE001 - Jinja's syntax errors have many types
+            raise ApiError(400, f"chat_template does not parse: {exc}", param="chat_template",
+                           code="bad_field") from None
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages", code="bad_field")
@@ -310,21 +369,21 @@ def chat_request(body: dict, tok: TextTokenizer | None, template: ChatTemplate |
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), param="messages", code="bad_field") from None
     _check_chars(len(text), max_prompt_chars)  # the rendered turn (tools and all), before tokenizing
-    ids = tok.encode(text)
+    ids = _truncate(tok.encode(text), body)
     n = _choices(body)
     params = _sampling(body, default_max)
     thinking = thinking_state(text, reasoning)
     _constrain(params, body, thinking, ("grammar", tools.grammar) if tools.forced else None)
     eos = tok.token_id(template.eos_token) if template.eos_token else None
     if eos is not None and not params["ignore_eos"]:
-        params["stop_token_ids"] = [eos]
+        params["stop_token_ids"] = [*params.get("stop_token_ids", []), eos]
     logprobs = None
     if _get(body, "logprobs", bool, False):
         logprobs = _get(body, "top_logprobs", int, 0)
         params["logprobs"], params["top_logprobs"] = True, logprobs
     stream, usage = _stream_opts(body)
     return Prepared(_get(body, "model", str, ""), ids, params, stream, usage, logprobs, n=n,
-                    reasoning=reasoning, thinking_opened=thinking == "open", tools=tools)
+                    reasoning=reasoning, thinking_opened=thinking == "open", tools=tools, **_identity(body))
 
 
 # --------------------------------------------------------------------- responses

@@ -31,6 +31,9 @@ _SAMPLING_FIELDS = {
     "max_tokens": int, "temperature": (int, float), "top_k": int, "top_p": (int, float),
     "seed": int, "stop_token_ids": list, "stop": list, "ignore_eos": bool, "logprobs": bool,
     "top_logprobs": int, "min_p": (int, float), "prompt_logprobs": int,
+    "presence_penalty": (int, float), "frequency_penalty": (int, float), "repetition_penalty": (int, float),
+    "logit_bias": dict, "bad_words": list, "allowed_token_ids": list, "min_tokens": int,
+    "include_stop_str_in_output": bool,
 }
 
 

@@ -1,0 +1,28 @@
+"""Which row of its worker's device-side token counts (``kernels/penalties.py``) each penalized
+request holds: given when it first runs, taken back once it no longer runs. A request that comes
+back (preempted, or moved from a lost worker) recomputes from its first chunk, which resets and
+rebuilds its counts, so a slot never has to outlive a stay in the running batch."""
+
+from __future__ import annotations
+
+from coordinator.engine.scheduled_batch import ScheduledBatch
+from coordinator.engine.sequence import Sequence
+
+
+class PenaltySlots:
+    def __init__(self, slots: int):
+        self._free = list(range(slots - 1, -1, -1))
+        self._held: dict[str, int] = {}
+
+    def assign(self, batch: ScheduledBatch, running: list[Sequence]) -> dict[int, int]:
+        """Row -> slot for the batch's penalized rows (at most one slot per running request)."""
+        live = {s.seq_id for s in running}
+        for seq_id in [k for k in self._held if k not in live]:
+            self._free.append(self._held.pop(seq_id))
+        rows = {}
+        for row, seq in enumerate(batch.seqs):
+            if seq.params.penalized:
+                if seq.seq_id not in self._held:
+                    self._held[seq.seq_id] = self._free.pop()
+                rows[row] = self._held[seq.seq_id]
+        return rows
