@@ -141,7 +141,7 @@ def test_zeromq_structured_values_json_cannot_hold_are_refused(http):
 def test_nothing_reached_the_generic_handler_and_the_server_is_whole(http):
     coord, gw, client = http
     assert gw.metrics.internal_errors._value.get() == 0
-    assert "fusedserve_http_internal_errors_total 0.0" in client.get("/metrics").text
+    assert 'fusedserve:http_internal_errors_total{model_name="default"} 0.0' in client.get("/metrics").text
     assert coord.alive()
     with Client(coord.address) as c:
         assert len(c.generate("still serving", max_tokens=4, ignore_eos=True)["token_ids"]) == 4

@@ -231,8 +231,11 @@ def _metrics(server) -> dict[tuple[str, tuple], float]:
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
+ABORTED = ("fusedserve:request_success_total", (("finished_reason", "abort"), ("model_name", "default")))
+
+
 def test_client_dropping_mid_stream_aborts_and_frees_blocks(server):
-    before = _metrics(server).get(("fusedserve_requests_total", (("finish_reason", "abort"),)), 0)
+    before = _metrics(server).get(ABORTED, 0)
     body = {"prompt": "a long story", "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.http}/v1/completions", json=body, headers=_auth(), timeout=60) as r:
         lines = r.iter_lines()
@@ -241,8 +244,7 @@ def test_client_dropping_mid_stream_aborts_and_frees_blocks(server):
     with Client(server.address, token=TOKEN) as c:
         stats = settled(c)
     assert all(w["kv_blocks_used"] == 0 for w in stats["workers"])
-    key = ("fusedserve_requests_total", (("finish_reason", "abort"),))
-    wait_for(lambda: _metrics(server).get(key, 0) >= before + 1, 10, "the abort to be counted")
+    wait_for(lambda: _metrics(server).get(ABORTED, 0) >= before + 1, 10, "the abort to be counted")
 
 
 def test_metrics_count_what_was_served(server, oai):
@@ -255,18 +257,24 @@ def test_metrics_count_what_was_served(server, oai):
                                extra_body={"ignore_eos": True})
     m1 = _metrics(server)
 
-    def delta(name: str, labels: tuple = ()) -> float:
-        return m1.get((name, labels), 0) - m0.get((name, labels), 0)
+    model = (("model_name", "default"),)
 
-    assert delta("fusedserve_requests_total", (("finish_reason", "length"),)) == n
-    assert delta("fusedserve_generation_tokens_total") == n * tokens
-    assert delta("fusedserve_time_to_first_token_seconds_count") == n
-    assert m1[("fusedserve_workers", ())] == 1 and m1[("fusedserve_kv_blocks_used", ())] == 0
-    assert m1[("fusedserve_kv_blocks_free", ())] == RC["num_blocks"]
-    d2h = m1[("fusedserve_d2h_bytes_total", (("worker", "w0"),))] - m0[("fusedserve_d2h_bytes_total",
-                                                                         (("worker", "w0"),))]
-    assert d2h == n * tokens * 4, "greedy: 4 bytes (the id) come back per generated token"
-    assert ("fusedserve_faults_total", (("kind", "request_errors"),)) in m1
+    def delta(name: str, labels: tuple = ()) -> float:
+        key = (name, tuple(sorted(labels + model)))
+        return m1.get(key, 0) - m0.get(key, 0)
+
+    assert delta("fusedserve:request_success_total", (("finished_reason", "length"),)) == n
+    assert delta("fusedserve:generation_tokens_total") == n * tokens
+    assert delta("fusedserve:prompt_tokens_total") > 0
+    assert delta("fusedserve:time_to_first_token_seconds_count") == n
+    assert m1[("fusedserve:workers", model)] == 1 and m1[("fusedserve:kv_blocks_used", model)] == 0
+    assert m1[("fusedserve:kv_blocks_free", model)] == RC["num_blocks"]
+    assert m1[("fusedserve:num_requests_running", model)] == 0
+    assert m1[("fusedserve:kv_cache_usage_perc", model)] == 0
+    assert delta("fusedserve:prefix_cache_queries_total") > 0
+    assert delta("fusedserve:d2h_bytes_total", (("worker", "w0"),)) == n * tokens * 4, \
+        "greedy: 4 bytes (the id) come back per generated token"
+    assert ("fusedserve:faults_total", (("kind", "request_errors"), *model)) in m1
 
 
 def test_bench_serve_loads_the_api_and_reports(server, tmp_path, capsys):
@@ -287,7 +295,7 @@ def test_bench_serve_loads_the_api_and_reports(server, tmp_path, capsys):
 
 
 def test_a_non_streaming_client_that_leaves_has_its_request_aborted(server):
-    key = ("fusedserve_requests_total", (("finish_reason", "abort"),))
+    key = ("fusedserve:request_success_total", (("finished_reason", "abort"), ("model_name", "default")))
     before = _metrics(server).get(key, 0)
     body = json.dumps({"prompt": "a long story", "max_tokens": 900, "temperature": 0,
                        "ignore_eos": True}).encode()

@@ -185,3 +185,37 @@ def test_a_trusted_server_renders_a_request_s_own_chat_template(ray_session):
                 assert r.json()["usage"]["prompt_tokens"] == want
         finally:
             server.stop()
+
+
+def test_tokenize_detokenize_and_version(http):
+    client, tok = http
+    text = "The year 4096 and 東京 🙂"
+    r = client.post("/tokenize", json={"prompt": text}).json()
+    assert r["tokens"] == tok.encode(text) and r["count"] == len(r["tokens"]) and r["max_model_len"] == 512
+    assert client.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": text}
+    chat = client.post("/tokenize", json={"messages": CHAT["messages"]}).json()
+    assert chat["count"] == _post(client, True, {**CHAT, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
+    assert client.post("/detokenize", json={"tokens": [10**7]}).status_code == 400
+    assert client.post("/tokenize", json={"prompt": 5}).status_code == 400
+    assert client.get("/version").json()["version"]
+    assert client.get("/v1/models").json()["data"][0]["max_model_len"] == 512
+
+
+def test_the_grafana_dashboard_names_only_exported_metrics(http):
+    """Every expression of deploy/grafana_dashboard.json names series /metrics exports (a histogram
+    by its _bucket, a counter by its _total), after some traffic."""
+    import re
+    from pathlib import Path
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client, _ = http
+    assert _post(client, False, BASE).status_code == 200
+    text = client.get("/metrics").text
+    exported = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+    path = Path(__file__).resolve().parents[1] / "deploy" / "grafana_dashboard.json"
+    dashboard = json.loads(path.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs.append(dashboard["templating"]["list"][0]["query"])
+    names = {n for e in exprs for n in re.findall(r"fusedserve:[A-Za-z0-9_:]+", e)}
+    assert len(names) >= 14 and names <= exported, names - exported

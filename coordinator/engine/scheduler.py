@@ -40,6 +40,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.steps = 0
+        self.preemptions = 0  # requests preempted to free blocks (stats)
 
     @classmethod
     def for_worker(cls, cfg: EngineConfig) -> Scheduler:
@@ -205,6 +206,7 @@ class Scheduler:
         self._retire(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
+        self.preemptions += 1
         self.waiting.appendleft(seq)
 
     def _retire(self, seq: Sequence) -> None:

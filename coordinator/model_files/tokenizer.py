@@ -108,6 +108,11 @@ class TextTokenizer:
                 table.append(piece.encode())
         return table
 
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer has (added tokens included; a model's vocabulary may be larger)."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
     def to_json(self) -> str:
         """The tokenizer as ``tokenizer.json`` text (what a grammar library builds its own from)."""
         return self._tok.to_str()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import importlib.metadata
 import json
 import logging
 import threading
@@ -35,6 +36,16 @@ from coordinator.openai.metrics import Metrics
 log = logging.getLogger(__name__)
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("fusedserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that is not installed
+        return "0+unknown"
+
+
+VERSION = _version()
+
+
 class Gateway:
     """What the HTTP handlers share: the coordinator client, tokenizer, template, metrics."""
 
@@ -53,7 +64,7 @@ class Gateway:
         self.max_prompt_chars = max_prompt_chars
         self.curve_server_key = curve_server_key  # the coordinator's, where its socket is encrypted
         self.token = token
-        self.metrics = Metrics()
+        self.metrics = Metrics(model_name)
         self.client: AsyncClient | None = None
         # Qwen3's <think> split and Hermes tool calls: on where the chat template speaks them.
         source = self.template.source if self.template is not None else ""
@@ -146,6 +157,45 @@ def build_app(gw: Gateway) -> FastAPI:
         except (TimeoutError, ServerError):
             stats = None
         return Response(gw.metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": VERSION}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        """vLLM's: a prompt, or chat messages rendered as the chat endpoint renders them."""
+        gw.check_auth(request)
+        body = await _read_body(request)
+        if gw.tokenizer is None:
+            raise oa.ApiError(400, "this model has no tokenizer", code="no_tokenizer")
+        if "messages" in body:
+            prep = await anyio.to_thread.run_sync(oa.chat_request, {**body, "max_tokens": 1}, gw.tokenizer,
+                                                  gw.template, gw.max_tokens, gw.reasoning, gw.tool_parser,
+                                                  gw.max_prompt_chars, gw.trust_request_template)
+            ids = prep.prompt_ids
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise oa.ApiError(400, "'prompt' must be a string (or give 'messages')", param="prompt",
+                                  code="bad_field")
+            if len(prompt) > gw.max_prompt_chars:
+                raise oa.ApiError(413, f"the prompt has {len(prompt)} characters; the limit is "
+                                  f"{gw.max_prompt_chars}", param="prompt", code="prompt_too_long")
+            ids = await anyio.to_thread.run_sync(gw.tokenizer.encode, prompt)
+        return {"count": len(ids), "max_model_len": gw.max_model_len, "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        gw.check_auth(request)
+        body = await _read_body(request)
+        tokens = body.get("tokens")
+        vocab = gw.tokenizer.vocab_size if gw.tokenizer is not None else 0
+        if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens):
+            raise oa.ApiError(400, f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens",
+                              code="bad_field")
+        return {"prompt": await anyio.to_thread.run_sync(gw.tokenizer.decode, tokens)}
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:

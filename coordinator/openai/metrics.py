@@ -1,9 +1,13 @@
 """Prometheus metrics of the HTTP gateway, in the text format ``GET /metrics`` serves.
 
-Request-level series (finish reasons, tokens, TTFT, inter-token latency, end-to-end
-latency) are observed by the gateway as requests finish; server-level series (queue,
-running, KV blocks, host<->device bytes, workers, faults) come from the coordinator's
-``stats`` reply, read at each scrape, so they are exact at the time of the scrape.
+vLLM's metric set under the ``fusedserve:`` prefix, each with a ``model_name`` label, so vLLM's
+dashboards and alerts work with the prefix changed (``deploy/grafana_dashboard.json`` is one):
+request-level series (finish reasons, prompt and generation tokens, TTFT, inter-token and
+end-to-end latency) are observed by the gateway as requests finish; server-level series (running
+and waiting requests, KV cache usage, prefix-cache queries and hits, preemptions) come from the
+coordinator's ``stats`` reply, read at each scrape, so they are exact at the time of the scrape.
+fusedserve's own series (workers, KV blocks, host<->device bytes, faults, the gateway's internal
+errors) carry the same prefix and label.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+PREFIX = "fusedserve:"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
                    20.0, 40.0, 80.0)
 FAULTS = ("reruns", "client_gone", "slow_client", "unauthorized", "request_errors")
@@ -21,63 +26,81 @@ FAULTS = ("reruns", "client_gone", "slow_client", "unauthorized", "request_error
 class _StatsCollector:
     """Series built from the latest coordinator ``stats`` snapshot."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
         self.snapshot: dict | None = None
 
     def collect(self) -> Iterator[Metric]:
-        s = self.snapshot
+        s, model = self.snapshot, [self.model_name]
         if s is None:
             return
         workers = s["workers"]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            return GaugeMetricFamily(f"fusedserve_{name}", doc, value=value)
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g.add_metric(model, value)
+            return g
 
-        yield gauge("queue_length", "Requests waiting for a worker's batch", s["queue_length"])
-        yield gauge("running", "Requests in a worker's running batch", s["running"])
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c.add_metric(model, value)
+            return c
+
+        used, free = (sum(w[f"kv_blocks_{k}"] for w in workers) for k in ("used", "free"))
+        yield gauge("num_requests_running", "Requests in a worker's running batch", s["running"])
+        yield gauge("num_requests_waiting", "Requests waiting for a worker's batch", s["queue_length"])
+        yield gauge("kv_cache_usage_perc", "KV cache usage, 1 is full (cached blocks count as free)",
+                    used / (used + free) if used + free else 0.0)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                      sum(w["prefix_cache"]["query_tokens"] for w in workers))
+        yield counter("prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache",
+                      sum(w["prefix_cache"]["hit_tokens"] for w in workers))
+        yield counter("num_preemptions", "Requests preempted to free KV blocks (recomputed later)",
+                      sum(w.get("preemptions", 0) for w in workers))
         yield gauge("workers", "Workers up (draining ones included)", len(workers))
-        for kind in ("used", "free"):
-            yield gauge(f"kv_blocks_{kind}", f"KV cache blocks {kind}, all workers",
-                        sum(w[f"kv_blocks_{kind}"] for w in workers))
+        yield gauge("kv_blocks_used", "KV cache blocks in use, all workers", used)
+        yield gauge("kv_blocks_free", "KV cache blocks free (cached ones included), all workers", free)
         for way in ("h2d", "d2h"):
-            c = CounterMetricFamily(f"fusedserve_{way}_bytes", f"Bytes copied {way} by the workers' launches",
-                                    labels=["worker"])
+            c = CounterMetricFamily(f"{PREFIX}{way}_bytes", f"Bytes copied {way} by the workers' launches",
+                                    labels=["model_name", "worker"])
             for w in workers:
-                c.add_metric([w["id"]], w[f"{way}_bytes"])
+                c.add_metric([self.model_name, w["id"]], w[f"{way}_bytes"])
             yield c
-        faults = CounterMetricFamily("fusedserve_faults", "Faults the coordinator handled, by kind",
-                                     labels=["kind"])
+        faults = CounterMetricFamily(PREFIX + "faults", "Faults the coordinator handled, by kind",
+                                     labels=["model_name", "kind"])
         for kind in FAULTS:
-            faults.add_metric([kind], s["faults"].get(kind, 0))
-        faults.add_metric(["worker_failure"], len(s["faults"].get("worker_failures", [])))
+            faults.add_metric([self.model_name, kind], s["faults"].get(kind, 0))
+        faults.add_metric([self.model_name, "worker_failure"], len(s["faults"].get("worker_failures", [])))
         yield faults
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "default") -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("fusedserve_requests", "Finished requests by finish reason",
-                                ["finish_reason"], registry=r)
-        self.prompt_tokens = Counter("fusedserve_prompt_tokens", "Prompt tokens of finished requests",
-                                     registry=r)
-        self.generation_tokens = Counter("fusedserve_generation_tokens", "Tokens generated", registry=r)
-        self.ttft = Histogram("fusedserve_time_to_first_token_seconds", "Time to first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("fusedserve_inter_token_latency_seconds", "Gap between streamed tokens",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("fusedserve_e2e_request_latency_seconds", "Arrival to last token",
-                             buckets=LATENCY_BUCKETS, registry=r)
+        r, label = self.registry, ["model_name"]
+        self.requests = Counter(PREFIX + "request_success", "Finished requests by finish reason",
+                                ["model_name", "finished_reason"], registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests", label,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated", label,
+                                         registry=r).labels(model_name)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token", label,
+                              buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Gap between streamed tokens", label,
+                             buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token", label,
+                             buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
         # Requests that reached the generic handler: a 500 from a bug, never from a client's input
         # (every bad input has its own 4xx). The fuzz tests require it to stay 0.
-        self.internal_errors = Counter("fusedserve_http_internal_errors", "Requests answered by the "
-                                       "gateway's generic 500 handler", registry=r)
-        self._stats = _StatsCollector()
+        self.internal_errors = Counter(PREFIX + "http_internal_errors", "Requests answered by the gateway's "
+                                       "generic 500 handler", label, registry=r).labels(model_name)
+        self._stats = _StatsCollector(model_name)
         r.register(self._stats)
 
     def finished(self, done: dict) -> None:
         """Count a request that ended with a ``done`` frame (any finish reason)."""
-        self.requests.labels(done.get("finish_reason") or "abort").inc()
+        self.failed(done.get("finish_reason") or "abort")
         self.prompt_tokens.inc(done["usage"]["prompt_tokens"])
         self.generation_tokens.inc(done["usage"]["completion_tokens"])
         t = done.get("timings") or {}
@@ -87,7 +110,7 @@ class Metrics:
             self.e2e.observe(t["total_s"])
 
     def failed(self, reason: str = "error") -> None:
-        self.requests.labels(reason).inc()
+        self.requests.labels(self.model_name, reason).inc()
 
     def render(self, stats: dict | None) -> bytes:
         self._stats.snapshot = stats
