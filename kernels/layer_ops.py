@@ -12,6 +12,7 @@ dtype as it rounds.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -86,14 +87,50 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tmp: torch.Ten
 
 
 def rope_tables(
-    head_dim: int, theta: float, max_positions: int, dtype: torch.dtype
+    head_dim: int, theta: float, max_positions: int, dtype: torch.dtype, yarn: dict | None = None,
+    original_positions: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_positions, head_dim], computed in float32 like transformers."""
+    """cos/sin tables [max_positions, head_dim], computed in float32 like transformers; with
+    ``yarn`` (its rope parameters) the frequencies and scale of YaRN, as transformers computes
+    them (``original_positions``: the window the model was trained on, when the config omits it)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    scale = 1.0
+    if yarn is not None:
+        inv_freq, scale = _yarn(head_dim, theta, yarn, original_positions)
     pos = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(pos, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def _yarn(dim: int, base: float, p: dict, original_positions: int) -> tuple[torch.Tensor, float]:
+    """YaRN's inverse frequencies (interpolated below the correction range, extrapolated above it,
+    a linear ramp between) and its attention scale, transformers' ``_compute_yarn_parameters``."""
+    factor = float(p["factor"])
+    original = p.get("original_max_position_embeddings") or original_positions
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = p.get("attention_factor")
+    if attention is None:
+        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(p.get("beta_fast") or 32), correction_dim(p.get("beta_slow") or 1)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolate = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    return inv_freq, float(attention)
 
 
 class LayerOps(Protocol):

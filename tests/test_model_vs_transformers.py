@@ -91,3 +91,31 @@ def test_prompt_logprobs_equal_transformers_log_softmax(hf_checkpoints, budget):
     want = [None] + [float(ref[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
     assert out.prompt_logprobs[0] is None
     assert out.prompt_logprobs[1:] == pytest.approx(want[1:], abs=2e-4)
+
+
+def test_yarn_rope_logits_match_transformers_past_the_original_window(tmp_path):
+    """Qwen3's long-context recipe (rope type yarn, factor 4): the model's context is the original
+    window times the factor, and its logits there are transformers'."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    cfg = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                      rope_parameters=rope)
+    hf = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.15)
+    hf.save_pretrained(tmp_path)
+    hf = _hf(tmp_path)
+    model = Qwen3Model.from_pretrained(tmp_path, dtype="float32")
+    assert model.config.max_context == 256 and model.max_model_len == 256
+    ids = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    kv = model.new_kv_cache(num_blocks=64, block_size=BLOCK)
+    ws = model.new_workspace(max_rows=200, block_size=BLOCK)
+    logits = torch.empty(1, 256)
+    model.forward(prompt_batch([ids.tolist()], [list(range(50))], BLOCK), kv, ws, logits)
+    torch.testing.assert_close(logits[0], ref[-1], atol=2e-4, rtol=1e-4)

@@ -33,10 +33,10 @@ def resolve_config(cfg: EngineConfig, device_kind: str) -> ResolvedEngine:
     quantization = check_quantization(cfg.model.quantization)
     model_dir = str(resolve_model(cfg.model.model))
     model = Qwen3Config.from_dir(model_dir)
-    limit = model.max_position_embeddings
+    limit = model.max_context  # YaRN's stretched window where the config has one
     max_len = cfg.model.max_model_len or limit
     if max_len > limit:
-        log.warning("max_model_len %d exceeds the model's max_position_embeddings %d: using %d",
+        log.warning("max_model_len %d exceeds the model's context %d: using %d",
                     max_len, limit, limit)
         max_len = limit
     dtype = resolve_dtype(cfg.model.dtype, parse_dtype(model.dtype), device_kind)

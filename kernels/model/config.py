@@ -56,6 +56,10 @@ class Qwen3Config:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 32768
+    # YaRN (``rope_scaling`` / ``rope_parameters`` with rope_type "yarn"): factor,
+    # original_max_position_embeddings, beta_fast, beta_slow, attention_factor, mscale,
+    # mscale_all_dim, truncate, as transformers reads them. None: plain rotary.
+    yarn: tuple[tuple[str, Any], ...] | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     eos_token_ids: tuple[int, ...] = field(default=())
@@ -70,6 +74,15 @@ class Qwen3Config:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+
+    @property
+    def max_context(self) -> int:
+        """The context the model supports: YaRN stretches its original window by its factor."""
+        if self.yarn is None:
+            return self.max_position_embeddings
+        y = dict(self.yarn)
+        original = y.get("original_max_position_embeddings") or self.max_position_embeddings
+        return max(self.max_position_embeddings, int(original * y["factor"]))
 
     def sparse(self, layer: int) -> bool:
         """Whether ``layer``'s MLP is a mixture of experts (transformers' rule)."""
@@ -125,10 +138,21 @@ class Qwen3Config:
         rope = raw.get("rope_parameters") or {}
         if not isinstance(rope, dict):
             raise ConfigError(f"{source}: field 'rope_parameters' must be an object")
-        scaling = raw.get("rope_scaling")
-        rope_type = rope.get("rope_type", (scaling or {}).get("rope_type", "default"))
-        if rope_type != "default":
-            raise ConfigError(f"{source}: rope type {rope_type!r} is not supported (only 'default')")
+        scaling = raw.get("rope_scaling") or {}
+        if not isinstance(scaling, dict):
+            raise ConfigError(f"{source}: field 'rope_scaling' must be an object")
+        params = {**scaling, **rope}
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in ("default", "yarn"):
+            raise ConfigError(f"{source}: rope type {rope_type!r} is not supported ('default' or 'yarn')")
+        yarn = None
+        if rope_type == "yarn":
+            factor = params.get("factor")
+            if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1:
+                raise ConfigError(f"{source}: YaRN needs a rope 'factor' >= 1, got {factor!r}")
+            keys = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                    "attention_factor", "mscale", "mscale_all_dim", "truncate")
+            yarn = tuple((k, params[k]) for k in keys if params.get(k) is not None)
         theta = rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0))
         if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
             raise ConfigError(f"{source}: rope_theta must be a positive number, got {theta!r}")
@@ -176,6 +200,7 @@ class Qwen3Config:
             rms_norm_eps=need_float("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             max_position_embeddings=need_int("max_position_embeddings", 32768),
+            yarn=yarn,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
             eos_token_ids=eos_ids,

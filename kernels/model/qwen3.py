@@ -40,7 +40,7 @@ class Qwen3Model:
         self.dtype = dtype
         self.device = torch.device(device)
         # Resolved by the caller (coordinator/engine/config_resolution.py clamps it to the model's).
-        self.max_model_len = max_model_len or config.max_position_embeddings
+        self.max_model_len = max_model_len or config.max_context
         self.kernels = select_kernels(self.local, dtype, self.device,
                                       int8_activations=self.quantization != "int8-weight-only")
         if self.quantization == "int4" and not self.kernels.linear.int4:
@@ -48,7 +48,9 @@ class Qwen3Model:
                               f"device ({self.device}) has none: use int8 or none")
         self.w = prepare_weights(weights, self.kernels.linear, self.quantization, dtype, self.device,
                                  self.kernels.grouped_moe)
-        self.cos, self.sin = rope_tables(config.head_dim, config.rope_theta, self.max_model_len, dtype)
+        self.cos, self.sin = rope_tables(config.head_dim, config.rope_theta, self.max_model_len, dtype,
+                                         None if config.yarn is None else dict(config.yarn),
+                                         config.max_position_embeddings)
         self.cos, self.sin = self.cos.to(self.device), self.sin.to(self.device)
 
     @classmethod
