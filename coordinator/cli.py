@@ -18,8 +18,11 @@ from typing import TYPE_CHECKING
 import zmq
 
 from coordinator.client import DEFAULT_ADDRESS, TOKEN_ENV, Client, ServerError
+from coordinator.model_files.default_model import resolve_model
 from coordinator.server.config import Limits
+from coordinator.server.core_slots import CoreSlots
 from coordinator.server.ray_cluster import LOCAL_ONLY_ENV, EmbeddedHead, RayPorts, connect
+from coordinator.server.routing_policy import POLICIES, RoutingConfig
 from coordinator.structured.grammar_compiler import GrammarLimits
 from kernels.quantize import QUANTIZATIONS
 from shared_memory.engine_config import SchedulerConfig
@@ -37,6 +40,20 @@ DEMO_PROMPTS = [
     "Python is an easy to learn, powerful programming language.",
     "The capital of France is",
 ]
+
+
+def _bytes(value: str) -> int:
+    """A size: bytes, or a number with KiB/MiB/GiB/TiB (or K/M/G/T, KB/MB/GB: powers of 1024)."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    text = value.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = text[-1] if text and text[-1] in "KMGT" else ""
+    try:
+        n = float(text[: len(text) - len(unit)]) * units[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {value!r} (bytes, or e.g. 8GiB)") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a size must be positive, got {value!r}")
+    return int(n)
 
 
 def _workers(value: str) -> int:
@@ -75,15 +92,18 @@ def _server_config(args: argparse.Namespace, token: str | None = None):
                     max_prompt_chars=args.max_prompt_chars)
     grammar = GrammarLimits(**{f.name: getattr(args, f"grammar_{f.name}") for f in fields(GrammarLimits)})
     return ServerConfig.build(
-        model=args.model, workers=args.workers, device=args.device, dtype=args.dtype,
+        model=args.model, revision=args.revision, download_dir=args.download_dir,
+        workers=args.workers, device=args.device, dtype=args.dtype,
         quantization=args.quantization, max_model_len=args.max_model_len, max_batch=args.max_batch,
-        block_size=args.block_size, num_blocks=args.num_blocks,
+        block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization, generation_config=args.generation_config,
         enable_prefix_caching=not args.no_prefix_caching,
         max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=not args.no_async_scheduling,
         threads_per_worker=args.threads_per_worker, tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         host=args.host, port=args.port, transport=args.transport, auth_token=token, limits=limits,
         grammar=grammar, admin_token=_read_file(args.admin_token_file),
+        routing=RoutingConfig(args.routing, args.routing_balance_abs, args.routing_balance_rel),
         curve_secret_key=_read_file(args.curve_secret_key_file))
 
 
@@ -121,17 +141,42 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"fusedserve: the auth token must have at least {MIN_TOKEN_CHARS} characters",
               file=sys.stderr)
         return 2
+    try:
+        cfg = _server_config(args, token)
+        resolve_model(args.model, args.revision, args.download_dir)  # before Ray: a missing model fails fast
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"fusedserve: {exc}", file=sys.stderr)
+        return 2
     head = _ray(args)
     if head is not None:
         print(f"fusedserve: embedded Ray head at {head.address} (session {head.session}), loopback only",
               flush=True)
     try:
-        return _serve(Server(_server_config(args, token)), args, token)
+        try:
+            coord = Server(cfg)
+        except (FileNotFoundError, ValueError) as exc:  # no such model, a KV cache too small: one line
+            print(f"fusedserve: {exc}", file=sys.stderr)
+            return 2
+        return _serve(coord, args, token)
     finally:
         _leave_ray(head)
 
 
+def _startup_lines(coord: Server) -> None:
+    """What is about to load and what the KV cache holds, as soon as both are known."""
+    e, r = coord.engine, coord.resolved
+    threads: int | str = e.device.threads_per_worker or "auto"
+    if threads == "auto" and e.parallel.workers > 0:  # as the pool will split this node's cores
+        threads = CoreSlots(e.parallel.workers * e.parallel.tensor_parallel_size).threads
+    print(f"fusedserve: loading {e.model.model} ({r.parameters / 1e6:.1f}M parameters, {e.model.dtype}, "
+          f"quantization {e.model.quantization or 'none'}) on {e.parallel.workers or 'auto'} workers x "
+          f"{e.parallel.tensor_parallel_size} ranks x {threads} threads; max_model_len {e.max_model_len}",
+          flush=True)
+    print(f"fusedserve: {r.kv.describe()}", flush=True)
+
+
 def _serve(coord: Server, args: argparse.Namespace, token: str | None) -> int:
+    _startup_lines(coord)
     coord.start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -141,17 +186,24 @@ def _serve(coord: Server, args: argparse.Namespace, token: str | None) -> int:
         coord.serve_in_thread()
         auth = "token auth on every frame" if token else "no auth (loopback only)"
         print(f"fusedserve: serving on {coord.address} with {len(coord.workers)} workers; {auth}", flush=True)
-        if args.http_port is not None:
+        if not args.no_http:
             from coordinator.openai.api import Gateway, HttpServer
+            from coordinator.openai.protocol import generation_defaults
 
             local = coord.address.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")
             gw = Gateway(local, coord.tokenizer, coord.model_dir, args.served_model_name or args.model,
                          coord.max_model_len, coord.admission.max_tokens, token,
                          args.reasoning_parser, args.tool_call_parser, args.max_prompt_chars,
-                         coord.curve_public_key, args.chat_template, args.trust_request_chat_template)
+                         coord.curve_public_key, args.chat_template, args.trust_request_chat_template,
+                         generation_defaults(coord.model_dir, args.generation_config))
             http = HttpServer(gw, args.host, args.http_port, args.ssl_keyfile, args.ssl_certfile)
-            http.start()
-            print(f"fusedserve: OpenAI API on {http.url} (model {gw.model_name!r})", flush=True)
+            try:
+                http.start()
+            except RuntimeError as exc:
+                http = None
+                print(f"fusedserve: {exc}", file=sys.stderr)
+                return 2
+            print(f"fusedserve: OpenAI API on {http.url}/v1 (model {gw.model_name!r})", flush=True)
         while not stop.wait(0.5):
             if not coord.alive():
                 print("fusedserve: the coordinator loop died; see the log", file=sys.stderr)
@@ -276,7 +328,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name in ("serve", "demo"):
         p = sub.add_parser(name)
-        p.add_argument("--model", default="default", help="a Qwen3 HF directory, or 'default'")
+        p.add_argument("--model", default="default",
+                       help="a Qwen3 directory, a Hugging Face id (ORG/NAME: the hub's cache first, then a "
+                       "download where the network allows; HF_HUB_OFFLINE is honoured), or 'default'")
+        p.add_argument("--revision", default=None, help="of a Hugging Face id: a branch, tag or commit")
+        p.add_argument("--download-dir", default=None, help="the Hugging Face cache to use")
         p.add_argument("--workers", type=_workers, default=2 if name == "demo" else 1,
                        help="number of workers, or 'auto' for one per device in the cluster")
         p.add_argument("--transport", default="auto", choices=["auto", "serial"],
@@ -302,14 +358,26 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-requests-per-client", type=int, default=Limits.max_requests_per_client,
                        help="requests one client may have in flight: a ZeroMQ connection, or an HTTP "
                        "client (its API key and address); more get 429 with Retry-After")
+        p.add_argument("--routing", default=RoutingConfig.policy, choices=POLICIES,
+                       help="which worker a request goes to: cache-aware (the one holding most of its "
+                       "prefix among those near the least load), session (its session's last worker "
+                       "first: X-Session-Id or user over HTTP, session_id on ZeroMQ), least-loaded")
+        p.add_argument("--routing-balance-abs", type=int, default=RoutingConfig.balance_abs,
+                       help="sequences above the least-loaded worker's load a prefix hit may still go to")
+        p.add_argument("--routing-balance-rel", type=float, default=RoutingConfig.balance_rel,
+                       help="... or this share of the least load, whichever is more")
         p.add_argument("--max-queued-requests", type=int, default=Limits.max_queued_requests,
                        help="requests in flight on the whole server; more get 429 (server_busy)")
         p.add_argument("--max-prompt-chars", type=int, default=Limits.max_prompt_chars,
                        help="characters of text one request may ask to tokenize (prompts, chat messages "
                        "and the rendered turn), checked before tokenizing; more get 413")
         p.add_argument("--port", type=int, default=5557)
-        p.add_argument("--http-port", type=int, default=None,
-                       help="also serve the OpenAI-compatible HTTP API on this port (0: a free one)")
+        p.add_argument("--http-port", type=int, default=8000,
+                       help="the OpenAI-compatible HTTP API's port at --host (0: a free one)")
+        p.add_argument("--no-http", action="store_true", help="serve ZeroMQ alone, no HTTP API")
+        p.add_argument("--generation-config", default="auto",
+                       help="default sampling values of the HTTP API: auto (the model's "
+                       "generation_config.json), none, or a directory holding one")
         p.add_argument("--reasoning-parser", default="auto", choices=["auto", "qwen3", "none"],
                        help="split <think> blocks into reasoning_content (auto: where the chat "
                        "template has them, as Qwen3's does)")
@@ -331,10 +399,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="quantized at load: int8 per channel, int4 in groups of 32 (lm_head int8); "
                        "on the CPU both multiply with int8 activations (per token); int8-weight-only "
                        "keeps the activations 16-bit")
-        p.add_argument("--max-model-len", type=int, default=1024)
-        p.add_argument("--max-batch", type=int, default=16)
+        p.add_argument("--max-model-len", type=int, default=None,
+                       help="the longest sequence (default: the model's own context, YaRN included, or "
+                       "what the KV cache holds if less)")
+        p.add_argument("--max-num-seqs", "--max-batch", dest="max_batch", type=int, default=128,
+                       help="sequences a worker runs at once (rows of a launch)")
         p.add_argument("--block-size", type=int, default=16)
-        p.add_argument("--num-blocks", type=int, default=256)
+        p.add_argument("--num-blocks", type=int, default=None,
+                       help="KV blocks per worker (default: sized from memory, see --kv-cache-memory)")
+        p.add_argument("--kv-cache-memory", type=_bytes, default=None,
+                       help="KV cache per worker, in bytes or with a suffix (8GiB, 512MiB); default on the "
+                       "CPU: 40%% of this host's available memory over its workers")
+        p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="on a GPU: the share of its memory a worker uses, weights and KV cache")
         p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
                        help="the token budget of one launch: every running stream's decode row, then "
                        "prompt chunks in the rest (a longer prompt is split across launches); more than "
@@ -345,7 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--no-async-scheduling", action="store_true",
                        help="one launch in flight per worker: schedule the next only after reading "
                        "this one's ids (default: two in flight, the next fed on the device)")
-        p.add_argument("--threads-per-worker", type=int, default=1, help="per device (per rank)")
+        p.add_argument("--threads-per-worker", type=int, default=0,
+                       help="per rank, each pinned to cores of its own (default 0: the cores this process "
+                       "may use divided among the node's ranks)")
         p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="devices per worker, one Ray actor each, placed on one node; --workers "
                        "groups of them (data parallel on top)")

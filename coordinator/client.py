@@ -30,6 +30,8 @@ class ServerError(RuntimeError):
 
 # Frames that change or reveal the deployment: they carry the admin token ("admin"), not just "auth".
 ADMIN_TYPES = ("scale", "workers")
+# The longest end-client name or session id a generate frame may carry.
+MAX_CLIENT_CHARS = 128
 
 
 def _generate_msg(rid: Any, prompt: str | list[int], stream: bool, params: dict) -> dict:

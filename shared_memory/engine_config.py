@@ -18,7 +18,9 @@ from shared_memory.slots import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, bitmask_words,
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = "default"  # a Hugging Face-layout directory, or an embedded model's name
+    model: str = "default"  # a directory, a Hugging Face id (ORG/NAME), or an embedded model's name
+    revision: str | None = None  # of a Hugging Face id: a branch, tag or commit
+    download_dir: str | None = None  # where Hugging Face ids are cached (default: the hub's own cache)
     dtype: str | None = None  # None: the checkpoint's; "auto": the fastest on the device
     quantization: str | None = None  # int8 | int8-weight-only | int4, quantized by each worker at load
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -27,7 +29,11 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    num_blocks: int = 256  # KV blocks per worker (one spare more is allocated for padding rows)
+    # KV blocks per worker (one spare more is allocated for padding rows). None: sized from memory,
+    # ``kv_cache_memory`` bytes per worker, else a share of the node's (coordinator/engine/kv_sizing.py).
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9  # on a GPU: the share of its memory the worker may use
     # Keep full KV blocks after their sequence ends, content-hashed, and reuse them as prompt
     # prefixes (coordinator/engine/block_manager.py).
     enable_prefix_caching: bool = True
@@ -35,7 +41,7 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_batch: int = 16  # rows (sequences) a launch may carry
+    max_batch: int = 128  # rows (sequences) a launch may carry: vLLM's max_num_seqs
     # The token budget of one launch: every running stream's decode row first, then prompt chunks
     # in what is left, so a long prompt is split across launches and never stalls the streams. It
     # sizes the arena's token slots.
@@ -54,7 +60,9 @@ class DeviceConfig:
     # Candidates the sampler sorts per row: a stochastic row whose top_k is 1..this is sampled among
     # them (its whole top-k set); other stochastic rows over the whole vocabulary.
     sampler_candidates: int = 64
-    threads_per_worker: int = 1  # torch threads of each worker process (0: torch's default)
+    # torch threads of each worker process, pinned to cores of its own. 0: the cores this process may
+    # use (affinity, cgroup quota) divided among the node's workers and ranks.
+    threads_per_worker: int = 0
     cpus_per_worker: int = 1  # Ray CPUs each worker (each rank of a group) reserves
 
 
@@ -106,7 +114,8 @@ class EngineConfig:
         """Refuse, at start, settings no launch could honour."""
         s, c, d, p = self.scheduler, self.cache, self.device, self.parallel
         for name, value in (("max_batch", s.max_batch), ("block_size", c.block_size),
-                            ("num_blocks", c.num_blocks), ("sampler_candidates", d.sampler_candidates),
+                            ("num_blocks", 1 if c.num_blocks is None else c.num_blocks),
+                            ("sampler_candidates", d.sampler_candidates),
                             ("tensor_parallel_size", p.tensor_parallel_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -122,6 +131,12 @@ class EngineConfig:
         m = self.model.max_model_len
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {m!r}")
+        if c.kv_cache_memory is not None and c.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {c.kv_cache_memory!r}")
+        if not 0 < c.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization}")
+        if d.threads_per_worker < 0:
+            raise ValueError(f"threads_per_worker must be >= 0, got {d.threads_per_worker}")
 
     @property
     def banks(self) -> int:
@@ -129,9 +144,16 @@ class EngineConfig:
         return 2 if self.scheduler.async_scheduling else 1
 
     @property
+    def num_blocks(self) -> int:
+        """The resolved KV blocks per worker."""
+        if self.cache.num_blocks is None:
+            raise ValueError("num_blocks is not resolved yet")
+        return self.cache.num_blocks
+
+    @property
     def pad_slot(self) -> int:
         """The KV slot past every allocatable block: padding and warm-up rows write there."""
-        return self.cache.num_blocks * self.cache.block_size
+        return self.num_blocks * self.cache.block_size
 
     @property
     def max_model_len(self) -> int:

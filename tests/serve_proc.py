@@ -14,7 +14,7 @@ from pathlib import Path
 import ray
 
 SERVING = re.compile(r"serving on (tcp://\S+)")
-HTTP = re.compile(r"OpenAI API on (http://\S+)")
+HTTP = re.compile(r"OpenAI API on (https?://[^/\s]+)")
 
 
 @dataclass
@@ -35,6 +35,8 @@ class ServeProcess:
         test session's Ray cluster unless ``join_session`` is False (its own embedded head).
         ``new_session``: the process leads a session of its own (its processes can be counted)."""
         cmd = [sys.executable, "-m", "coordinator.cli", "serve", "--port", "0", *args]
+        if "--http-port" not in args:  # ZeroMQ alone: never the default HTTP port 8000
+            cmd.append("--no-http")
         if join_session:
             cmd += ["--ray-address", ray.get_runtime_context().gcs_address]
         err = open(log_path, "w")

@@ -144,8 +144,8 @@ def test_ray_job_submit_serves_and_job_stop_cleans_up(tmp_path):
     try:
         submit = [ray_bin, "job", "submit", "--address", address, "--working-dir", str(ROOT), "--no-wait",
                   "--", "exec", "python", "-m", "deploy.serve", "--model", "default", "--workers", "auto",
-                  "--device", "cpu", "--port", str(port), "--max-batch", "4", "--num-blocks", "64",
-                  "--dtype", "float32"]
+                  "--device", "cpu", "--port", str(port), "--no-http", "--max-batch", "4",
+                  "--num-blocks", "64", "--dtype", "float32"]
         for _ in range(20):  # the head's job agent comes up a few seconds after `ray start`
             out = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=180)
             if out.returncode == 0 or "No available agent" not in out.stderr:
@@ -171,13 +171,19 @@ def test_ray_job_submit_serves_and_job_stop_cleans_up(tmp_path):
                  "print(json.dumps([a.class_name for a in "
                  f"list_actors(address={address!r}, filters=[('state', '=', 'ALIVE')])]))")
 
+        seen: dict = {}
+
         def clean() -> bool:
             alive = json.loads(subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
                                               text=True, timeout=60).stdout.strip().splitlines()[-1])
+            seen.update(alive=alive, new_segments=sorted(set(list_segments()) - before))
             return "WorkerActor" not in alive and set(list_segments()) <= before
-        wait_for(clean, 60, "no worker actor and no new segment after job stop", every_s=0.1)
-        # The job exits within the supervisor's SIGTERM grace: never force-killed with SIGKILL.
         log = Path(temp_dir, "session_latest", "logs", "jobs", f"supervisor-{job_id}.log")
+        try:
+            wait_for(clean, 60, "no worker actor and no new segment after job stop", every_s=0.1)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; last seen {seen}; supervisor: {log.read_text()[-2000:]}") from None
+        # The job exits within the supervisor's SIGTERM grace: never force-killed with SIGKILL.
         wait_for(lambda: "terminated gracefully" in log.read_text(errors="replace")
                  or "force-killed" in log.read_text(errors="replace"), 30, "the job's stop to be logged")
         assert "force-killed" not in log.read_text(errors="replace")

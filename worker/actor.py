@@ -27,6 +27,7 @@ from shared_memory.contract import LaunchDescriptor, LaunchReply
 from shared_memory.engine_config import EngineConfig
 from shared_memory.slots import step_table
 from worker.device import torch_device
+from worker.load_progress import weight_progress
 from worker.model_runner import ModelRunner
 from worker.tensor_group import STOP, GroupRank, TensorGroup, rendezvous_address
 
@@ -38,9 +39,13 @@ REPLY_FLUSH_S = 0.2  # a failed group's rank 0 waits this long for its last repl
 class WorkerActor:
     """One device: weights, KV cache, scratch pool; executes launches on request."""
 
-    def __init__(self, worker_id: str, device_kind: str = "cpu", threads: int = 0):
+    def __init__(self, worker_id: str, device_kind: str = "cpu", threads: int = 0,
+                 cores: list[int] | None = None):
+        """``threads``: torch's (0: its default); ``cores``: the CPUs this rank runs on, its own."""
         self.worker_id = worker_id
         self.device_kind = device_kind
+        if cores and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cores)
         if threads > 0:
             torch.set_num_threads(threads)
         self.runner: ModelRunner | None = None
@@ -69,7 +74,13 @@ class WorkerActor:
             self.group = TensorGroup(rank, rendezvous, device, self._ctx)
             tp = self.group.tp
         m = cfg.model
-        model = Qwen3Model.from_pretrained(m.model, m.dtype, device, m.max_model_len, m.quantization, tp=tp)
+        who = self.worker_id if rank is None or rank.size == 1 else f"{self.worker_id} rank {rank.rank}"
+        progress, bar = weight_progress(f"{who}: loading weights", in_ray_worker=True)
+        try:
+            model = Qwen3Model.from_pretrained(m.model, m.dtype, device, m.max_model_len, m.quantization,
+                                               tp=tp, progress=progress)
+        finally:
+            bar.close()
         table, dims = step_table(), cfg.max_dims(model.config.vocab_size)
         self.arenas = []
         try:

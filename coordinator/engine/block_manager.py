@@ -36,6 +36,17 @@ def block_hash(parent: bytes, tokens: list[int]) -> bytes:
     return hashlib.sha256(parent + np.asarray(tokens, dtype=np.int64).tobytes()).digest()
 
 
+def prefix_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
+    """The chained hashes of ``token_ids``' full blocks that a cache hit may cover: all but the
+    last token (its logits give the next one)."""
+    arr = np.asarray(token_ids, dtype=np.int64)
+    out, parent = [], b""
+    for i in range((len(token_ids) - 1) // block_size):
+        parent = hashlib.sha256(parent + arr[i * block_size : (i + 1) * block_size].tobytes()).digest()
+        out.append(parent)
+    return out
+
+
 @dataclass
 class BlockManager:
     num_blocks: int
@@ -73,19 +84,31 @@ class BlockManager:
 
     # --------------------------------------------------------------- allocation
 
-    def cached_prefix(self, token_ids: list[int]) -> list[int]:
+    def cached_prefix(self, token_ids: list[int], hashes: list[bytes] | None = None) -> list[int]:
         """The cached blocks holding the longest run of ``token_ids``' full blocks, leaving at
-        least one token to compute (its logits give the next token)."""
+        least one token to compute (its logits give the next token). ``hashes``: their
+        ``prefix_hashes``, where the caller has them already."""
         if not self.enable_prefix_caching:
             return []
-        blocks, parent = [], b""
-        for i in range((len(token_ids) - 1) // self.block_size):
-            parent = block_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
-            block = self._cached.get(parent)
+        blocks = []
+        for h in prefix_hashes(token_ids, self.block_size) if hashes is None else hashes:
+            block = self._cached.get(h)
             if block is None:
                 break
             blocks.append(block)
         return blocks
+
+    def cached_run(self, hashes: list[bytes]) -> int:
+        """How many of ``hashes`` (a prompt's ``prefix_hashes``), from the first, name blocks this
+        cache holds, in use or not: what a request routed here would not compute. No side effects."""
+        if not self.enable_prefix_caching:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in self._cached:
+                break
+            n += 1
+        return n
 
     def allocate(self, seq_id: str, token_ids: list[int], reserve: int = 0,
                  hit: list[int] | None = None) -> int:

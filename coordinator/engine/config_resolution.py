@@ -8,10 +8,14 @@ decide nothing of it again.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from coordinator.engine import kv_sizing
+from coordinator.engine.kv_sizing import KVPlan
 from coordinator.model_files.default_model import resolve_model
 from kernels.model.config import Qwen3Config, parse_dtype
 from kernels.model.qwen3 import resolve_dtype
@@ -23,26 +27,45 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ResolvedEngine:
-    config: EngineConfig  # every field concrete: model a directory, max_model_len and dtype set
+    config: EngineConfig  # every field concrete: model a directory, max_model_len, dtype, blocks set
     model: Qwen3Config
+    kv: KVPlan  # what the KV cache holds, for the startup line
+    parameters: int  # the checkpoint's, for the startup line
 
 
-def resolve_config(cfg: EngineConfig, device_kind: str) -> ResolvedEngine:
-    """``device_kind``: the probed device (cpu, cuda, npu), which decides ``dtype="auto"``."""
+def resolve_config(cfg: EngineConfig, device_kind: str, ranks_on_node: int = 1) -> ResolvedEngine:
+    """``device_kind``: the probed device (cpu, cuda, npu), which decides ``dtype="auto"`` and the KV
+    budget; ``ranks_on_node``: the worker ranks sharing this node's memory."""
     cfg.check()
     quantization = check_quantization(cfg.model.quantization)
-    model_dir = str(resolve_model(cfg.model.model))
+    m = cfg.model
+    model_dir = str(resolve_model(m.model, m.revision, m.download_dir))
     model = Qwen3Config.from_dir(model_dir)
     limit = model.max_context  # YaRN's stretched window where the config has one
-    max_len = cfg.model.max_model_len or limit
-    if max_len > limit:
-        log.warning("max_model_len %d exceeds the model's context %d: using %d",
-                    max_len, limit, limit)
+    max_len = m.max_model_len
+    if max_len is not None and max_len > limit:
+        log.warning("max_model_len %d exceeds the model's context %d: using %d", max_len, limit, limit)
         max_len = limit
-    dtype = resolve_dtype(cfg.model.dtype, parse_dtype(model.dtype), device_kind)
-    resolved = cfg.replace(model=model_dir, max_model_len=max_len, quantization=quantization,
-                           dtype=dtype_name(dtype))
-    return ResolvedEngine(resolved, model)
+    dtype = resolve_dtype(m.dtype, parse_dtype(model.dtype), device_kind)
+    c, p = cfg.cache, cfg.parallel
+    kv = kv_sizing.plan(model, dtype, c.block_size, c.num_blocks, c.kv_cache_memory, c.gpu_memory_utilization,
+                        device_kind, cfg.scheduler.max_batch, max_len, kv_sizing.weight_bytes(model_dir),
+                        ranks_on_node, p.tensor_parallel_size)
+    resolved = cfg.replace(model=model_dir, max_model_len=kv.max_model_len, quantization=quantization,
+                           dtype=dtype_name(dtype), num_blocks=kv.num_blocks)
+    return ResolvedEngine(resolved, model, kv, parameter_count(model_dir))
+
+
+def parameter_count(model_dir: str) -> int:
+    """Parameters of the checkpoint, read from its safetensors headers (no tensor is loaded)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                total += math.prod(f.get_slice(name).get_shape())
+    return total
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from coordinator.engine import kv_sizing
 from coordinator.engine.config_resolution import dtype_name, resolve_config
 from coordinator.engine.engine_core import EngineCore
 from coordinator.engine.executor import InProcessExecutor
@@ -28,6 +29,7 @@ from shared_memory.engine_config import EngineConfig
 from shared_memory.slots import step_table
 from worker.device import probe, torch_device
 from worker.launch_runtime import LaunchRuntime
+from worker.load_progress import weight_progress
 from worker.model_runner import ModelRunner
 
 
@@ -56,7 +58,12 @@ def load_model(model: str | Path, dtype: str | None = None, device: str = "cpu",
 
 def _load(cfg: EngineConfig, device: torch.device) -> Qwen3Model:
     m = cfg.model
-    return Qwen3Model.from_pretrained(m.model, m.dtype, device, m.max_model_len, m.quantization)
+    progress, bar = weight_progress("loading weights", in_ray_worker=False)
+    try:
+        return Qwen3Model.from_pretrained(m.model, m.dtype, device, m.max_model_len, m.quantization,
+                                          progress=progress)
+    finally:
+        bar.close()
 
 
 class LLMEngine:
@@ -72,6 +79,12 @@ class LLMEngine:
             cfg = cfg.replace(max_model_len=model.max_model_len, dtype=dtype_name(model.dtype),
                               quantization=model.quantization)
             cfg.check()
+            if cfg.cache.num_blocks is None:  # sized from memory, for this model as it is
+                c = cfg.cache
+                kv = kv_sizing.plan(model.config, model.dtype, c.block_size, None, c.kv_cache_memory,
+                                    c.gpu_memory_utilization, model.device.type, cfg.scheduler.max_batch,
+                                    model.max_model_len, 0, 1, model.tp.size)
+                cfg = cfg.replace(num_blocks=kv.num_blocks)
         else:
             device = probe(cfg.device.device)
             cfg = resolve_config(cfg.replace(model=str(model)), device.kind).config

@@ -23,7 +23,7 @@ class RequestLimits:
                    max_prompt_tokens: int | None = None) -> RequestLimits:
         """What one worker of the resolved ``cfg`` can serve."""
         c = cfg.cache
-        return cls(vocab_size, cfg.max_model_len, c.num_blocks, c.block_size, max_prompt_tokens)
+        return cls(vocab_size, cfg.max_model_len, cfg.num_blocks, c.block_size, max_prompt_tokens)
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError for a prompt this engine cannot serve."""

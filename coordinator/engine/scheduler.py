@@ -46,7 +46,7 @@ class Scheduler:
     def for_worker(cls, cfg: EngineConfig) -> Scheduler:
         """The scheduler of one worker with the resolved ``cfg``: offline and served alike."""
         c, s = cfg.cache, cfg.scheduler
-        return cls(BlockManager(c.num_blocks, c.block_size, c.enable_prefix_caching), cfg.max_model_len,
+        return cls(BlockManager(cfg.num_blocks, c.block_size, c.enable_prefix_caching), cfg.max_model_len,
                    s.max_batch, s.max_num_batched_tokens)
 
     # ------------------------------------------------------------------ requests
@@ -97,13 +97,16 @@ class Scheduler:
                 break
             # Prompt logprobs and penalties need every token through the device: no cached prefix.
             # One lookup serves both the sibling check and the allocation.
-            hit = [] if seq.params.full_prefill else self.blocks.cached_prefix(seq.all_ids)
+            hit = [] if seq.params.full_prefill else self.blocks.cached_prefix(
+                seq.all_ids, seq.prefix_hashes(self.blocks.block_size))
             if self._sibling_computing(seq, len(hit)):  # the same prompt is being computed: share it
                 break
             try:  # room for one generated token too
                 seq.num_computed = self.blocks.allocate(seq.seq_id, seq.all_ids, reserve=1, hit=hit)
             except OutOfBlocks:
                 break
+            if seq.cached_tokens is None:
+                seq.cached_tokens = seq.num_computed
             self.waiting.popleft()
             self.running.append(seq)
             seq.feed_row = -1

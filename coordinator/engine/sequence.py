@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from coordinator.engine.block_manager import prefix_hashes
 from coordinator.engine.detokenizer import Detokenizer
 from coordinator.engine.token_rules import TokenRules
 from coordinator.errors import RequestError
@@ -36,6 +37,19 @@ class Sequence:
     feed_row: int = -1  # the row of the launch in flight that samples the pending token
     grammar: GrammarState | None = None  # structured outputs: advanced by each sampled token
     rules: TokenRules | None = None  # allowed_token_ids, bad_words, min_tokens: its mask's own part
+    session: str | None = None  # its client's session, which the router may keep on one worker
+    # Prompt tokens whose K/V came from the prefix cache when it was first admitted (usage's
+    # cached_tokens); None before that.
+    cached_tokens: int | None = None
+    _hashes: tuple[int, int, list[bytes]] | None = field(default=None, repr=False)
+
+    def prefix_hashes(self, block_size: int) -> list[bytes]:
+        """Its full blocks' chained hashes, computed once per length: the router scores workers
+        with them and the scheduler then looks its prefix up with the same."""
+        n = self.length - self.num_pending
+        if self._hashes is None or self._hashes[:2] != (n, block_size):
+            self._hashes = (n, block_size, prefix_hashes(self.all_ids, block_size))
+        return self._hashes[2]
 
     @property
     def needs_last_token(self) -> bool:

@@ -29,7 +29,7 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # tool results as <tool_response> in a user turn, <think> blocks, and enable_thinking.
 CHAT_TEMPLATE = "".join(  # one line per tag in the file; its text's newlines are '\n' escapes
     line.strip() for line in (Path(__file__).with_name("qwen3_chat_template.jinja")).read_text().splitlines())
-FORMAT = 3  # bump when the written files change: a cache of an older format is rewritten
+FORMAT = 4  # bump when the written files change: a cache of an older format is rewritten
 
 #: Shape of the embedded model; ``benchmark`` is large enough to spill the CPU caches.
 PRESETS: dict[str, dict] = {
@@ -43,6 +43,9 @@ PRESETS: dict[str, dict] = {
                        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, tie_word_embeddings=True, max_position_embeddings=40960),
 }
+
+# Qwen3's released generation_config.json sampling values (the presets that stand for a real model).
+GENERATION = {"qwen3-0.6b": {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}}
 
 _CORPUS = """\
 The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is Rome.
@@ -125,6 +128,9 @@ def write_checkpoint(out_dir: Path, preset: str = "tiny", seed: int = 0,
     tok.save(str(out_dir / "tokenizer.json"))
     (out_dir / "tokenizer_config.json").write_text(
         json.dumps(tokenizer_config(config["max_position_embeddings"]), indent=2))
+    if preset in GENERATION:  # the real model's sampling defaults, as its generation_config.json ships them
+        generation = {**GENERATION[preset], "eos_token_id": eos}
+        (out_dir / "generation_config.json").write_text(json.dumps(generation))
 
 
 def tokenizer_config(model_max_length: int) -> dict:
@@ -163,16 +169,49 @@ def default_model_dir(preset: str = "tiny") -> Path:
 TRAINED_DIR = Path(__file__).resolve().parent / "default_model"
 
 
-def resolve_model(model: str) -> Path:
-    """``default``: the trained embedded model; ``default:PRESET``: a random-weight preset;
-    anything else: a model directory."""
+# What a served model needs of a Hugging Face repository (not its other formats' weights).
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer*"]
+
+
+class ModelNotFound(FileNotFoundError):
+    """No directory, embedded model or Hugging Face repository by that name (one line: the CLI's)."""
+
+
+def resolve_model(model: str, revision: str | None = None, download_dir: str | None = None) -> Path:
+    """``default``: the trained embedded model; ``default:PRESET``: a random-weight preset; a
+    directory; else a Hugging Face id (``ORG/NAME``), found in the hub's local cache first
+    (``download_dir`` if given) and downloaded where the network allows (not with
+    ``HF_HUB_OFFLINE=1``)."""
     if model == "default":
         if not (TRAINED_DIR / "config.json").is_file():
-            raise FileNotFoundError(f"the embedded default model is missing from {TRAINED_DIR}")
+            raise ModelNotFound(f"the embedded default model is missing from {TRAINED_DIR}")
         return TRAINED_DIR
     if model.startswith("default:"):
         return default_model_dir(model.partition(":")[2])
     path = Path(model)
-    if not path.is_dir():
-        raise FileNotFoundError(f"model directory {model!r} does not exist")
-    return path
+    if path.is_dir():
+        return path
+    if model.count("/") != 1 or model.startswith((".", "/")) or model.endswith("/"):
+        raise ModelNotFound(f"model {model!r}: no such directory, and not a Hugging Face id (ORG/NAME)")
+    return _from_hub(model, revision, download_dir)
+
+
+def _from_hub(repo: str, revision: str | None, download_dir: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.constants import HF_HUB_CACHE, HF_HUB_OFFLINE
+
+    name = f"{repo!r}" + (f" (revision {revision})" if revision else "")
+    where = download_dir or HF_HUB_CACHE
+    kw = {"revision": revision, "cache_dir": download_dir, "allow_patterns": HUB_FILES}
+    try:  # the cache first: no request at all when the snapshot is there
+        return Path(snapshot_download(repo, local_files_only=True, **kw))
+    except Exception:  # noqa: BLE001 - not cached (or partly): try the network below
+        pass
+    if HF_HUB_OFFLINE:
+        raise ModelNotFound(f"model {name} is not in the Hugging Face cache at {where}, and HF_HUB_OFFLINE "
+                            "is set") from None
+    try:
+        return Path(snapshot_download(repo, **kw))
+    except Exception as exc:  # noqa: BLE001 - no such repository, no network, no access: one line
+        raise ModelNotFound(f"model {name} is not in the Hugging Face cache at {where} and could not be "
+                            f"downloaded ({type(exc).__name__})") from None

@@ -26,7 +26,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from coordinator.client import AsyncClient, ServerError
+from coordinator.client import MAX_CLIENT_CHARS, AsyncClient, ServerError
 from coordinator.model_files.tokenizer import TextTokenizer
 from coordinator.openai import chat_output
 from coordinator.openai import protocol as oa
@@ -53,11 +53,13 @@ class Gateway:
                  model_name: str, max_model_len: int, max_tokens: int, token: str | None = None,
                  reasoning_parser: str = "auto", tool_call_parser: str = "auto",
                  max_prompt_chars: int = oa.MAX_PROMPT_CHARS, curve_server_key: str | None = None,
-                 chat_template: str | None = None, trust_request_template: bool = False):
+                 chat_template: str | None = None, trust_request_template: bool = False,
+                 defaults: dict | None = None):
         self.coordinator = coordinator
         self.tokenizer = tokenizer  # the server's: loaded once per process
         self.template = ChatTemplate.from_dir(model_dir, chat_template)
         self.trust_request_template = trust_request_template  # a request's own chat_template runs
+        self.defaults = defaults or {}  # sampling defaults: the model's generation_config.json
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.max_tokens = max_tokens
@@ -89,6 +91,12 @@ class Gateway:
                               f"{self.model_name!r}", param="model", code="model_not_found")
         prepared.model = self.model_name
         prepared.params["client"] = end_client(request)
+        session = request.headers.get("x-session-id") or prepared.user
+        if session is not None:
+            if not 0 < len(session) <= MAX_CLIENT_CHARS:
+                raise oa.ApiError(400, f"a session id (X-Session-Id, or user) has 1-{MAX_CLIENT_CHARS} "
+                                  "characters", param="user", code="bad_field")
+            prepared.params["session_id"] = session
         if prepared.user is not None:
             log.info("request for user %r from %s", prepared.user, prepared.params["client"])
         return prepared
@@ -209,7 +217,7 @@ def build_app(gw: Gateway) -> FastAPI:
         body = await _read_body(request)
         # Tokenizing (and, for chat, rendering the template) runs on a thread: never on this loop.
         prep = await anyio.to_thread.run_sync(oa.completion_request, body, gw.tokenizer, 16,
-                                              gw.max_prompt_chars)
+                                              gw.max_prompt_chars, gw.defaults)
         return await _run(gw, request, gw.admit(prep, request), chat=False)
 
     @app.post("/v1/chat/completions")
@@ -218,7 +226,7 @@ def build_app(gw: Gateway) -> FastAPI:
         body = await _read_body(request)
         prep = await anyio.to_thread.run_sync(oa.chat_request, body, gw.tokenizer, gw.template, gw.max_tokens,
                                               gw.reasoning, gw.tool_parser, gw.max_prompt_chars,
-                                              gw.trust_request_template)
+                                              gw.trust_request_template, gw.defaults)
         return await _run(gw, request, gw.admit(prep, request), chat=True)
 
     return app
@@ -440,7 +448,8 @@ class HttpServer:
         deadline = time.time() + timeout_s
         while not self.server.started:
             if not self.thread.is_alive() or time.time() > deadline:
-                raise RuntimeError(f"the HTTP server could not start on {self.host}:{self.port}")
+                raise RuntimeError(f"the HTTP API could not listen on {self.host}:{self.port} (in use? "
+                                   "choose another --http-port, or --no-http)")
             time.sleep(0.02)
         sock = self.server.servers[0].sockets[0]
         self.port = sock.getsockname()[1]

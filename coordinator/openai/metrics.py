@@ -66,6 +66,20 @@ class _StatsCollector:
             for w in workers:
                 c.add_metric([self.model_name, w["id"]], w[f"{way}_bytes"])
             yield c
+        for name, doc in (("query_tokens", "Prompt tokens looked up in each worker's prefix cache"),
+                          ("hit_tokens", "Prompt tokens whose KV came from each worker's prefix cache")):
+            c = CounterMetricFamily(f"{PREFIX}worker_prefix_cache_{name}", doc,
+                                    labels=["model_name", "worker"])
+            for w in workers:
+                c.add_metric([self.model_name, w["id"]], w["prefix_cache"][name])
+            yield c
+        routing = s.get("routing")
+        if routing is not None:
+            c = CounterMetricFamily(PREFIX + "routing_decisions", "Requests routed to a worker, by reason",
+                                    labels=["model_name", "policy", "reason"])
+            for reason, n in routing["decisions"].items():
+                c.add_metric([self.model_name, routing["policy"], reason], n)
+            yield c
         faults = CounterMetricFamily(PREFIX + "faults", "Faults the coordinator handled, by kind",
                                      labels=["model_name", "kind"])
         for kind in FAULTS:

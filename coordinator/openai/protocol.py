@@ -12,6 +12,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from coordinator.model_files.tokenizer import TextTokenizer
@@ -132,7 +133,7 @@ class Prepared:
         k = i // self.n
         return (self.prompt_ids, self.prompt_text) if k == 0 else self.more_prompts[k - 1]
     request_id: str | None = None  # vLLM's request_id: the response's id
-    user: str | None = None  # OpenAI's end-user id: logged with the request
+    user: str | None = None  # OpenAI's end-user id: logged, and the session routing keeps together
     reasoning: bool = False  # chat: split <think> blocks into reasoning_content
     thinking_opened: bool = False  # the prompt opened a think block: the output starts in it
     tools: ToolPlan = field(default_factory=lambda: ToolPlan("none"))
@@ -196,8 +197,37 @@ def refuse_unsupported(body: dict, also: dict[str, tuple] | None = None) -> None
             raise ApiError(400, f"'{key}' is not supported by this server", param=key, code="unsupported")
 
 
-def _sampling(body: dict, default_max: int) -> dict:
+# generation_config.json's fields that give the API's sampling defaults (as vLLM reads them).
+GENERATION_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
+                     "repetition_penalty": float, "presence_penalty": float, "frequency_penalty": float,
+                     "max_new_tokens": int}
+
+
+def generation_defaults(model_dir: str | Path, setting: str = "auto") -> dict:
+    """The sampling defaults of ``--generation-config``: "auto" (the model directory's
+    generation_config.json), "none", or a directory holding one. Malformed values are skipped."""
+    if setting == "none":
+        return {}
+    path = Path(model_dir if setting == "auto" else setting) / "generation_config.json"
+    if not path.is_file():
+        if setting != "auto":
+            raise ValueError(f"--generation-config {setting}: no generation_config.json there")
+        return {}
+    raw = json.loads(path.read_text())
+    out = {}
+    for key, kind in GENERATION_FIELDS.items():
+        value = raw.get(key)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if number and (kind is float or isinstance(value, int)):
+            out["max_tokens" if key == "max_new_tokens" else key] = value
+    return out
+
+
+def _sampling(body: dict, default_max: int, defaults: dict | None = None) -> dict:
+    """The generate frame's sampling fields: the request's, else ``defaults`` (generation_config),
+    else OpenAI's."""
     refuse_unsupported(body)
+    body = {**(defaults or {}), **{k: v for k, v in body.items() if v is not None}}
     max_tokens = _get(body, "max_completion_tokens", int) or _get(body, "max_tokens", int, default_max)
     top_k = _get(body, "top_k", int, 0)
     params = {"max_tokens": max_tokens, "temperature": _get(body, "temperature", float, 1.0),
@@ -265,7 +295,7 @@ def _check_chars(n: int, limit: int) -> None:
 
 
 def completion_request(body: dict, tok: TextTokenizer | None, default_max: int = 16,
-                       max_prompt_chars: int = MAX_PROMPT_CHARS) -> Prepared:
+                       max_prompt_chars: int = MAX_PROMPT_CHARS, defaults: dict | None = None) -> Prepared:
     prompt = body.get("prompt")
     batch = [prompt] if isinstance(prompt, str) or (
         isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
@@ -280,7 +310,7 @@ def completion_request(body: dict, tok: TextTokenizer | None, default_max: int =
         raise ApiError(400, f"{len(ids)} prompts x n={n} exceeds {MAX_CHOICES} choices", param="prompt",
                        code="bad_field")
     echo_only = echo and body.get("max_tokens") == 0
-    params = _sampling({**body, "max_tokens": 1} if echo_only else body, default_max)
+    params = _sampling({**body, "max_tokens": 1} if echo_only else body, default_max, defaults)
     logprobs = _get(body, "logprobs", int)
     if logprobs is not None:
         params["logprobs"], params["top_logprobs"] = True, logprobs
@@ -336,7 +366,8 @@ def thinking_state(prompt: str, reasoning: bool) -> str:
 
 def chat_request(body: dict, tok: TextTokenizer | None, template: ChatTemplate | None,
                  default_max: int, reasoning: bool = False, tool_parser: bool = False,
-                 max_prompt_chars: int = MAX_PROMPT_CHARS, trust_request_template: bool = False) -> Prepared:
+                 max_prompt_chars: int = MAX_PROMPT_CHARS, trust_request_template: bool = False,
+                 defaults: dict | None = None) -> Prepared:
     refuse_unsupported(body, {"echo": (None, False)})
     own = _get(body, "chat_template", str)
     if own is not None:
@@ -371,7 +402,7 @@ def chat_request(body: dict, tok: TextTokenizer | None, template: ChatTemplate |
     _check_chars(len(text), max_prompt_chars)  # the rendered turn (tools and all), before tokenizing
     ids = _truncate(tok.encode(text), body)
     n = _choices(body)
-    params = _sampling(body, default_max)
+    params = _sampling(body, default_max, defaults)
     thinking = thinking_state(text, reasoning)
     _constrain(params, body, thinking, ("grammar", tools.grammar) if tools.forced else None)
     eos = tok.token_id(template.eos_token) if template.eos_token else None
@@ -396,7 +427,9 @@ def usage(dones: list[dict], n: int = 1, echo_only: bool = False) -> dict:
     """OpenAI's count: each prompt once (choice i is prompt i // n's), every choice's output."""
     prompt = sum(d["usage"]["prompt_tokens"] for d in dones[::n])
     completion = 0 if echo_only else sum(d["usage"]["completion_tokens"] for d in dones)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(d["usage"].get("cached_tokens", 0) for d in dones[::n])
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _token_entry(tok: TextTokenizer, token: int, lp: float) -> dict:

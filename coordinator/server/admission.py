@@ -53,7 +53,9 @@ class Admission:
         Its constraint, if any, is not compiled here: the server's ``CompileQueue`` does that."""
         try:
             prompt = req.prompt if req.prompt is not None else req.prompt_ids
-            return self.input.process(seq_id, arrival, prompt, req.params, compile_grammar=False)
+            seq = self.input.process(seq_id, arrival, prompt, req.params, compile_grammar=False)
         except RequestError as exc:
             exc.request_id = req.id
             raise
+        seq.session = req.session
+        return seq

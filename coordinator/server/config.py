@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from coordinator.server.routing_policy import RoutingConfig
 from coordinator.structured.grammar_compiler import GrammarLimits
 from kernels.quantize import check_quantization
 from shared_memory.engine_config import EngineConfig
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 MIN_TOKEN_CHARS = 16
-DEFAULT_MAX_MODEL_LEN = 1024
 
 
 @dataclass
@@ -29,8 +29,7 @@ class Limits:
 @dataclass
 class ServerConfig:
     # The workers' engine (model, cache, scheduler, device, parallel), resolved by the server at start.
-    engine: EngineConfig = field(
-        default_factory=lambda: EngineConfig.build(max_model_len=DEFAULT_MAX_MODEL_LEN))
+    engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
     port: int = 5557
     step_timeout_s: float = 60.0  # a launch running longer means a hung worker: replaced
@@ -50,19 +49,23 @@ class ServerConfig:
     curve_secret_key: str | None = None
     limits: Limits = field(default_factory=Limits)
     grammar: GrammarLimits = field(default_factory=GrammarLimits)  # parser limits and compile timeout
+    routing: RoutingConfig = field(default_factory=RoutingConfig)  # which worker a request goes to
+    # Default sampling values of the OpenAI API: "auto" (the model's generation_config.json), "none",
+    # or a directory holding one; a request's own fields override them.
+    generation_config: str = "auto"
 
     @classmethod
     def build(cls, **settings: object) -> ServerConfig:
         """From flat names: this class's own fields, and every other one an engine setting
-        (``EngineConfig.build``), with the server's default context length unless given."""
+        (``EngineConfig.build``)."""
         own = {f.name for f in fields(cls)} - {"engine"}
         engine = {k: v for k, v in settings.items() if k not in own}
-        engine.setdefault("max_model_len", DEFAULT_MAX_MODEL_LEN)
         return cls(engine=EngineConfig.build(**engine), **{k: v for k, v in settings.items() if k in own})
 
     def check(self) -> None:
         """Refuse, before anything starts, a configuration that cannot be served safely."""
         self.engine.check()
+        self.routing.check()
         check_quantization(self.engine.model.quantization)
         if self.transport not in ("auto", "serial"):
             raise ValueError(f"transport must be auto or serial, got {self.transport!r}")

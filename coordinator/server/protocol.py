@@ -18,14 +18,13 @@ from typing import Any
 
 import msgpack
 
-from coordinator.client import ADMIN_TYPES
+from coordinator.client import ADMIN_TYPES, MAX_CLIENT_CHARS
 from coordinator.engine.sequence import Sequence, TokenEvent
 from coordinator.errors import RequestError
 from coordinator.sampling_params import SamplingError, SamplingParams
 from coordinator.structured.structured_spec import StructuredError, StructuredSpec
 
 MAX_FRAME_BYTES = 4 << 20
-MAX_CLIENT_CHARS = 128
 REQUEST_TYPES = ("generate", "abort", "stats", "health", "workers", "scale")
 _SAMPLING_FIELDS = {
     "max_tokens": int, "temperature": (int, float), "top_k": int, "top_p": (int, float),
@@ -46,6 +45,7 @@ class GenerateRequest:
     stream: bool
     # The end client a gateway serves this for (its key or address): limits count per end client.
     client: str | None = None
+    session: str | None = None  # the client's session: routing may keep it on one worker
 
 
 @dataclass
@@ -144,10 +144,11 @@ def _parse_generate(msg: dict, rid: Any) -> GenerateRequest:
     stream = msg.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError("bad_field", "field 'stream' must be a boolean", rid)
-    client = msg.get("client")
-    if client is not None and (not isinstance(client, str) or not 0 < len(client) <= MAX_CLIENT_CHARS):
-        raise RequestError("bad_field", f"field 'client' must be a string of 1-{MAX_CLIENT_CHARS} characters",
-                           rid)
+    client, session = msg.get("client"), msg.get("session_id")
+    for key, value in (("client", client), ("session_id", session)):
+        if value is not None and (not isinstance(value, str) or not 0 < len(value) <= MAX_CLIENT_CHARS):
+            raise RequestError("bad_field",
+                               f"field {key!r} must be a string of 1-{MAX_CLIENT_CHARS} characters", rid)
     if msg.get("structured") is not None:
         try:
             kwargs["structured"] = StructuredSpec.from_wire(msg["structured"])
@@ -157,7 +158,7 @@ def _parse_generate(msg: dict, rid: Any) -> GenerateRequest:
         params = SamplingParams(**kwargs)
     except SamplingError as exc:
         raise RequestError("bad_param", str(exc), rid) from None
-    return GenerateRequest(rid, prompt, prompt_ids, params, stream, client)
+    return GenerateRequest(rid, prompt, prompt_ids, params, stream, client, session)
 
 
 def pack(msg: dict) -> bytes:
@@ -187,7 +188,8 @@ def done(rid: Any, seq: Sequence, timings: dict) -> dict:
     msg = {
         "type": "done", "id": rid, "text": seq.text, "token_ids": list(seq.output_ids),
         "finish_reason": seq.finish_reason or "abort",
-        "usage": {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output_ids)},
+        "usage": {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output_ids),
+                  "cached_tokens": seq.cached_tokens or 0},
         "timings": timings,
     }
     if seq.params.logprobs:

@@ -179,8 +179,9 @@ def connect(address: str | None, num_cpus: int, ports: RayPorts | None = None) -
         address = head.address
     import ray
 
+    # Workers' logs come here: warnings, and the progress bars of their weights loading.
     if head is not None:
-        ray.init(address=address, log_to_driver=False, _node_ip_address="127.0.0.1")
+        ray.init(address=address, _node_ip_address="127.0.0.1")
     else:
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address)
     return head

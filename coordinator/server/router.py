@@ -1,5 +1,6 @@
-"""Which worker runs a request: the least-loaded active one, or none yet (an orphan);
-and how many workers there are (scaling up spawns, scaling down drains).
+"""Which worker runs a request: the one the routing policy picks among the active ones
+(``routing_policy.py``: where its prefix is cached, its session's, or the least loaded), or none
+yet (an orphan); and how many workers there are (scaling up spawns, scaling down drains).
 
 Requests that already have a history (moved off a draining worker, or re-run after
 a worker was lost) go ahead of new ones. Orphans wait while a worker is starting.
@@ -13,22 +14,24 @@ from collections.abc import Callable
 from coordinator.engine.sequence import Sequence
 from coordinator.errors import RequestError
 from coordinator.server.request_table import ClientRequest, RequestTable
+from coordinator.server.routing_policy import RoutingPolicy
 from coordinator.server.worker_pool import WorkerHandle, WorkerPool
 
 
 class Router:
-    def __init__(self, pool: WorkerPool, requests: RequestTable):
+    def __init__(self, pool: WorkerPool, requests: RequestTable, policy: RoutingPolicy):
         self.pool = pool
         self.requests = requests
+        self.policy = policy
         self.orphans: deque[Sequence] = deque()  # requests with no live worker at the moment
 
-    def _least_loaded(self) -> WorkerHandle | None:
+    def _choose(self, seq: Sequence) -> WorkerHandle | None:
         active = self.pool.active
-        return min(active, key=lambda w: w.scheduler.load) if active else None
+        return self.policy.choose(seq, active).worker if active else None
 
     def admit(self, seq: Sequence) -> WorkerHandle | None:
         """Queue a new request; the worker it went to, or None if it waits as an orphan."""
-        w = self._least_loaded()
+        w = self._choose(seq)
         if w is None:
             self.orphans.append(seq)
         else:
@@ -36,9 +39,10 @@ class Router:
         return w
 
     def place(self, seqs: list[Sequence]) -> None:
-        """Queue requests that already have a history ahead of new ones."""
+        """Queue requests that already have a history ahead of new ones (by the same rule: a
+        moved request goes where its blocks are, if anywhere)."""
         for seq in reversed(seqs):
-            w = self._least_loaded()
+            w = self._choose(seq)
             if w is None:
                 self.orphans.appendleft(seq)
             else:

@@ -36,6 +36,7 @@ from coordinator.server.frontend import Delivery, Frontend
 from coordinator.server.protocol import ControlRequest, GenerateRequest
 from coordinator.server.request_table import ClientRequest, RequestTable
 from coordinator.server.router import Router
+from coordinator.server.routing_policy import RoutingPolicy
 from coordinator.server.stats import FaultCounters, ServerCounters, server_stats
 from coordinator.server.worker_pool import PoolConfig, WorkerHandle, WorkerPool, probe_device
 from coordinator.structured.compile_queue import CompileQueue
@@ -50,8 +51,10 @@ class Server:
     def __init__(self, cfg: ServerConfig):
         self.cfg = cfg
         self.device = probe_device(cfg.engine.device.device)
-        resolved = resolve_config(cfg.engine, self.device.kind)
+        p = cfg.engine.parallel
+        resolved = resolve_config(cfg.engine, self.device.kind, max(p.workers, 1) * p.tensor_parallel_size)
         self.engine, self.config = resolved.config, resolved.model  # what every worker loads
+        self.resolved = resolved  # its KV plan and parameter count: the startup lines
         self.model_dir = self.engine.model.model
         self.max_model_len = self.engine.max_model_len
         self.tokenizer = TextTokenizer.from_dir(self.model_dir)
@@ -80,7 +83,7 @@ class Server:
         pcfg = PoolConfig(self.engine, self.device, cfg.transport == "serial", cfg.step_timeout_s,
                           cfg.max_restarts)
         self.pool = WorkerPool(self.ctx, pcfg, self.config, self._new_core)
-        self.router = Router(self.pool, self.requests)
+        self.router = Router(self.pool, self.requests, RoutingPolicy(cfg.routing))
         workers = self.engine.parallel.workers
         n = workers if workers > 0 else self.pool.device_slots()
         self.pool.start(n)

@@ -37,13 +37,14 @@ def rss_bytes() -> int:
 
 def worker_stats(w: WorkerHandle) -> dict:
     s, b = w.core.stats, w.scheduler.blocks
+    hit_rate = b.stats.hit_tokens / b.stats.query_tokens if b.stats.query_tokens else 0.0
     return {
         "id": w.worker_id, "draining": w.draining, "steps": s.steps, "tokens": s.tokens,
         "launch_in_flight": not w.core.idle,
         "waiting": len(w.scheduler.waiting), "running": len(w.scheduler.running),
         "preemptions": w.scheduler.preemptions,
         "kv_blocks_used": b.num_used, "kv_blocks_free": b.num_free, "kv_blocks_cached": b.num_cached,
-        "prefix_cache": {"enabled": b.enable_prefix_caching, **asdict(b.stats)},
+        "prefix_cache": {"enabled": b.enable_prefix_caching, **asdict(b.stats), "hit_rate": hit_rate},
         "h2d_bytes": s.h2d_bytes, "d2h_bytes": s.d2h_bytes,
         "h2d_bytes_per_step": s.h2d_bytes / s.steps if s.steps else 0.0,
         "d2h_bytes_per_step": s.d2h_bytes / s.steps if s.steps else 0.0,
@@ -66,6 +67,7 @@ def server_stats(counters: ServerCounters, faults: FaultCounters, requests: Requ
         "completed": counters.completed, "tokens": tokens,
         "tokens_per_s": tokens / elapsed, "uptime_s": elapsed,
         "workers": [worker_stats(w) for w in workers], "starting": len(pool.starting),
+        "routing": router.policy.snapshot(),
         "coordinator": {"pending": len(requests), "clients": len(requests.identities()),
                         "orphans": len(router.orphans), "owed_frames": fe.owed,
                         "rss_bytes": rss_bytes(), "pid": os.getpid()},

@@ -8,6 +8,7 @@ Qwen3-MoE layer) so the decode step runs one matmul where the checkpoint has thr
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from safetensors import safe_open
 from kernels.linear import Int4Weight, Int8Weight, LinearOp
 from kernels.model.config import Qwen3Config
 from kernels.model.tensor_parallel import SINGLE, TensorParallel
+
+Progress = Callable[[int, int], None]  # (parts done, parts in all)
 
 
 class WeightError(ValueError):
@@ -107,10 +110,11 @@ class _Reader:
 
 
 def load_weights(model_dir: str | Path, config: Qwen3Config, dtype: torch.dtype,
-                 tp: TensorParallel = SINGLE) -> Qwen3Weights:
+                 tp: TensorParallel = SINGLE, progress: Progress | None = None) -> Qwen3Weights:
     """Read and fuse a Qwen3 checkpoint into ``dtype`` tensors on the CPU: the whole model, or
     one tensor-parallel rank's share of it (``kernels/model/tensor_parallel.py``), reading only
-    that share from the files."""
+    that share from the files. ``progress(done, total)`` is told after each layer and after the
+    embeddings (``total``: layers + 1), so a bar can move while a large model loads."""
     reader = _Reader(Path(model_dir), dtype)
     c = config
     tp.check(c)
@@ -163,8 +167,12 @@ def load_weights(model_dir: str | Path, config: Qwen3Config, dtype: torch.dtype,
                 experts=experts,
             )
         )
+        if progress is not None:
+            progress(i + 1, c.num_hidden_layers + 1)
     embed = _vocab_rows(reader, "model.embed_tokens.weight", c, tp)
     lm_head = embed if c.tie_word_embeddings else _vocab_rows(reader, "lm_head.weight", c, tp)
+    if progress is not None:
+        progress(c.num_hidden_layers + 1, c.num_hidden_layers + 1)
     return Qwen3Weights(
         embed=embed,
         layers=layers,

@@ -19,7 +19,7 @@ from kernels.forward_batch import ForwardBatch
 from kernels.kv_cache import PagedKVCache
 from kernels.layer_ops import rope_tables
 from kernels.model.config import ConfigError, Qwen3Config, parse_dtype
-from kernels.model.loader import Qwen3Weights, load_weights, prepare_weights
+from kernels.model.loader import Progress, Qwen3Weights, load_weights, prepare_weights
 from kernels.model.moe import moe_forward
 from kernels.model.tensor_parallel import SINGLE, TensorParallel
 from kernels.model.workspace import LayerBuffers, Workspace
@@ -56,12 +56,13 @@ class Qwen3Model:
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: str | torch.dtype | None = None,
                         device: torch.device | str = "cpu", max_model_len: int | None = None,
-                        quantization: str | None = None, tp: TensorParallel = SINGLE) -> Qwen3Model:
+                        quantization: str | None = None, tp: TensorParallel = SINGLE,
+                        progress: Progress | None = None) -> Qwen3Model:
         """``dtype``: a name, None (the checkpoint's) or ``"auto"`` (``resolve_dtype``). ``tp``: load
-        and run one tensor-parallel rank's share."""
+        and run one tensor-parallel rank's share. ``progress``: told as the layers load."""
         config = Qwen3Config.from_dir(model_dir)
         torch_dtype = resolve_dtype(dtype, parse_dtype(config.dtype), torch.device(device).type)
-        weights = load_weights(model_dir, config, torch_dtype, tp)
+        weights = load_weights(model_dir, config, torch_dtype, tp, progress)
         return cls(config, weights, torch_dtype, device, max_model_len, quantization=quantization, tp=tp)
 
     def kernel_info(self) -> dict[str, str]:

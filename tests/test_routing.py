@@ -1,0 +1,226 @@
+"""Routing (coordinator/server/routing_policy.py): a request goes to the worker holding its prefix
+(exact, from the block managers), or its session's last worker, within a load bound; and through a
+served 2-worker server every follow-up turn of a multi-turn chat finds its whole history cached."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from coordinator.client import Client, ServerError
+from coordinator.engine.block_manager import BlockManager, prefix_hashes
+from coordinator.engine.sequence import Sequence
+from coordinator.openai.api import Gateway, HttpServer
+from coordinator.sampling_params import SamplingParams
+from coordinator.server.routing_policy import RoutingConfig, RoutingPolicy
+from tests.support import running_server
+
+BS = 4
+
+
+@dataclass
+class _Scheduler:  # what the policy reads of a worker's scheduler: its load and its block manager
+    blocks: BlockManager
+    load: int = 0
+
+
+@dataclass
+class _Worker:
+    worker_id: str
+    scheduler: _Scheduler
+
+
+def _workers(n: int, num_blocks: int = 64) -> list[_Worker]:
+    return [_Worker(f"w{i}", _Scheduler(BlockManager(num_blocks, BS))) for i in range(n)]
+
+
+def _cache(w: _Worker, tokens: list[int], seq_id: str = "s") -> None:
+    """Compute ``tokens`` on ``w`` (allocate and commit every full block), then free them: cached."""
+    b = w.scheduler.blocks
+    b.allocate(seq_id, tokens)
+    b.commit(seq_id, tokens, len(tokens))
+    b.free(seq_id)
+
+
+def _seq(tokens: list[int], session: str | None = None, **params: object) -> Sequence:
+    return Sequence("q", list(tokens), SamplingParams(**params), session=session)
+
+
+PROMPT = list(range(100, 117))  # 17 tokens: 4 full blocks a hit may cover
+
+
+def test_cached_run_counts_leading_blocks_in_use_or_cached_and_stops_at_a_miss():
+    b = BlockManager(32, BS)
+    hashes = prefix_hashes(PROMPT, BS)
+    assert len(hashes) == 4 and b.cached_run(hashes) == 0
+    b.allocate("a", PROMPT[:12])
+    b.commit("a", PROMPT[:12], 12)  # in use: 3 blocks named
+    assert b.cached_run(hashes) == 3
+    b.free("a")  # unreferenced, still cached
+    assert b.cached_run(hashes) == 3
+    assert b.cached_run(prefix_hashes([7] + PROMPT[1:], BS)) == 0, "a different first block: no run"
+    assert BlockManager(32, BS, enable_prefix_caching=False).cached_run(hashes) == 0
+
+
+def test_a_sequences_hashes_are_the_ones_its_blocks_are_committed_under():
+    b = BlockManager(32, BS)
+    _ = b.allocate("a", PROMPT), b.commit("a", PROMPT, len(PROMPT))
+    seq = _seq(PROMPT + [5, 6, 7, 8])
+    assert b.cached_run(seq.prefix_hashes(BS)) == 4
+    seq.output_ids += [9] * 8  # longer: hashed again, the first blocks unchanged
+    assert seq.prefix_hashes(BS)[:4] == prefix_hashes(PROMPT, BS) and len(seq.prefix_hashes(BS)) == 7
+
+
+def test_the_worker_holding_the_prefix_wins_within_the_load_bound():
+    ws = _workers(3)
+    _cache(ws[1], PROMPT[:8])  # 2 blocks
+    _cache(ws[2], PROMPT)  # 4 blocks
+    ws[2].scheduler.load = 4  # least is 0: the bound is 0 + max(4, 0) = 4
+    policy = RoutingPolicy(RoutingConfig())
+    c = policy.choose(_seq(PROMPT), ws)
+    assert (c.worker.worker_id, c.reason, c.hit_blocks) == ("w2", "prefix_hit", 4)
+    ws[2].scheduler.load = 5  # past the bound: the next best hit within it
+    c = policy.choose(_seq(PROMPT), ws)
+    assert (c.worker.worker_id, c.reason, c.hit_blocks) == ("w1", "prefix_hit", 2)
+    ws[1].scheduler.load = 5
+    c = policy.choose(_seq(PROMPT), ws)
+    assert (c.worker.worker_id, c.reason) == ("w0", "load_bound")
+    assert policy.snapshot()["decisions"] == {"session": 0, "prefix_hit": 2, "least_loaded": 0,
+                                              "load_bound": 1}
+
+
+def test_the_bound_grows_with_load():
+    ws = _workers(2)
+    _cache(ws[1], PROMPT)
+    ws[0].scheduler.load, ws[1].scheduler.load = 40, 50  # 40 + max(4, 0.25 * 40) = 50
+    assert RoutingPolicy(RoutingConfig()).choose(_seq(PROMPT), ws).worker.worker_id == "w1"
+    ws[1].scheduler.load = 51
+    assert RoutingPolicy(RoutingConfig()).choose(_seq(PROMPT), ws).worker.worker_id == "w0"
+
+
+def test_equal_hits_go_to_the_less_loaded_and_no_hit_to_the_least_loaded():
+    ws = _workers(3)
+    for w in ws[1:]:
+        _cache(w, PROMPT)
+    ws[0].scheduler.load, ws[1].scheduler.load, ws[2].scheduler.load = 0, 3, 2
+    policy = RoutingPolicy(RoutingConfig())
+    assert policy.choose(_seq(PROMPT), ws).worker.worker_id == "w2"
+    c = policy.choose(_seq([1, 2, 3, 4, 5, 6, 7, 8, 9]), ws)
+    assert (c.worker.worker_id, c.reason) == ("w0", "least_loaded")
+
+
+def test_least_loaded_ignores_the_cache_and_a_full_prefill_request_goes_least_loaded():
+    ws = _workers(2)
+    _cache(ws[1], PROMPT)
+    ws[1].scheduler.load = 1
+    assert RoutingPolicy(RoutingConfig("least-loaded")).choose(_seq(PROMPT), ws).worker.worker_id == "w0"
+    penalised = _seq(PROMPT, repetition_penalty=1.2)  # computes its whole prompt: no hit to use
+    assert RoutingPolicy(RoutingConfig()).choose(penalised, ws).worker.worker_id == "w0"
+
+
+def test_a_session_returns_to_its_worker_until_that_worker_leaves():
+    ws = _workers(3)
+    policy = RoutingPolicy(RoutingConfig("session"))
+    first = policy.choose(_seq([1, 2, 3], session="chat-1"), ws)
+    assert (first.worker.worker_id, first.reason) == ("w0", "least_loaded")
+    ws[0].scheduler.load = 30  # far past any bound: the session still prefers it
+    again = policy.choose(_seq([9, 9, 9], session="chat-1"), ws)
+    assert (again.worker.worker_id, again.reason) == ("w0", "session")
+    _cache(ws[2], PROMPT)
+    moved = policy.choose(_seq(PROMPT, session="chat-1"), ws[1:])  # w0 drained or lost: not active
+    assert (moved.worker.worker_id, moved.reason) == ("w2", "prefix_hit")  # its blocks, where they are
+    back = policy.choose(_seq([5], session="chat-1"), ws)
+    assert (back.worker.worker_id, back.reason) == ("w2", "session")  # remembered anew
+    assert policy.snapshot()["sessions"] == 1
+
+
+def test_sessions_are_forgotten_least_recently_routed_first():
+    ws = _workers(2)
+    policy = RoutingPolicy(RoutingConfig("session", max_sessions=2))
+    for s in ("a", "b", "c"):
+        policy.choose(_seq([1, 2], session=s), ws)
+    assert policy.snapshot()["sessions"] == 2 and "a" not in policy._sessions
+
+
+def test_a_bad_routing_config_is_refused():
+    for cfg in (RoutingConfig("random"), RoutingConfig(balance_abs=-1), RoutingConfig(max_sessions=0)):
+        with pytest.raises(ValueError):
+            RoutingPolicy(cfg)
+
+
+# ------------------------------------------------------------------------------ served
+
+SESSIONS, TURNS = 6, 3
+
+
+@pytest.fixture(scope="module")
+def served(ray_session):
+    with running_server(workers=2, dtype="float32", max_batch=8, block_size=16, num_blocks=256,
+                        max_model_len=1024) as coord:
+        gw = Gateway(coord.address, coord.tokenizer, coord.model_dir, "default", coord.max_model_len,
+                     coord.admission.max_tokens)
+        http = HttpServer(gw, "127.0.0.1", 0)
+        http.start()
+        yield coord, http.url
+        http.stop()
+
+
+def _chat(url: str, session: int, results: list, errors: list) -> None:
+    messages = [{"role": "system", "content": f"Session {session}: " + "You answer questions. " * 20}]
+    try:
+        with httpx.Client(base_url=url, timeout=300) as c:
+            for turn in range(TURNS):
+                messages.append({"role": "user", "content": f"Question {turn} of session {session}?"})
+                r = c.post("/v1/chat/completions", json={"model": "default", "messages": messages,
+                                                         "max_tokens": 12, "temperature": 0})
+                r.raise_for_status()
+                body = r.json()
+                results.append((session, turn, body["usage"]))
+                messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+    except Exception as exc:  # noqa: BLE001 - reported by the test
+        errors.append(exc)
+
+
+def test_every_follow_up_turn_finds_its_history_on_its_worker(served):
+    coord, url = served
+    results: list = []
+    errors: list = []
+    threads = [threading.Thread(target=_chat, args=(url, s, results, errors)) for s in range(SESSIONS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    usage = {(s, t): u for s, t, u in results}
+    for s in range(SESSIONS):
+        for t in range(1, TURNS):
+            before, now = usage[(s, t - 1)], usage[(s, t)]
+            # The previous turn's prompt (its full blocks) is a prefix of this one's, on one worker.
+            assert now["prompt_tokens_details"]["cached_tokens"] >= before["prompt_tokens"] // 16 * 16, (s, t)
+    stats = coord.stats()
+    decisions = stats["routing"]["decisions"]
+    assert stats["routing"]["policy"] == "cache-aware"
+    assert decisions["prefix_hit"] >= SESSIONS * (TURNS - 1) and sum(decisions.values()) == SESSIONS * TURNS
+    assert all(w["prefix_cache"]["hit_rate"] > 0 for w in stats["workers"])
+    metrics = httpx.get(f"{url}/metrics").text
+    want = 'fusedserve:routing_decisions_total{model_name="default",policy="cache-aware",reason="prefix_hit"}'
+    assert want in metrics and "fusedserve:worker_prefix_cache_hit_tokens_total" in metrics
+
+
+def test_a_session_id_is_checked_and_counted(served):
+    coord, url = served
+    r = httpx.post(f"{url}/v1/completions", headers={"X-Session-Id": "x" * 129},
+                   json={"model": "default", "prompt": "Hi", "max_tokens": 1}, timeout=60)
+    assert r.status_code == 400 and "session" in r.json()["error"]["message"]
+    with Client(coord.address, timeout_s=60) as c:
+        with pytest.raises(ServerError) as bad:
+            c.generate("Hi", max_tokens=1, session_id=7)
+        assert bad.value.code == "bad_field" and "session_id" in str(bad.value)
+        ok = c.generate("Hi there, a prompt of more than one block of sixteen tokens.", max_tokens=1,
+                        session_id="s-1")
+        again = c.generate("Hi there, a prompt of more than one block of sixteen tokens.", max_tokens=1,
+                           session_id="s-1")
+    assert ok["type"] == again["type"] == "done" and again["usage"]["cached_tokens"] == 16
