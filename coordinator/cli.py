@@ -21,7 +21,7 @@ from coordinator.client import DEFAULT_ADDRESS, TOKEN_ENV, Client, ServerError
 from coordinator.model_files.default_model import resolve_model
 from coordinator.server.config import Limits
 from coordinator.server.core_slots import CoreSlots
-from coordinator.server.ray_cluster import LOCAL_ONLY_ENV, EmbeddedHead, RayPorts, connect
+from coordinator.server.ray_cluster import EmbeddedHead, RayPorts, connect, embedded_env
 from coordinator.server.routing_policy import POLICIES, RoutingConfig
 from coordinator.structured.grammar_compiler import GrammarLimits
 from kernels.quantize import QUANTIZATIONS
@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     if args.cmd in ("serve", "demo") and not args.ray_address:
-        os.environ.update(LOCAL_ONLY_ENV)  # an embedded head: Ray on loopback, set before ray is imported
+        os.environ.update(embedded_env())  # an embedded head: loopback, one auth mode; before ray is imported
     commands = {"serve": cmd_serve, "generate": cmd_generate, "stats": cmd_stats, "demo": cmd_demo,
                 "scale": cmd_scale, "bench": bench_serve.main, "curve-keygen": cmd_curve_keygen}
     try:

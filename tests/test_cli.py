@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,16 +17,27 @@ import torch
 from coordinator.cli import DEMO_PROMPTS
 from coordinator.client import Client
 from coordinator.engine.llm_engine import LLMEngine
+from coordinator.model_files.default_model import cache_root
 from coordinator.sampling_params import SamplingParams
+from kernels import native
 from tests.serve_proc import ServeProcess
 from tests.support import settled
 
 LONG = " ".join(f"item {i} is the number {i * 7 % 13}." for i in range(30))
 
 
-def test_demo_serves_every_prompt_and_prints_stats():
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    env.pop("RAY_ADDRESS", None)
+def test_demo_serves_every_prompt_and_prints_stats(tmp_path):
+    # As on a machine where an earlier local ray.init left ~/.ray/auth_token and nothing chose an
+    # auth mode: `ray start` would turn token auth on and a driver would not; the CLI picks one.
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text(secrets.token_hex(32))
+    built = native.kernels()  # the caches stay where they are: no rebuild of the kernels
+    keep = {"FUSEDSERVE_CACHE": str(cache_root())}
+    if built is not None:
+        keep["TORCH_EXTENSIONS_DIR"] = str(Path(built.__file__).parent.parent)
+    env = {**keep, **os.environ, "HOME": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"}
+    for var in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+        env.pop(var, None)
     r = subprocess.run([sys.executable, "-m", "coordinator.cli", "demo", "--max-tokens", "6"], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]

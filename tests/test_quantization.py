@@ -8,7 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from coordinator.client import Client
 from coordinator.engine.llm_engine import LLMEngine
 from coordinator.model_files.default_model import TRAINED_DIR
 from coordinator.model_files.tokenizer import TextTokenizer
@@ -18,7 +17,6 @@ from kernels import native
 from kernels.linear import Int8Weight, PackedWeight
 from kernels.model.qwen3 import Qwen3Model, resolve_dtype
 from tests.model_batches import decode_batch, prompt_batch
-from tests.support import running_server
 
 needs_native = pytest.mark.skipif(native.kernels() is None, reason="native kernels unavailable here")
 
@@ -132,6 +130,8 @@ PROMPTS = [f"prompt {i}: the capital of France is" for i in range(5)] + ["Hello"
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 def test_served_bf16_equals_offline_alone(ray_session, quantization):
     """Served with strangers in bf16 (int8, int4), each request equals the offline run of it alone."""
+    from coordinator.client import Client  # the served path's imports (zmq, Ray): not a GPU image's
+    from tests.support import running_server
 
     params = {"max_tokens": 10, "ignore_eos": True}
     with LLMEngine("default", dtype="bfloat16", quantization=quantization, **RC) as eng:

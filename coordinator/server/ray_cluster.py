@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -68,6 +69,23 @@ def free_ports(n: int) -> list[int]:
 # the loopback one, so with ``--node-ip-address=127.0.0.1`` every server of the head, its agents and
 # workers, and this process's driver listen on loopback alone. Read when ``ray`` is imported.
 LOCAL_ONLY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def embedded_env() -> dict[str, str]:
+    """The environment an embedded head and this driver share: loopback only, and one auth mode.
+
+    Ray's defaults differ (``ray start`` turns token auth on once ``~/.ray/auth_token`` exists, a
+    driver stays disabled) and a driver fixes its mode when ``ray`` is imported: so set this
+    first. Token auth with a fresh token of the head's own, unless the caller chose token auth
+    already; once ``ray`` is imported, the driver's mode, whatever it is."""
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if mode == "token":
+        auth = {"RAY_AUTH_MODE": "token"}  # its token from RAY_AUTH_TOKEN or the token file
+    elif "ray" in sys.modules:
+        auth = {"RAY_AUTH_MODE": mode or "disabled"}
+    else:
+        auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    return {**LOCAL_ONLY_ENV, **auth}
 
 
 def session_of(pid: int) -> int | None:
@@ -174,14 +192,18 @@ def connect(address: str | None, num_cpus: int, ports: RayPorts | None = None) -
         if "ray" in sys.modules and any(os.environ.get(k) != v for k, v in LOCAL_ONLY_ENV.items()):
             log.warning("ray was imported before the embedded head's loopback mode was set: this driver "
                         "may listen beyond loopback (the CLI sets %s first)", LOCAL_ONLY_ENV)
-        os.environ.update(LOCAL_ONLY_ENV)
+        os.environ.update(embedded_env())
         head = EmbeddedHead.start(num_cpus, ports)
         address = head.address
     import ray
 
     # Workers' logs come here: warnings, and the progress bars of their weights loading.
-    if head is not None:
-        ray.init(address=address, _node_ip_address="127.0.0.1")
-    else:
+    if head is None:
         ray.init(address=address)
+        return head
+    try:
+        ray.init(address=address, _node_ip_address="127.0.0.1")
+    except BaseException:  # the head is ours: it must not outlive a driver that never joined it
+        head.stop()
+        raise
     return head

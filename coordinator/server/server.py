@@ -24,9 +24,10 @@ import zmq
 
 from coordinator.engine.config_resolution import resolve_config
 from coordinator.engine.engine_core import EngineCore
-from coordinator.engine.executor import SocketExecutor, WorkerGone
+from coordinator.engine.executor import WorkerGone
 from coordinator.engine.output_processor import OutputProcessor
 from coordinator.engine.sequence import TokenEvent
+from coordinator.engine.socket_executor import SocketExecutor
 from coordinator.errors import RequestError
 from coordinator.model_files.tokenizer import TextTokenizer
 from coordinator.server import protocol

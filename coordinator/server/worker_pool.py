@@ -25,9 +25,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from zmq.utils.monitor import recv_monitor_message
 
 from coordinator.engine.engine_core import EngineCore
-from coordinator.engine.executor import SocketExecutor
 from coordinator.engine.scheduler import Scheduler
 from coordinator.engine.sequence import Sequence
+from coordinator.engine.socket_executor import SocketExecutor
 from coordinator.server.core_slots import CoreSlots
 from kernels.model.config import Qwen3Config
 from shared_memory.arena import HostArena

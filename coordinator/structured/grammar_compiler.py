@@ -20,16 +20,18 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-import llguidance
-import llguidance.numpy as llnp
 import numpy as np
-from llguidance.gbnf_to_lark import any_to_lark
 
 from coordinator.model_files.tokenizer import TextTokenizer
 from coordinator.structured.grammar_state import GrammarState
 from coordinator.structured.structured_spec import StructuredError, StructuredSpec
 from kernels.model.config import Qwen3Config
+
+if TYPE_CHECKING:
+    import llguidance
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,18 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 
 
 PROBE_TOKENS = 4  # first tokens tried, each on its own copy of a new matcher, before admission
+
+
+def _llguidance() -> ModuleType:
+    """llguidance, imported with the first grammar: an engine that never sees one (a GPU image
+    without the wheel, say) runs without it; a request for one there is refused."""
+    try:
+        import llguidance
+        import llguidance.numpy  # noqa: F401 - the masks
+    except ImportError:
+        raise StructuredError("structured outputs need the llguidance package, which this server "
+                              "does not have") from None
+    return llguidance
 
 
 @dataclass(frozen=True)
@@ -56,12 +70,15 @@ class GrammarLimits:
 
     def parser_limits(self) -> llguidance.LLParserLimits:
         kw = {k: v for k, v in asdict(self).items() if k != "compile_timeout_s"}
-        return llguidance.LLParserLimits(**kw, verbose_errors=False)
+        return _llguidance().LLParserLimits(**kw, verbose_errors=False)
 
 
 def grammar_text(spec: StructuredSpec) -> str:
     """The llguidance grammar of a constraint (raises StructuredError for a malformed one)."""
-    M = llguidance.LLMatcher
+    llg = _llguidance()
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    M = llg.LLMatcher
     try:
         if spec.kind == "json":
             schema = json.loads(spec.value) if isinstance(spec.value, str) else spec.value
@@ -86,13 +103,11 @@ class GrammarCompiler:
                  cache_size: int = 256, limits: GrammarLimits | None = None):
         self.tokenizer = tokenizer
         self.limits = limits or GrammarLimits()
-        self._parser_limits = self.limits.parser_limits()
         self._lock = threading.Lock()  # the cache: compiles run on several threads
         self.vocab_size = vocab_size
         eos = sorted({t for t in eos_token_ids if 0 <= t < vocab_size})
         self.ends = np.asarray(eos, dtype=np.int64)
-        self.lltok = llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=eos or None)
-        self.executor = llguidance.LLExecutor()
+        self._backend: tuple | None = None  # llguidance's tokenizer, executor and limits, on first use
         self.cache_size = cache_size
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self.hits = self.misses = 0
@@ -101,6 +116,26 @@ class GrammarCompiler:
         self.think_start = start if start is not None and start < vocab_size else None
         self.think_end = THINK_END.encode()
         self.has_end_token = end is not None
+
+    def _llg(self) -> tuple[llguidance.LLTokenizer, llguidance.LLExecutor, llguidance.LLParserLimits]:
+        """llguidance's tokenizer (built once: ~0.1-1 s at a 152k vocabulary), its executor and
+        the parser limits, made with the first grammar."""
+        with self._lock:
+            if self._backend is None:
+                llg = _llguidance()
+                eos = [int(t) for t in self.ends]
+                self._backend = (llg.LLTokenizer(self.tokenizer.to_json(), n_vocab=self.vocab_size,
+                                                 eos_token=eos or None),
+                                 llg.LLExecutor(), self.limits.parser_limits())
+            return self._backend
+
+    @property
+    def lltok(self) -> llguidance.LLTokenizer:
+        return self._llg()[0]
+
+    @property
+    def executor(self) -> llguidance.LLExecutor:
+        return self._llg()[1]
 
     @classmethod
     def for_model(cls, tokenizer: TextTokenizer | None, config: Qwen3Config,
@@ -133,10 +168,12 @@ class GrammarCompiler:
         """A new matcher within the limits, probed: StructuredError if it cannot compile or the
         first tokens already exceed a limit."""
         grammar = grammar_text(spec)
-        err = llguidance.LLMatcher.validate_grammar(grammar, self.lltok, limits=self._parser_limits)
+        lltok, _, limits = self._llg()
+        llg = _llguidance()
+        err = llg.LLMatcher.validate_grammar(grammar, lltok, limits=limits)
         if err:
             raise StructuredError(f"invalid {spec.kind} constraint: {err}")
-        proto = llguidance.LLMatcher(self.lltok, grammar, limits=self._parser_limits)
+        proto = llg.LLMatcher(lltok, grammar, limits=limits)
         if proto.is_error():
             raise StructuredError(f"invalid {spec.kind} constraint: {proto.get_error()}")
         self._probe(proto, spec)
@@ -146,6 +183,8 @@ class GrammarCompiler:
         """Take the first steps as generation will (mask, then consume, then mask), for a few of the
         first allowed tokens, each on its own copy: a grammar whose first steps already exceed the
         parser's limits is refused now, not after its request was admitted."""
+        import llguidance.numpy as llnp
+
         mask = np.zeros((1, -(-self.vocab_size // 32)), dtype=np.int32)
         first = proto.deep_copy()
         llnp.fill_next_token_bitmask(first, mask, 0)

@@ -11,10 +11,12 @@ the gate "open" tokens pass until ``</think>``; with "may" the first token may a
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import llguidance
-import llguidance.numpy as llnp
 import numpy as np
+
+if TYPE_CHECKING:  # llguidance loads with the first grammar: a run without one never needs it
+    import llguidance
 
 FREE, MAY_THINK, THINKING = "free", "may_think", "thinking"
 
@@ -35,6 +37,8 @@ class GrammarState:
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         """Write the allowed next tokens into ``bitmask[row]`` (int32 words, bit v allows v)."""
         if self.phase != THINKING:
+            import llguidance.numpy as llnp
+
             llnp.fill_next_token_bitmask(self.matcher, bitmask, row)
         self.adjust(bitmask, row)
 
@@ -72,6 +76,8 @@ class GrammarState:
 def fill_rows(rows: list[tuple[GrammarState, int]], bitmask: np.ndarray) -> None:
     """Every listed row's mask: the grammars' all at once on llguidance's threads (one call,
     not one per row), then each row's thinking gate."""
+    import llguidance.numpy as llnp
+
     grammar = [(s.matcher, r) for s, r in rows if s.phase != THINKING]
     executor = rows[0][0].executor if rows else None
     if executor is not None and len(grammar) > 1:

@@ -4,13 +4,22 @@ interpreter cannot see show here.
 
     python -m kernels.triton.aot_check [--arch 90]
 
-Run it outside ``TRITON_INTERPRET``. Prints one line per kernel: its cubin's size and its
-shared memory.
+Run it outside ``TRITON_INTERPRET``. Every variant the runtime launches is compiled: the
+decode split kernel for each GQA group from 1 to 16 (Qwen3's run 1-8, the 235B 16) at the
+key tile the runtime picks for it, the prompt kernel at its runtime tiles (16x16), in bf16 and
+in float32 with IEEE products.
+Prints one line per variant: cubin size, shared memory, registers and spill bytes (ptxas -v on
+the same PTX); exits 1 if any variant spills registers to local memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 from kernels.triton import decode_attention as attn
 from kernels.triton import layer_kernels as k
@@ -20,9 +29,34 @@ P16, I32, F32 = "*bf16", "i32", "fp32"
 C = "constexpr"
 
 
+def _split(group: int) -> tuple:
+    """The decode split kernel for a GQA ``group`` (8 KV heads, head_dim 128), tiled as the
+    runtime tiles it."""
+    group_p = max(1 << (group - 1).bit_length(), 2)
+    return (attn._split_kernel,
+            dict(q_ptr=P16, k_ptr=P16, v_ptr=P16, tables_ptr="*i32", lens_ptr="*i32", m_ptr="*fp32",
+                 l_ptr="*fp32", acc_ptr="*fp32", scale=F32, stride_qb=I32, stride_qh=I32, stride_slot=I32,
+                 stride_kvh=I32, stride_tb=I32, chunk=I32, GROUP=C, GROUP_P=C, HD=C, BLOCK_N=C, BS=C,
+                 SPLITS=C, NH=C),
+            {"GROUP": group, "GROUP_P": group_p, "HD": 128, "BLOCK_N": attn.split_block_n(group_p),
+             "BS": 16, "SPLITS": 8, "NH": 8 * group})
+
+
+def _prompt(tile: int, f32: bool) -> tuple:
+    """The prompt kernel at ``tile`` x ``tile``, 16-bit or float32 (IEEE products)."""
+    ptr = "*fp32" if f32 else P16
+    return (prompt._prompt_kernel,
+            dict(q_ptr=ptr, k_ptr=ptr, v_ptr=ptr, out_ptr=ptr, qsl_ptr="*i32", lens_ptr="*i32",
+                 tables_ptr="*i32", scale=F32, first_row=I32, stride_qt=I32, stride_qh=I32, stride_ot=I32,
+                 stride_oh=I32, stride_slot=I32, stride_kvh=I32, stride_tb=I32, GROUP=C, HD=C, BS=C,
+                 BLOCK_M=C, BLOCK_N=C, DOT_F32=C, PRECISION=C),
+            {"GROUP": 4, "HD": 128, "BS": 16, "BLOCK_M": tile, "BLOCK_N": tile, "DOT_F32": False,
+             "PRECISION": "ieee" if f32 else "tf32"})
+
+
 def jobs() -> dict[str, tuple]:
-    """Each kernel with a signature and the constants of a Qwen3-8B-shaped launch."""
-    return {
+    """Each kernel variant with a signature and the constants of a Qwen3-shaped launch."""
+    out = {
         "add_rms_norm": (k._add_rms_norm_kernel,
                          dict(x_ptr=P16, add_ptr=P16, w_ptr=P16, out_ptr=P16, D=I32, stride_x=I32,
                               stride_a=I32, stride_o=I32, eps=F32, HAS_ADD=C, BLOCK=C),
@@ -36,29 +70,48 @@ def jobs() -> dict[str, tuple]:
         "silu_mul": (k._silu_mul_kernel,
                      dict(gu_ptr=P16, out_ptr=P16, N=I32, stride_gu=I32, stride_o=I32, BLOCK=C),
                      {"BLOCK": 1024}),
-        "decode_attention_split": (
-            attn._split_kernel,
-            dict(q_ptr=P16, k_ptr=P16, v_ptr=P16, tables_ptr="*i32", lens_ptr="*i32", m_ptr="*fp32",
-                 l_ptr="*fp32", acc_ptr="*fp32", scale=F32, stride_qb=I32, stride_qh=I32, stride_slot=I32,
-                 stride_kvh=I32, stride_tb=I32, chunk=I32, GROUP=C, GROUP_P=C, HD=C, BLOCK_N=C, BS=C,
-                 SPLITS=C, NH=C),
-            {"GROUP": 4, "GROUP_P": 4, "HD": 128, "BLOCK_N": 16, "BS": 16, "SPLITS": 8, "NH": 32}),
         "decode_attention_merge": (
             attn._merge_kernel,
             dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr=P16, stride_ob=I32, stride_oh=I32,
                  NH=C, SPLITS=C, SPLITS_P=C, HD=C),
             {"NH": 32, "SPLITS": 8, "SPLITS_P": 8, "HD": 128}),
-        "prompt_attention": (
-            prompt._prompt_kernel,
-            dict(q_ptr=P16, k_ptr=P16, v_ptr=P16, out_ptr=P16, qsl_ptr="*i32", lens_ptr="*i32",
-                 tables_ptr="*i32", scale=F32, first_row=I32, stride_qt=I32, stride_qh=I32, stride_ot=I32,
-                 stride_oh=I32, stride_slot=I32, stride_kvh=I32, stride_tb=I32, GROUP=C, HD=C, BS=C,
-                 BLOCK_M=C, BLOCK_N=C, DOT_F32=C),
-            {"GROUP": 4, "HD": 128, "BS": 16, "BLOCK_M": 64, "BLOCK_N": 64, "DOT_F32": False}),
         "token_bitmask": (k._token_bitmask_kernel,
                           dict(logits_ptr="*fp32", mask_ptr="*i32", V=I32, W=I32, stride_l=I32, BLOCK=C),
                           {"BLOCK": 4096}),
     }
+    for group in range(1, 17):
+        out[f"decode_attention_split_gqa{group}"] = _split(group)
+    out["prompt_attention_16x16_bf16"] = _prompt(16, False)  # the runtime's tiles
+    out["prompt_attention_16x16_fp32_ieee"] = _prompt(16, True)
+    return out
+
+
+_USAGE = re.compile(r"Used (\d+) registers")
+_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def _ptxas(arch: int) -> str:
+    """The ptxas Triton compiles with (its API moved between 3.6 and 3.9)."""
+    from triton.backends.nvidia import compiler
+
+    try:
+        return compiler.get_ptxas(arch).path
+    except TypeError:
+        return compiler.get_ptxas().path
+
+
+def resources(ptx: str, arch: int) -> dict[str, int]:
+    """Registers and spill bytes of ``ptx`` as ptxas reports them (-v), with the flags Triton
+    builds its cubins with."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        run = subprocess.run([_ptxas(arch), "-v", "--regAllocOptLevel=2",
+                              f"--gpu-name=sm_{arch}{'a' if arch >= 90 else ''}", str(src), "-o",
+                              str(Path(tmp) / "k.o")], capture_output=True, text=True, check=True)
+    regs = [int(m) for m in _USAGE.findall(run.stderr)]
+    spills = [int(a) + int(b) for a, b in _SPILL.findall(run.stderr)]
+    return {"registers": max(regs, default=0), "spill_bytes": sum(spills)}
 
 
 def compile_all(arch: int = 90) -> dict[str, dict]:
@@ -70,7 +123,8 @@ def compile_all(arch: int = 90) -> dict[str, dict]:
     out = {}
     for name, (fn, signature, constants) in jobs().items():
         compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants), target=target)
-        out[name] = {"cubin_bytes": len(compiled.asm["cubin"]), "shared": compiled.metadata.shared}
+        out[name] = {"cubin_bytes": len(compiled.asm["cubin"]), "shared": compiled.metadata.shared,
+                     **resources(compiled.asm["ptx"], arch)}
     return out
 
 
@@ -78,8 +132,15 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90)
     args = ap.parse_args(argv)
+    spilled = []
     for name, info in compile_all(args.arch).items():
-        print(f"{name}: cubin {info['cubin_bytes']} bytes, shared memory {info['shared']} bytes")
+        print(f"{name}: cubin {info['cubin_bytes']} bytes, shared memory {info['shared']} bytes, "
+              f"{info['registers']} registers, {info['spill_bytes']} spill bytes", flush=True)
+        if info["spill_bytes"]:
+            spilled.append(name)
+    if spilled:
+        print(f"spills registers to local memory: {', '.join(spilled)}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

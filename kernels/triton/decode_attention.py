@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The table's row stride and the split length change between launches: not specialised on.
+@triton.jit(do_not_specialize=["stride_tb", "chunk"])
 def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr, scale,
                   stride_qb, stride_qh, stride_slot, stride_kvh, stride_tb, chunk,
                   GROUP: tl.constexpr, GROUP_P: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -84,6 +85,13 @@ def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh, NH: tl.c
     tl.store(out_ptr + row * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
 
 
+def split_block_n(group_p: int, block_n: int = 16) -> int:
+    """Keys per tile: the products tile is ``group_p x block_n x head_dim`` in registers, so a
+    large GQA group takes fewer keys (at most 128 group x key pairs: 16 x 8 for the 235B's
+    group of 16, which spills at 16 x 16; ``kernels.triton.aot_check`` reads ptxas's count)."""
+    return max(4, min(block_n, 128 // group_p))
+
+
 class DecodeAttentionScratch:
     """The splits' partial results for ``max_batch`` rows, allocated once (a step allocates
     nothing, so a device graph can capture the two launches)."""
@@ -110,13 +118,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if hd & (hd - 1):
         raise ValueError(f"decode_attention: head_dim {hd} must be a power of two")
     splits = scratch.splits
+    group = nh // nkv
+    group_p = max(triton.next_power_of_2(group), 2)
+    block_n = split_block_n(group_p, block_n)
     chunk = -(-max_ctx // splits)
     chunk = -(-chunk // block_n) * block_n
-    group = nh // nkv
     _split_kernel[(b, nkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, scratch.m, scratch.l, scratch.acc, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), chunk,
-        GROUP=group, GROUP_P=max(triton.next_power_of_2(group), 2), HD=hd, BLOCK_N=block_n,
+        GROUP=group, GROUP_P=group_p, HD=hd, BLOCK_N=block_n,
         BS=block_size, SPLITS=splits, NH=nh)
     _merge_kernel[(b, nh)](scratch.m, scratch.l, scratch.acc, out, out.stride(0), out.stride(1), NH=nh,
                            SPLITS=splits, SPLITS_P=max(triton.next_power_of_2(splits), 2), HD=hd)

@@ -22,11 +22,19 @@ import triton.language as tl
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@triton.jit
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s input precision: on NVIDIA a float32 product defaults to TF32 (10-bit
+    mantissa: about 1e-3 off), which the interpreter does not emulate; float32 inputs get IEEE."""
+    return "ieee" if dtype == torch.float32 or _INTERPRETED else "tf32"
+
+
+# first_row and the table's row stride change from launch to launch: specialising on them
+# (== 1, divisible by 16) would compile the kernel again mid-serving.
+@triton.jit(do_not_specialize=["first_row", "stride_tb"])
 def _prompt_kernel(q_ptr, k_ptr, v_ptr, out_ptr, qsl_ptr, lens_ptr, tables_ptr, scale, first_row,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_slot, stride_kvh, stride_tb,
                    GROUP: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
+                   BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
     row = first_row + tl.program_id(0)
     h = tl.program_id(1)
     mb = tl.program_id(2)
@@ -60,14 +68,14 @@ def _prompt_kernel(q_ptr, k_ptr, v_ptr, out_ptr, qsl_ptr, lens_ptr, tables_ptr, 
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
         keep = k_valid[None, :] & (pos[None, :] <= q_pos[:, None])
         s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
         m_i = m_new
     o = acc / l_i[:, None]
     tl.store(out_ptr + (t0 + m)[:, None] * stride_ot + h * stride_oh + d[None, :],
@@ -88,4 +96,5 @@ def prompt_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _prompt_kernel[grid](q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale,
                          first_row, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
                          k_cache.stride(1), block_tables.stride(0), GROUP=nh // k_cache.shape[1], HD=hd,
-                         BS=block_size, BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=_INTERPRETED)
+                         BS=block_size, BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=_INTERPRETED,
+                         PRECISION=dot_precision(q.dtype))
