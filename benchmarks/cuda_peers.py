@@ -39,7 +39,13 @@ def _free() -> None:
     torch.cuda.empty_cache()
 
 
-def measure(batches: list[int], input_len: int, new: int) -> dict:
+def _save(res: dict, path: str | None) -> None:
+    """Written as each case ends: a run cut short by its time limit keeps what it measured."""
+    if path:
+        Path(path).write_text(json.dumps(res, indent=2))
+
+
+def measure(batches: list[int], input_len: int, new: int, json_path: str | None = None) -> dict:
     model_dir = default_model_dir(PRESET)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     res: dict = {"machine": machine(), "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
@@ -57,6 +63,7 @@ def measure(batches: list[int], input_len: int, new: int) -> dict:
                 res["errors"][f"{name} batch {b}"] = traceback.format_exc()[-3000:]
                 print(f"  {name} batch {b} failed:\n{res['errors'][f'{name} batch {b}']}", flush=True)
             _free()
+            _save(res, json_path)
     res["steps"] = {}
     for graphs in ("auto", "off"):
         try:
@@ -66,6 +73,7 @@ def measure(batches: list[int], input_len: int, new: int) -> dict:
             res["errors"][f"decode step graphs={graphs}"] = traceback.format_exc()[-3000:]
             print(res["errors"][f"decode step graphs={graphs}"], flush=True)
         _free()
+        _save(res, json_path)
     return res
 
 
@@ -117,11 +125,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.cuda_peers needs a CUDA GPU")
-    res = measure([int(b) for b in args.batches.split(",")], args.input_len, args.new_tokens)
+    res = measure([int(b) for b in args.batches.split(",")], args.input_len, args.new_tokens, args.json)
     print(f"{res['machine']}; {res['gpu']}")
     print("\n".join(table(res)))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
+    _save(res, args.json)
     return res
 
 

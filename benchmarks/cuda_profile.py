@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> dict:
             model = None
             gc.collect()
             torch.cuda.empty_cache()
+            if args.json:  # as each case ends: a run cut short keeps what it measured
+                Path(args.json).write_text(json.dumps(res, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     return res

@@ -26,7 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from benchmarks.common import RUNS, fmt, machine, spread
@@ -104,7 +104,8 @@ async def _stream(client, prompt: str, session: str, max_tokens: int) -> tuple[d
 
 async def _session(client, w: Workload, sid: int, out: list[Turn]) -> None:
     rng = random.Random(w.seed * 1000 + sid)
-    prompt = f"Session {w.seed}-{sid}. " + _text(rng, w.prompt_words) + "\nQuestion: " + _text(rng, w.question_words)
+    prompt = f"Session {w.seed}-{sid}. " + _text(rng, w.prompt_words)
+    prompt += "\nQuestion: " + _text(rng, w.question_words)
     for t in range(w.turns):
         turn = Turn(sid, t)
         try:
@@ -179,7 +180,8 @@ def figures(res: RunResult) -> dict:
     full prompt blocks."""
     by = {(t.session, t.turn): t for t in res.turns}
     follow = [t for t in res.turns if t.turn > 0 and not t.error]
-    hits = [t for t in follow if t.cached_tokens >= by[(t.session, t.turn - 1)].prompt_tokens // BLOCK * BLOCK]
+    hits = [t for t in follow
+            if t.cached_tokens >= by[(t.session, t.turn - 1)].prompt_tokens // BLOCK * BLOCK]
     prompt = sum(t.prompt_tokens for t in res.turns if not t.error)
     computed = sum(t.prompt_tokens - t.cached_tokens for t in res.turns if not t.error)
     mean = statistics.mean(res.worker_tokens) if res.worker_tokens else 0
@@ -208,6 +210,16 @@ SUMMARY = ("follow_up_hit_rate", "follow_up_hits", "follow_ups", "session_prompt
            "failed_turns", "others_sent")
 
 
+def line(r: dict) -> str:
+    return (f"{r['workers']} workers, {r['others']} other clients, {r['policy']:>12}: follow-ups hit "
+            f"{fmt(r['follow_up_hits'], '.0f')}/{fmt(r['follow_ups'], '.0f')}, prompt tokens computed "
+            f"{fmt(r['session_prompt_tokens_computed'], '.0f')}, cached share "
+            f"{fmt(r['session_cached_share'], '.2f')}, follow-up TTFT p50 "
+            f"{fmt(r['follow_up_ttft_ms_p50'], '.0f')} ms p99 {fmt(r['follow_up_ttft_ms_p99'], '.0f')} "
+            f"ms, load max/mean {fmt(r['load_max_over_mean'], '.2f')}, failed "
+            f"{fmt(r['failed_turns'], '.0f')}")
+
+
 def bench(workers: list[int], others: list[int], w: Workload, num_blocks: int, threads: int,
           policies: tuple[str, ...] = POLICIES) -> list[dict]:
     """Every (workers, others, policy) cell: RUNS runs, each with fresh sessions."""
@@ -218,11 +230,11 @@ def bench(workers: list[int], others: list[int], w: Workload, num_blocks: int, t
             try:
                 one_run(url, addr, Workload(2, 2, 0, w.prompt_words, w.question_words, w.max_tokens, 999))
                 for u in others:
-                    runs = [figures(one_run(url, addr, Workload(w.sessions, w.turns, u, w.prompt_words,
-                                                                 w.question_words, w.max_tokens, seed=100 * u + i)))
+                    runs = [figures(one_run(url, addr, replace(w, others=u, seed=100 * u + i)))
                             for i in range(RUNS)]
                     rows.append({"workers": n, "others": u, "policy": policy,
                                  **{k: spread([r[k] for r in runs]) for k in SUMMARY}})
+                    print(line(rows[-1]), flush=True)
             finally:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(120)
@@ -296,16 +308,10 @@ def main(argv: list[str] | None = None) -> dict:
           f"{fmt(c['choice_us'], '.0f')} us per request ({fmt(c['hashing_us'], '.0f')} us of it hashing)")
     if not args.choice_only:
         w = Workload(args.sessions, args.turns, 0, args.prompt_words, max_tokens=args.max_tokens)
-        out["rows"] = bench([int(x) for x in args.workers.split(",")], [int(x) for x in args.others.split(",")],
-                            w, args.num_blocks, args.threads, tuple(args.policies.split(",")))
         print(f"{args.sessions} sessions x {args.turns} turns, median (min-max) of {RUNS} runs:")
-        for r in out["rows"]:
-            print(f"{r['workers']} workers, {r['others']} other clients, {r['policy']:>12}: follow-ups hit "
-                  f"{fmt(r['follow_up_hits'], '.0f')}/{fmt(r['follow_ups'], '.0f')}, prompt tokens computed "
-                  f"{fmt(r['session_prompt_tokens_computed'], '.0f')}, cached share "
-                  f"{fmt(r['session_cached_share'], '.2f')}, follow-up TTFT p50 "
-                  f"{fmt(r['follow_up_ttft_ms_p50'], '.0f')} ms p99 {fmt(r['follow_up_ttft_ms_p99'], '.0f')} ms, "
-                  f"load max/mean {fmt(r['load_max_over_mean'], '.2f')}, failed {fmt(r['failed_turns'], '.0f')}")
+        workers, others = [int(x) for x in args.workers.split(",")], [int(x) for x in args.others.split(",")]
+        policies = tuple(args.policies.split(","))
+        out["rows"] = bench(workers, others, w, args.num_blocks, args.threads, policies)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     return out

@@ -72,3 +72,19 @@ def test_no_import_circle():
         if mod not in state:
             visit(mod, [mod])
     assert len(graph) > 50, "the graph holds the modules (a check that cannot fail otherwise)"
+
+
+def test_the_offline_engine_and_the_gpu_tests_import_no_server_dependencies():
+    """A GPU image has torch, triton and transformers but no Ray, ZeroMQ or llguidance: the
+    offline engine, the GPU tests and the GPU benchmarks must import without them (llguidance
+    loads with the first grammar; the socket executor is the server's)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import coordinator.engine.llm_engine, benchmarks.cuda_peers, benchmarks.cuda_profile\n"
+            "import tests.test_cuda, tests.test_graphs, tests.test_quantization\n"
+            "print(sorted(m for m in ('ray', 'zmq', 'llguidance') if m in sys.modules))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().splitlines()[-1] == "[]", run.stdout

@@ -164,7 +164,7 @@ def _reference_attention(q, k_cache, v_cache, tables, lens, bs):
 def test_paged_decode_attention_reads_the_pages_in_place(dtype, heads, kv_heads, splits):
     """Long and short rows in one batch (a row of one token, rows past one split), scattered
     pages, GQA groups of 1, 2 and 8, and a split count that does not divide the context."""
-    hd, bs, num_blocks, max_ctx = 32, 4, 128, 96
+    hd, bs, num_blocks = 32, 4, 128
     g = torch.Generator().manual_seed(heads * 7 + splits)
     k_cache = torch.randn(num_blocks * bs, kv_heads, hd, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks * bs, kv_heads, hd, generator=g).to(dtype)
@@ -174,7 +174,7 @@ def test_paged_decode_attention_reads_the_pages_in_place(dtype, heads, kv_heads,
     q = torch.randn(5, heads, hd, generator=g).to(dtype)
     out = torch.empty_like(q)
     scratch = DecodeAttentionScratch(8, heads, hd, splits, DEV)
-    _on_dev(decode_attention, q, k_cache, v_cache, tables, lens, bs, hd**-0.5, out, scratch, max_ctx)
+    _on_dev(decode_attention, q, k_cache, v_cache, tables, lens, bs, hd**-0.5, out, scratch)
     want = _reference_attention(q, k_cache, v_cache, tables, lens, bs)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
@@ -229,7 +229,7 @@ def test_float32_products_are_ieee_and_per_launch_integers_are_not_specialised()
     """On NVIDIA ``tl.dot`` of float32 defaults to TF32 (~1e-3 off, which the interpreter does not
     show): the prompt kernel asks for IEEE products on float32 inputs. Compiled for sm_90 (no
     GPU needed), its float32 PTX has no TF32 MMA and its bf16 PTX has bf16 MMA. Launch-varying
-    integers (first row, table stride, split length) are not specialised on."""
+    integers (first row, table stride) are not specialised on; the split length is the row's own."""
     from kernels.triton import decode_attention as attn
     from kernels.triton import prompt_attention as prompt
 
@@ -255,8 +255,8 @@ def test_float32_products_are_ieee_and_per_launch_integers_are_not_specialised()
     if run.returncode and ("ptxas" in run.stderr and "not found" in run.stderr):
         pytest.skip("no ptxas for ahead-of-time compilation here")
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split("\n")[:4] == ["True False False", "False False True", "['first_row', 'stride_tb']",
-                                          "['chunk', 'stride_tb']"], run.stdout
+    assert run.stdout.split("\n")[:4] == ["True False False", "False False True",
+                                          "['first_row', 'stride_tb']", "['stride_tb']"], run.stdout
 
 
 @pytest.mark.skipif(COMPILED, reason="on a GPU, tests/test_cuda.py runs the engine on these kernels")
@@ -299,3 +299,58 @@ def test_a_model_forward_on_the_triton_kernels_equals_the_aten_one():
             steps.append(logits.clone())
         outs.append(torch.stack(steps))
     torch.testing.assert_close(outs[1], outs[0], atol=2e-4, rtol=1e-4)
+
+
+def test_cache_addresses_are_64_bit_in_the_compiled_kernels():
+    """A slot times the slot stride passes 2^31 elements once a KV pool holds more than 2^31 /
+    (heads x head_dim) tokens (2M tokens at 8 x 128: a 32 GB bf16 pool). Compiled for sm_90, every
+    address into the KV pages is computed in int64: the attention kernels' K/V tiles, and the
+    slot base where qk_norm_rope writes the cache."""
+    code = (
+        "import re, triton\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "from triton.compiler import ASTSource\n"
+        "from kernels.triton import aot_check as a\n"
+        "j = a.jobs()\n"
+        "for name in ('decode_attention_split_gqa4', 'decode_attention_split_gqa16',\n"
+        "             'prompt_attention_16x16_bf16', 'qk_norm_rope'):\n"
+        "    fn, sig, const = j[name]\n"
+        "    ir = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),"
+        " target=GPUTarget('cuda', 90, 32)).asm['ttir']\n"
+        "    if name == 'qk_norm_rope':  # its %k/%v are the qkv row's; the cache is written at a slot base\n"
+        "        found = re.findall(r'= tt.addptr %[kv]_cache_ptr, .*', ir)\n"
+        "    else:  # the K and V tiles the attention reads\n"
+        "        found = re.findall(r'%[kv]_\\d+ = tt.addptr .*', ir)\n"
+        "    print(name, len(found), sum('i64' in ln.split(' : ')[1] for ln in found))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    if run.returncode and ("ptxas" in run.stderr and "not found" in run.stderr):
+        pytest.skip("no ptxas for ahead-of-time compilation here")
+    assert run.returncode == 0, run.stderr[-3000:]
+    for line in run.stdout.strip().splitlines():
+        name, found, wide = line.split()
+        assert int(found) >= 2 and found == wide, line  # K and V at least, every one 64-bit
+
+
+def test_the_self_check_passes_here_and_a_wrong_kernel_falls_back_to_aten(monkeypatch, caplog):
+    """On CUDA the Triton backend is the default only once its kernels agree with torch on the
+    device: here (the interpreter, or the GPU) they pass; a kernel that writes wrong values, or
+    raises, fails the check, which warns and leaves ATen."""
+    from kernels.backends import triton as backend
+    from kernels.triton import self_check
+
+    assert self_check.check(DEV) is None
+    monkeypatch.setattr(self_check, "decode_attention", lambda *a, **k: a[7].zero_())
+    assert "decode attention (torch.float32) is off by" in self_check.check(DEV)
+
+    def broken(*a, **k):
+        raise RuntimeError("PTX JIT failed")
+
+    monkeypatch.setattr(self_check, "prompt_attention", broken)
+    monkeypatch.setattr(self_check, "decode_attention", decode_attention)
+    with caplog.at_level("WARNING"):
+        assert backend.passes_self_check.__wrapped__(str(DEV)) is False
+    assert "RuntimeError: PTX JIT failed" in caplog.text and "using ATen" in caplog.text
+    monkeypatch.setenv("FUSEDSERVE_TRITON", "0")
+    assert not backend.usable(torch.device("cuda"))  # forced off, whatever the check would say

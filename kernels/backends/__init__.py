@@ -5,9 +5,10 @@ One module per backend (``native``, ``aten``, ``triton``, ``ascend``), each expo
 ops (``LayerOps``), its attention (``AttentionBackend``, built per workspace) and the name stats
 report for it. The linear (``kernels/linear.py``) is chosen per weight kind beside it.
 
-The choice: on the CPU, ``native`` where the native build runs; on CUDA, ``triton`` with
-``FUSEDSERVE_TRITON=1``; on Ascend, ``ascend`` with ``FUSEDSERVE_ASCEND_FUSED=1`` (both opt-in
-until a run on their hardware has checked them); else ``aten``.
+The choice: on the CPU, ``native`` where the native build runs; on CUDA, ``triton`` where its
+kernels pass a self-check on the device (``FUSEDSERVE_TRITON=1`` forces it, ``=0`` keeps ATen);
+on Ascend, ``ascend`` with ``FUSEDSERVE_ASCEND_FUSED=1`` (opt-in until a run on that hardware has
+checked it); else ``aten``.
 """
 
 from __future__ import annotations

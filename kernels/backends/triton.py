@@ -1,9 +1,14 @@
-"""The Triton backend (CUDA, opt-in with ``FUSEDSERVE_TRITON=1`` until a GPU run has checked it
-compiled): the layer kernels and the paged attention of ``kernels/triton/``. Importable without
-triton; its kernels are imported only when chosen."""
+"""The Triton backend (CUDA): the layer kernels and the paged attention of ``kernels/triton/``,
+whose decode attention reads only what each row holds (ATen's graphs gather the padded table
+width). The default on CUDA once its kernels pass a self-check on the device
+(``kernels/triton/self_check.py``, once per device); a failed check warns and leaves ATen.
+``FUSEDSERVE_TRITON=1`` forces it, ``=0`` turns it off. Importable without triton; its kernels
+are imported only when chosen."""
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 
 import torch
@@ -15,8 +20,28 @@ NAME = "triton"
 CAPTURABLE = True
 
 
+log = logging.getLogger(__name__)
+
+
 def usable(device: torch.device) -> bool:
-    return device.type == "cuda" and os.environ.get("FUSEDSERVE_TRITON") == "1" and triton_kernels.available()
+    if device.type != "cuda" or not triton_kernels.available():
+        return False
+    flag = os.environ.get("FUSEDSERVE_TRITON", "").strip()
+    if flag in ("0", "1"):
+        return flag == "1"
+    return passes_self_check(str(torch.device(device.type, device.index or 0)))
+
+
+@functools.cache
+def passes_self_check(device: str) -> bool:
+    """Whether the kernels agree with torch on ``device`` (checked once per device)."""
+    from kernels.triton.self_check import check
+
+    failed = check(torch.device(device))
+    if failed:
+        log.warning("the Triton kernels failed their self-check on %s (%s): using ATen's kernels "
+                    "(FUSEDSERVE_TRITON=1 forces Triton)", device, failed)
+    return failed is None
 
 
 def attention_name() -> str:

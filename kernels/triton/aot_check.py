@@ -36,7 +36,7 @@ def _split(group: int) -> tuple:
     return (attn._split_kernel,
             dict(q_ptr=P16, k_ptr=P16, v_ptr=P16, tables_ptr="*i32", lens_ptr="*i32", m_ptr="*fp32",
                  l_ptr="*fp32", acc_ptr="*fp32", scale=F32, stride_qb=I32, stride_qh=I32, stride_slot=I32,
-                 stride_kvh=I32, stride_tb=I32, chunk=I32, GROUP=C, GROUP_P=C, HD=C, BLOCK_N=C, BS=C,
+                 stride_kvh=I32, stride_tb=I32, GROUP=C, GROUP_P=C, HD=C, BLOCK_N=C, BS=C,
                  SPLITS=C, NH=C),
             {"GROUP": group, "GROUP_P": group_p, "HD": 128, "BLOCK_N": attn.split_block_n(group_p),
              "BS": 16, "SPLITS": 8, "NH": 8 * group})

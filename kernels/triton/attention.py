@@ -1,6 +1,6 @@
 """``TritonAttention``: decode rows through the paged flash-decoding kernels (K/V read in place,
 split-K); prompt chunks through one varlen kernel over the pages (no loop per prompt, no gather
-of a cached prefix). Chosen on CUDA with ``FUSEDSERVE_TRITON=1`` (``kernels/backends/triton.py``)."""
+of a cached prefix). Chosen on CUDA by default after a self-check (``kernels/backends/triton.py``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ TOKENS_PER_SPLIT = 256  # a long context is cut into splits of about this many t
 class TritonAttention:
     def __init__(self, max_batch: int, max_ctx: int, heads: int, head_dim: int, scale: float,
                  device: torch.device):
-        self.scale, self.max_ctx = scale, max_ctx
+        self.scale = scale
         splits = max(1, min(16, max_ctx // TOKENS_PER_SPLIT))
         self.scratch = DecodeAttentionScratch(max_batch, heads, head_dim, splits, device)
         self._batch: ForwardBatch | None = None
@@ -30,6 +30,6 @@ class TritonAttention:
         b, nd = self._batch, self._batch.num_decode
         if nd:
             decode_attention(q[:nd], k_cache, v_cache, b.block_tables[:nd], b.seq_lens[:nd],
-                             self._block_size, self.scale, out[:nd], self.scratch, self.max_ctx)
+                             self._block_size, self.scale, out[:nd], self.scratch)
         prompt_attention(q, k_cache, v_cache, b.query_start_loc, b.seq_lens, b.block_tables, nd,
                          b.prompt_query_lens, self._block_size, self.scale, out)

@@ -1,11 +1,12 @@
 """Paged decode attention as Triton kernels: each decode row's query against its context, read
 in place from the KV pages through its block table (no gather into scratch), flash-decoding.
 
-- Split-K: a row's context is cut into ``splits`` ranges of ``chunk`` tokens; one program per
-  (row, KV head, split) runs an online softmax (fp32) over its range for every q head of the
-  KV head's group (GQA: each K/V row is loaded once for the group). A split that starts past
-  the row's own length returns at once, so a row's cost follows its own length, not the
-  batch's longest.
+- Split-K: each row's own context is cut into ``splits`` equal ranges (rounded up to the key
+  tile), planned in the kernel from the row's length on the device, so a graph replays it for
+  any lengths; one program per (row, KV head, split) runs an online softmax (fp32) over its
+  range for every q head of the KV head's group (GQA: each K/V row is loaded once for the
+  group). A row's cost and its parallelism follow its own length, not ``max_model_len`` nor
+  the batch's longest row.
 - A second kernel merges each row's splits (log-sum-exp weights) into ``out``.
 
 Shapes: q [B, NH, HD]; k_cache, v_cache [slots, NKV, HD] (slot = block * block_size + offset);
@@ -19,16 +20,17 @@ import triton
 import triton.language as tl
 
 
-# The table's row stride and the split length change between launches: not specialised on.
-@triton.jit(do_not_specialize=["stride_tb", "chunk"])
+# The table's row stride changes between launches: not specialised on.
+@triton.jit(do_not_specialize=["stride_tb"])
 def _split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr, scale,
-                  stride_qb, stride_qh, stride_slot, stride_kvh, stride_tb, chunk,
+                  stride_qb, stride_qh, stride_slot, stride_kvh, stride_tb,
                   GROUP: tl.constexpr, GROUP_P: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
                   BS: tl.constexpr, SPLITS: tl.constexpr, NH: tl.constexpr):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + row)
+    chunk = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N  # this row's own split length
     start = split * chunk
     g = tl.arange(0, GROUP_P)
     d = tl.arange(0, HD)
@@ -107,10 +109,9 @@ class DecodeAttentionScratch:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, scale: float,
-                     out: torch.Tensor, scratch: DecodeAttentionScratch, max_ctx: int,
-                     block_n: int = 16) -> None:
+                     out: torch.Tensor, scratch: DecodeAttentionScratch, block_n: int = 16) -> None:
     """``out[b, h] = softmax(q[b, h] . K_b / sqrt) V_b`` over row b's ``seq_lens[b]`` context
-    tokens; ``max_ctx`` bounds every row's context (it sizes the splits, fixed per workspace)."""
+    tokens, each row cut into the scratch's split count by its own length."""
     b, nh, hd = q.shape
     nkv = k_cache.shape[1]
     if b == 0:
@@ -121,11 +122,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = nh // nkv
     group_p = max(triton.next_power_of_2(group), 2)
     block_n = split_block_n(group_p, block_n)
-    chunk = -(-max_ctx // splits)
-    chunk = -(-chunk // block_n) * block_n
     _split_kernel[(b, nkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, scratch.m, scratch.l, scratch.acc, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), chunk,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         GROUP=group, GROUP_P=group_p, HD=hd, BLOCK_N=block_n,
         BS=block_size, SPLITS=splits, NH=nh)
     _merge_kernel[(b, nh)](scratch.m, scratch.l, scratch.acc, out, out.stride(0), out.stride(1), NH=nh,

@@ -1,8 +1,8 @@
 """``TritonLayerOps``: the layer-ops interface of ``kernels/layer_ops.py`` on Triton kernels.
 
-Chosen on CUDA when ``FUSEDSERVE_TRITON=1`` (``kernels/backends/``); ``TorchLayerOps`` stays
-the default there until a GPU run has checked these kernels compiled (they are tested on the
-CPU under the interpreter, and compiled for sm_90 without a GPU).
+Chosen on CUDA by default once the kernels pass a self-check on the device
+(``kernels/backends/triton.py``); ``TorchLayerOps`` where they fail it. They are tested on the CPU
+under the interpreter, and compiled for sm_90 without a GPU.
 """
 
 from __future__ import annotations
