@@ -7,7 +7,8 @@ clients send unrelated one-off prompts meanwhile. Each policy gets its own serve
 default model, ``--workers N``) and ``RUNS`` runs with fresh prompts; every figure is the median
 (min-max) of those runs. A follow-up turn *hits* when its cached tokens cover every full block of
 the previous turn's prompt (what that worker computed and cached). Load is the tokens each
-worker computed over the run (``stats``); the spread is the busiest worker's over the mean.
+worker computed over the run, prompt tokens not found cached plus tokens generated (``stats``);
+the spread is the busiest worker's over the mean.
 
     python -m benchmarks.multiturn --workers 2,4 --sessions 16 --turns 3 --others 0,4
 
@@ -146,10 +147,11 @@ async def run_workload(url: str, w: Workload) -> RunResult:
     return res
 
 
-def serve(workers: int, policy: str, num_blocks: int, threads: int) -> tuple[subprocess.Popen, str, str]:
+def serve(workers: int, policy: str, num_blocks: int, threads: int,
+          extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, str]:
     cmd = [sys.executable, "-m", "coordinator.cli", "serve", "--workers", str(workers), "--routing", policy,
-           "--port", "0", "--http-port", "0", "--block-size", str(BLOCK), "--num-blocks", str(num_blocks),
-           "--threads-per-worker", str(threads), "--dtype", "float32"]
+           *extra, "--port", "0", "--http-port", "0", "--block-size", str(BLOCK), "--num-blocks",
+           str(num_blocks), "--threads-per-worker", str(threads), "--dtype", "float32"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     zmq = ""
     for line in proc.stdout:
@@ -161,10 +163,14 @@ def serve(workers: int, policy: str, num_blocks: int, threads: int) -> tuple[sub
 
 
 def _worker_tokens(addr: str) -> dict[str, int]:
+    """Each worker's work so far: prompt tokens it computed (queried less found cached) and
+    tokens it generated."""
     from coordinator.client import Client
 
     with Client(addr, timeout_s=60) as c:
-        return {w["id"]: w["tokens"] for w in c.stats()["workers"]}
+        workers = c.stats()["workers"]
+    return {w["id"]: w["prefix_cache"]["query_tokens"] - w["prefix_cache"]["hit_tokens"] + w["tokens"]
+            for w in workers}
 
 
 def one_run(url: str, addr: str, w: Workload) -> RunResult:
@@ -221,12 +227,12 @@ def line(r: dict) -> str:
 
 
 def bench(workers: list[int], others: list[int], w: Workload, num_blocks: int, threads: int,
-          policies: tuple[str, ...] = POLICIES) -> list[dict]:
+          policies: tuple[str, ...] = POLICIES, extra: tuple[str, ...] = ()) -> list[dict]:
     """Every (workers, others, policy) cell: RUNS runs, each with fresh sessions."""
     rows = []
     for n in workers:
         for policy in policies:
-            proc, url, addr = serve(n, policy, num_blocks, threads)
+            proc, url, addr = serve(n, policy, num_blocks, threads, extra)
             try:
                 one_run(url, addr, Workload(2, 2, 0, w.prompt_words, w.question_words, w.max_tokens, 999))
                 for u in others:
@@ -298,6 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--num-blocks", type=int, default=4096, help="KV blocks per worker")
     ap.add_argument("--threads", type=int, default=1, help="threads per worker")
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--serve-args", default="", help="more serve flags, e.g. '--routing-balance-abs 8'")
     ap.add_argument("--choice-only", action="store_true", help="only time the routing choice")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
@@ -311,7 +318,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{args.sessions} sessions x {args.turns} turns, median (min-max) of {RUNS} runs:")
         workers, others = [int(x) for x in args.workers.split(",")], [int(x) for x in args.others.split(",")]
         policies = tuple(args.policies.split(","))
-        out["rows"] = bench(workers, others, w, args.num_blocks, args.threads, policies)
+        out["rows"] = bench(workers, others, w, args.num_blocks, args.threads, policies,
+                            tuple(args.serve_args.split()))
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     return out

@@ -360,8 +360,56 @@ def parallel_section(args, t: list) -> list[str]:
     return lines
 
 
+ROUTING_HEADING = "## Routing across workers: multi-turn sessions"
+ROUTING_RESULTS = RESULTS / "multiturn.json"
+
+
+def routing_lines(res: dict, t: list) -> list[str]:
+    """``benchmarks.multiturn``'s figures: each routing policy in the same run, per case."""
+    c = res["choice"]
+    lines = ["", ROUTING_HEADING, "",
+             "`python -m benchmarks.multiturn`: 16 concurrent sessions x 3 turns through the HTTP API on the "
+             "default model, each turn resending its history (about 300-450 tokens) with an `X-Session-Id`; "
+             "with 0 or 4 other clients sending unrelated one-off prompts; a server per policy, the same "
+             "prompts for each. A follow-up *hits* when its cached tokens cover the previous turn's full "
+             "prompt blocks; load is the tokens each worker computed (prompt tokens not found cached, plus "
+             "tokens generated).", "",
+             "| workers | other clients | policy | follow-ups hit (of 32) | session prompt tokens computed "
+             "| follow-up TTFT p50 ms | p99 ms | busiest worker / mean |", "|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['workers']} | {r['others']} | {r['policy']} | {fmt(r['follow_up_hits'], '.0f')} "
+                     f"| {fmt(r['session_prompt_tokens_computed'], '.0f')} | {fmt(r['follow_up_ttft_ms_p50'], '.0f')} "
+                     f"| {fmt(r['follow_up_ttft_ms_p99'], '.0f')} | {fmt(r['load_max_over_mean'], '.2f')} |")
+    lines += ["", f"One routing choice at {c['workers']} workers and a {c['prompt_tokens']:,}-token prompt "
+                  f"({c['cached_workers']} workers holding all but its last block): "
+                  f"{fmt(c['choice_us'], '.0f')} us, of which hashing its blocks {fmt(c['hashing_us'], '.0f')} us "
+                  "(the hashes are kept for the scheduler's own prefix lookup)."]
+    rows = {(r["workers"], r["others"], r["policy"]): r for r in res["rows"]}
+    aware = [r for r in res["rows"] if r["policy"] == "cache-aware"]
+    if aware:
+        worst = min(median(r["follow_up_hit_rate"]) for r in aware)
+        t.append(("cache-aware: >= 95% of follow-up turns hit their whole history (every case)", worst >= 0.95,
+                  f"lowest {100 * worst:.0f}%"))
+        spread_max = max(median(r["load_max_over_mean"]) for r in aware)
+        t.append(("cache-aware: no worker above 1.25x the mean load (every case)", spread_max <= 1.25,
+                  f"highest {spread_max:.3f}x"))
+        faster = [median(r["follow_up_ttft_ms_p50"]) < median(rows[k]["follow_up_ttft_ms_p50"])
+                  for r in aware if (k := (r["workers"], r["others"], "least-loaded")) in rows]
+        t.append(("cache-aware: follow-up TTFT p50 below least-loaded's (cases)", all(faster),
+                  f"{sum(faster)} of {len(faster)}"))
+    return lines
+
+
+def routing_section(args: argparse.Namespace, t: list) -> list[str]:
+    from benchmarks import multiturn
+
+    res = multiturn.main(["--json", str(ROUTING_RESULTS)])
+    return routing_lines(res, t)
+
+
 SECTIONS = {"structured": (STRUCTURED_HEADING, structured_section),
-            "parallel": (PARALLEL_HEADING, parallel_section)}
+            "parallel": (PARALLEL_HEADING, parallel_section),
+            "routing": (ROUTING_HEADING, routing_section)}
 
 
 def splice(path: Path, heading: str, section: list[str], targets: list) -> None:
@@ -492,6 +540,7 @@ def main(argv: list[str] | None = None) -> None:
     lines += engine_section(args, t)
     lines += structured_section(args, t)
     lines += parallel_section(args, t)
+    lines += routing_section(args, t)
     lines += cuda_section(t)
     lines += ["", "## Targets", "", "| target | met | figure |", "|---|---|---|"]
     lines += [f"| {name} | {'yes' if ok else 'no'} | {fig} |" for name, ok, fig in t]

@@ -79,7 +79,7 @@ def test_the_worker_holding_the_prefix_wins_within_the_load_bound():
     _cache(ws[1], PROMPT[:8])  # 2 blocks
     _cache(ws[2], PROMPT)  # 4 blocks
     ws[2].scheduler.load = 4  # least is 0: the bound is 0 + max(4, 0) = 4
-    policy = RoutingPolicy(RoutingConfig())
+    policy = RoutingPolicy(RoutingConfig(balance_abs=4))
     c = policy.choose(_seq(PROMPT), ws)
     assert (c.worker.worker_id, c.reason, c.hit_blocks) == ("w2", "prefix_hit", 4)
     ws[2].scheduler.load = 5  # past the bound: the next best hit within it
@@ -95,10 +95,12 @@ def test_the_worker_holding_the_prefix_wins_within_the_load_bound():
 def test_the_bound_grows_with_load():
     ws = _workers(2)
     _cache(ws[1], PROMPT)
-    ws[0].scheduler.load, ws[1].scheduler.load = 40, 50  # 40 + max(4, 0.25 * 40) = 50
+    ws[0].scheduler.load, ws[1].scheduler.load = 40, 50  # 40 + max(8, 0.25 * 40) = 50
     assert RoutingPolicy(RoutingConfig()).choose(_seq(PROMPT), ws).worker.worker_id == "w1"
     ws[1].scheduler.load = 51
     assert RoutingPolicy(RoutingConfig()).choose(_seq(PROMPT), ws).worker.worker_id == "w0"
+    ws[0].scheduler.load, ws[1].scheduler.load = 0, 8  # at low load the absolute bound: 0 + 8
+    assert RoutingPolicy(RoutingConfig()).choose(_seq(PROMPT), ws).worker.worker_id == "w1"
 
 
 def test_equal_hits_go_to_the_less_loaded_and_no_hit_to_the_least_loaded():
