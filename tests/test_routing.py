@@ -25,6 +25,7 @@ BS = 4
 class _Scheduler:  # what the policy reads of a worker's scheduler: its load and its block manager
     blocks: BlockManager
     load: int = 0
+    tokens_scheduled: int = 0
 
 
 @dataclass
@@ -112,6 +113,20 @@ def test_equal_hits_go_to_the_less_loaded_and_no_hit_to_the_least_loaded():
     assert policy.choose(_seq(PROMPT), ws).worker.worker_id == "w2"
     c = policy.choose(_seq([1, 2, 3, 4, 5, 6, 7, 8, 9]), ws)
     assert (c.worker.worker_id, c.reason) == ("w0", "least_loaded")
+
+
+def test_equal_loads_go_to_the_worker_given_the_least_work_so_far():
+    ws = _workers(3)
+    for w, work in zip(ws, (900, 300, 600)):
+        w.scheduler.tokens_scheduled = work
+    for policy in ("cache-aware", "least-loaded"):
+        assert RoutingPolicy(RoutingConfig(policy)).choose(_seq([1, 2, 3]), ws).worker.worker_id == "w1"
+    ws[1].scheduler.load = 1  # fewer sequences first, whatever the work
+    assert RoutingPolicy(RoutingConfig()).choose(_seq([1, 2, 3]), ws).worker.worker_id == "w2"
+    for w in ws[1:]:
+        _cache(w, PROMPT)
+    ws[1].scheduler.load = 0  # equal hits and loads: the one given less work
+    assert RoutingPolicy(RoutingConfig()).choose(_seq(PROMPT), ws).worker.worker_id == "w1"
 
 
 def test_least_loaded_ignores_the_cache_and_a_full_prefill_request_goes_least_loaded():

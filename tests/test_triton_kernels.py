@@ -209,20 +209,26 @@ def test_prompt_attention_over_the_pages_equals_the_chunk_path(dtype, heads, kv_
     torch.testing.assert_close(got[2:].float(), want[2:].float(), atol=tol, rtol=tol)
 
 
-def test_kernels_compile_ahead_of_time_for_sm90():
-    """Compiled for the H200 (sm_90) on this CPU host, outside the interpreter."""
+def _compiled(args: list[str]) -> str:
+    """The output of ``python ARGS`` outside the interpreter, compiling for sm_90 on this host
+    (skipped where triton has no ptxas; exit 1 of aot_check: a variant spills registers)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    run = subprocess.run([sys.executable, "-m", "kernels.triton.aot_check", "--arch", "90"],
-                         capture_output=True, text=True, timeout=600, env=env)
+    run = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600, env=env)
     if run.returncode and ("ptxas" in run.stderr and "not found" in run.stderr):
         pytest.skip("no ptxas for ahead-of-time compilation here")
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]  # 1: a variant spills registers
-    lines = [ln for ln in run.stdout.splitlines() if ": cubin " in ln]
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout
+
+
+def test_kernels_compile_ahead_of_time_for_sm90():
+    """Compiled for the H200 (sm_90) on this CPU host, outside the interpreter."""
+    out = _compiled(["-m", "kernels.triton.aot_check", "--arch", "90"])
+    lines = [ln for ln in out.splitlines() if ": cubin " in ln]
     names = [ln.split(":")[0] for ln in lines]
     assert [f"decode_attention_split_gqa{g}" for g in range(1, 17)] == [n for n in names if "split" in n]
     assert {"prompt_attention_16x16_bf16", "prompt_attention_16x16_fp32_ieee"} <= set(names)
-    assert len(names) == 23 and all(ln.endswith(", 0 spill bytes") for ln in lines), run.stdout
+    assert len(names) == 23 and all(ln.endswith(", 0 spill bytes") for ln in lines), out
 
 
 def test_float32_products_are_ieee_and_per_launch_integers_are_not_specialised():
@@ -236,27 +242,16 @@ def test_float32_products_are_ieee_and_per_launch_integers_are_not_specialised()
     assert prompt.dot_precision(torch.float32) == "ieee"
     assert [attn.split_block_n(g) for g in (2, 4, 8, 16, 32)] == [16, 16, 16, 8, 4]
     code = (
-        "import sys, triton\n"
-        "from triton.backends.compiler import GPUTarget\n"
-        "from triton.compiler import ASTSource\n"
         "from kernels.triton import aot_check as a\n"
         "for f32 in (True, False):\n"
-        "    fn, sig, const = a._prompt(16, f32)\n"
-        "    c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),"
-        " target=GPUTarget('cuda', 90, 32))\n"
-        "    ptx = c.asm['ptx']\n"
+        "    ptx = a.compile_job(a._prompt(16, f32)).asm['ptx']\n"
         "    print(f32, 'tf32' in ptx, 'bf16' in ptx and ('mma' in ptx))\n"
         "from kernels.triton import decode_attention as d, prompt_attention as p\n"
         "for k in (p._prompt_kernel, d._split_kernel):\n"
         "    print(sorted(q.name for q in k.params if q.do_not_specialize))\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
-    if run.returncode and ("ptxas" in run.stderr and "not found" in run.stderr):
-        pytest.skip("no ptxas for ahead-of-time compilation here")
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split("\n")[:4] == ["True False False", "False False True",
-                                          "['first_row', 'stride_tb']", "['stride_tb']"], run.stdout
+    out = _compiled(["-c", code])
+    assert out.split("\n")[:4] == ["True False False", "False False True", "['first_row', 'stride_tb']",
+                                   "['stride_tb']"], out
 
 
 @pytest.mark.skipif(COMPILED, reason="on a GPU, tests/test_cuda.py runs the engine on these kernels")
@@ -307,28 +302,18 @@ def test_cache_addresses_are_64_bit_in_the_compiled_kernels():
     address into the KV pages is computed in int64: the attention kernels' K/V tiles, and the
     slot base where qk_norm_rope writes the cache."""
     code = (
-        "import re, triton\n"
-        "from triton.backends.compiler import GPUTarget\n"
-        "from triton.compiler import ASTSource\n"
+        "import re\n"
         "from kernels.triton import aot_check as a\n"
         "j = a.jobs()\n"
         "for name in ('decode_attention_split_gqa4', 'decode_attention_split_gqa16',\n"
         "             'prompt_attention_16x16_bf16', 'qk_norm_rope'):\n"
-        "    fn, sig, const = j[name]\n"
-        "    ir = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),"
-        " target=GPUTarget('cuda', 90, 32)).asm['ttir']\n"
+        "    ir = a.compile_job(j[name]).asm['ttir']\n"
         "    if name == 'qk_norm_rope':  # its %k/%v are the qkv row's; the cache is written at a slot base\n"
         "        found = re.findall(r'= tt.addptr %[kv]_cache_ptr, .*', ir)\n"
         "    else:  # the K and V tiles the attention reads\n"
         "        found = re.findall(r'%[kv]_\\d+ = tt.addptr .*', ir)\n"
         "    print(name, len(found), sum('i64' in ln.split(' : ')[1] for ln in found))\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
-    if run.returncode and ("ptxas" in run.stderr and "not found" in run.stderr):
-        pytest.skip("no ptxas for ahead-of-time compilation here")
-    assert run.returncode == 0, run.stderr[-3000:]
-    for line in run.stdout.strip().splitlines():
+    for line in _compiled(["-c", code]).strip().splitlines():
         name, found, wide = line.split()
         assert int(found) >= 2 and found == wide, line  # K and V at least, every one 64-bit
 

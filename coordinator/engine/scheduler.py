@@ -41,6 +41,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.steps = 0
         self.preemptions = 0  # requests preempted to free blocks (stats)
+        self.tokens_scheduled = 0  # every token a launch carried: the work this worker was given
 
     @classmethod
     def for_worker(cls, cfg: EngineConfig) -> Scheduler:
@@ -142,6 +143,7 @@ class Scheduler:
         for r, s in enumerate(seqs):
             t = self.blocks.table(s.seq_id)
             tables[r, : len(t)] = t
+        self.tokens_scheduled += len(ids)
         return ScheduledBatch(
             seqs=tuple(seqs), num_decode=len(decoding), query_lens=tuple(query_lens),
             token_ids=np.asarray(ids, dtype=np.int32), positions=np.asarray(pos, dtype=np.int32),

@@ -7,6 +7,9 @@ their blocks by) and each worker answers how many leading ones it holds, cached 
 The rule (``cache-aware``, the default): among the workers whose load (waiting + running
 sequences) is within ``balance_abs`` sequences, or ``balance_rel`` of the least load, of the least
 loaded, the one holding the most leading blocks; ties and no hit at all go to the least loaded.
+Equal loads are told apart by the tokens each worker has been given so far (``tokens_scheduled``):
+the first of equals would otherwise take every tie, and one-off prompts, heavier than a cached
+follow-up, would pile onto it.
 A worker past that bound is not chosen for its cache: a hot prefix cannot pile every request on
 one worker. ``session`` first prefers the worker that served the request's session last, while
 it is active (not draining, not lost), then the same rule. ``least-loaded`` ignores both.
@@ -56,6 +59,11 @@ class Choice:
     hit_blocks: int  # leading blocks of the prompt the chosen worker holds
 
 
+def _busy(w: WorkerHandle) -> tuple[int, int]:
+    """How loaded a worker is: its sequences, then the tokens it has been given (ties)."""
+    return w.scheduler.load, w.scheduler.tokens_scheduled
+
+
 class RoutingPolicy:
     def __init__(self, cfg: RoutingConfig):
         cfg.check()
@@ -76,7 +84,7 @@ class RoutingPolicy:
         return choice
 
     def _choose(self, seq: Sequence, active: list[WorkerHandle]) -> Choice:
-        least = min(active, key=lambda w: w.scheduler.load)
+        least = min(active, key=_busy)
         if self.cfg.policy == "least-loaded":
             return Choice(least, "least_loaded", 0)
         if self.cfg.policy == "session" and seq.session is not None:
@@ -93,7 +101,7 @@ class RoutingPolicy:
             hits = self._hits(w, seq)
             if w.scheduler.load > bound:
                 over = max(over, hits)
-            elif hits > best_hits or (hits == best_hits and hits and w.scheduler.load < best.scheduler.load):
+            elif hits > best_hits or (hits == best_hits and hits and _busy(w) < _busy(best)):
                 best, best_hits = w, hits
         if best_hits:
             return Choice(best, "prefix_hit", best_hits)

@@ -114,15 +114,22 @@ def resources(ptx: str, arch: int) -> dict[str, int]:
     return {"registers": max(regs, default=0), "spill_bytes": sum(spills)}
 
 
-def compile_all(arch: int = 90) -> dict[str, dict]:
+def compile_job(job: tuple, arch: int = 90):
+    """One ``(kernel, signature, constants)`` compiled for ``sm_<arch>`` (its ``asm`` holds the
+    TTIR, PTX and cubin)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    target = GPUTarget("cuda", arch, 32)
+    fn, signature, constants = job
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
+                          target=GPUTarget("cuda", arch, 32))
+
+
+def compile_all(arch: int = 90) -> dict[str, dict]:
     out = {}
-    for name, (fn, signature, constants) in jobs().items():
-        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants), target=target)
+    for name, job in jobs().items():
+        compiled = compile_job(job, arch)
         out[name] = {"cubin_bytes": len(compiled.asm["cubin"]), "shared": compiled.metadata.shared,
                      **resources(compiled.asm["ptx"], arch)}
     return out
