@@ -260,6 +260,7 @@ def choice_cost(workers: int = 64, prompt_tokens: int = 8000, cached_workers: in
     class _Scheduler:
         blocks: BlockManager
         load: int
+        tokens_scheduled: int = 0
 
     @dataclass
     class _Worker:
