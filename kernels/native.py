@@ -22,6 +22,7 @@ import logging
 import os
 import platform
 import shutil
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -103,6 +104,27 @@ def enabled() -> bool:
     return os.environ.get("FUSEDSERVE_NATIVE", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
+STALE_LOCK_S = 600.0  # a build takes about a minute on 2 cores: a lock this old outlived its build
+
+
+def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S, now: float | None = None) -> bool:
+    """Remove torch's build lock (``build_dir/lock``) when it is older than ``max_age_s``.
+
+    The lock is a bare file: a process killed while building leaves it behind, and every later
+    build of the same kernels waits on it forever (every worker hangs at start). True if one
+    was removed (with a warning)."""
+    lock = build_dir / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age_s:
+        return False
+    log.warning("removing %s, left %.0f s ago by a build that did not finish (a killed process)", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 @functools.cache
 def build(isa: str, csrc: Path = CSRC, name: str = "fusedserve_cpu") -> ModuleType:
     """Compile (or load from the cache) the kernels for ``isa`` from ``csrc``.
@@ -119,6 +141,10 @@ def build(isa: str, csrc: Path = CSRC, name: str = "fusedserve_cpu") -> ModuleTy
     sources = sorted(str(p) for p in csrc.glob("*.cpp"))
     # torch rebuilds when a source or a flag changes, not a header: the header's hash is a flag.
     header = hashlib.sha1((csrc / "kernels.h").read_bytes()).hexdigest()[:12]
+    try:
+        clear_stale_lock(Path(cpp_extension._get_build_directory(f"{name}_{isa}", False)))
+    except (AttributeError, OSError):  # a torch without the helper: its own lock handling only
+        pass
     try:
         return cpp_extension.load(
             name=f"{name}_{isa}",

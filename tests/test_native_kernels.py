@@ -160,6 +160,20 @@ def test_without_a_compiler_the_model_falls_back_to_aten_with_one_warning(tmp_pa
     assert r.stderr.count("native CPU kernels unavailable") == 1, r.stderr
 
 
+def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_live_one_kept(tmp_path, caplog):
+    """torch's build lock has no owner: a process killed mid-build leaves it and every later
+    worker would wait on it forever. One older than any build is removed, with a warning."""
+    assert not native.clear_stale_lock(tmp_path)  # no lock: nothing to do
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not native.clear_stale_lock(tmp_path) and lock.exists()  # a build under way keeps it
+    old = lock.stat().st_mtime - native.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    with caplog.at_level("WARNING"):
+        assert native.clear_stale_lock(tmp_path)
+    assert not lock.exists() and "did not finish" in caplog.text
+
+
 def test_an_isa_the_cpu_lacks_is_refused_clearly(monkeypatch):
     monkeypatch.setattr(native, "cpu_flags", lambda: {"sse2"})
     monkeypatch.setenv("FUSEDSERVE_CPU_ISA", "avx512")
