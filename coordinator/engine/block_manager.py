@@ -39,10 +39,10 @@ def block_hash(parent: bytes, tokens: list[int]) -> bytes:
 def prefix_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
     """The chained hashes of ``token_ids``' full blocks that a cache hit may cover: all but the
     last token (its logits give the next one)."""
-    arr = np.asarray(token_ids, dtype=np.int64)
+    arr = np.asarray(token_ids, dtype=np.int64)  # once: each block's slice is a view of it
     out, parent = [], b""
     for i in range((len(token_ids) - 1) // block_size):
-        parent = hashlib.sha256(parent + arr[i * block_size : (i + 1) * block_size].tobytes()).digest()
+        parent = block_hash(parent, arr[i * block_size : (i + 1) * block_size])
         out.append(parent)
     return out
 
@@ -90,13 +90,8 @@ class BlockManager:
         ``prefix_hashes``, where the caller has them already."""
         if not self.enable_prefix_caching:
             return []
-        blocks = []
-        for h in prefix_hashes(token_ids, self.block_size) if hashes is None else hashes:
-            block = self._cached.get(h)
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks
+        hashes = prefix_hashes(token_ids, self.block_size) if hashes is None else hashes
+        return [self._cached[h] for h in hashes[: self.cached_run(hashes)]]
 
     def cached_run(self, hashes: list[bytes]) -> int:
         """How many of ``hashes`` (a prompt's ``prefix_hashes``), from the first, name blocks this
