@@ -99,7 +99,8 @@ def _server_config(args: argparse.Namespace, token: str | None = None):
         gpu_memory_utilization=args.gpu_memory_utilization, generation_config=args.generation_config,
         enable_prefix_caching=not args.no_prefix_caching,
         max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=not args.no_async_scheduling,
-        threads_per_worker=args.threads_per_worker, tensor_parallel_size=args.tensor_parallel_size,
+        threads_per_worker=args.threads_per_worker, cpu_gemm=args.cpu_gemm,
+        tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         host=args.host, port=args.port, transport=args.transport, auth_token=token, limits=limits,
         grammar=grammar, admin_token=_read_file(args.admin_token_file),
@@ -399,6 +400,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="quantized at load: int8 per channel, int4 in groups of 32 (lm_head int8); "
                        "on the CPU both multiply with int8 activations (per token); int8-weight-only "
                        "keeps the activations 16-bit")
+        p.add_argument("--cpu-gemm", default="auto", choices=["auto", "native"],
+                       help="auto: oneDNN's GEMM (AMX where the CPU has it) at the launch sizes where it "
+                       "measured faster at load, the native kernels elsewhere; native: the native "
+                       "kernels always (16-bit outputs bit-equal whatever the batch)")
         p.add_argument("--max-model-len", type=int, default=None,
                        help="the longest sequence (default: the model's own context, YaRN included, or "
                        "what the KV cache holds if less)")

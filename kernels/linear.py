@@ -17,6 +17,7 @@ from types import ModuleType
 
 import torch
 
+from kernels.gemm_choice import HEAD_ROWS, MODES, ROW_BUCKETS, GemmChooser, bucket
 from kernels.quantize import INT4_GROUP, quantize_int4, quantize_int8
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,10 @@ class PackedWeight:
     in_features: int
     layout: str = "pairs"
     wsum: torch.Tensor | None = None  # w8a8: [out] int32, each row's sum of int8 weights
+    # The same weight [out, in] as the matrix engine's GEMM takes it (bf16, or int8 with ``scale``),
+    # kept only where that GEMM won a row bucket; ``matrix_rows[bucket(rows)]``: whether it runs.
+    matrix: torch.Tensor | None = None
+    matrix_rows: tuple[bool, ...] = ()
 
     @classmethod
     def pack(cls, w: Weight) -> PackedWeight:
@@ -125,7 +130,8 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + (0 if self.scale is None else self.scale.nbytes)
+        extra = sum(t.nbytes for t in (self.scale, self.matrix) if t is not None)
+        return self.packed.nbytes + extra
 
 
 Weight = torch.Tensor | Int8Weight | Int4Weight | PackedWeight
@@ -140,9 +146,19 @@ class LinearOp:
     """``out = x @ w.T`` for whichever kind of weight, through the kernel this device has."""
 
     def __init__(self, device: torch.device, native: ModuleType | None, act_dtype: torch.dtype,
-                 int8_activations: bool = True):
+                 int8_activations: bool = True, gemm: str = "auto"):
+        if gemm not in MODES:
+            raise ValueError(f"cpu gemm {gemm!r}: one of {', '.join(MODES)}")
         self.device = device
         self.native = native if device.type == "cpu" else None
+        self.act_dtype = act_dtype
+        # "auto": a matrix-engine GEMM where it measured faster on this host; "native": never.
+        self.chooser = (GemmChooser(self.native.isa(), torch.get_num_threads())
+                        if self.native is not None and gemm == "auto" else None)
+        self.matrix_from: dict[str, int] = {}  # weight kind -> fewest rows a matrix GEMM ran
+        self._xq = torch.empty(0, dtype=torch.int8)  # the matrix int8 path's scratch, grown once
+        self._sx = torch.empty(0, dtype=torch.float32)
+        self._acc = torch.empty(0, dtype=torch.int32)
         # int8 weights with int8 activations (per-token scales, integer dot products), where the
         # native build has a vector unit; else (or asked) weight-only: widened to 16/32 bits.
         self.int8_lanes = self.native.int8_lanes() if self.native is not None and int8_activations else 0
@@ -155,24 +171,56 @@ class LinearOp:
         # dequantizing per call where this build lacks it for the device and dtype.
         self.int8_op = "native" if self.native is not None else _probe_int8(device, act_dtype)
 
-    def prepare(self, w: Weight) -> Weight:
-        """The weight in the layout its kernel reads (packed where a packed GEMM runs it)."""
+    def prepare(self, w: Weight, max_rows: int = ROW_BUCKETS[-1]) -> Weight:
+        """The weight in the layout its kernel reads (packed where a packed GEMM runs it), with a
+        matrix-engine copy where that GEMM measured faster at some bucket up to ``max_rows``."""
         if isinstance(w, Int8Weight) and self.int8_lanes:
-            return PackedWeight.pack_w8a8(w, self.int8_lanes)
+            return self._with_matrix(PackedWeight.pack_w8a8(w, self.int8_lanes), w.q, max_rows)
         if isinstance(w, Int4Weight):
             return PackedWeight.pack_w4a8(w, self.native.int4_lanes())
         if self.packs and w.shape[1] % 2 == 0 and (isinstance(w, Int8Weight) or w.dtype == torch.bfloat16):
-            return PackedWeight.pack(w)
+            packed = PackedWeight.pack(w)
+            return packed if isinstance(w, Int8Weight) else self._with_matrix(packed, w, max_rows)
         if self._fma(w):
-            return PackedWeight.pack_fma(w, self.lanes)
+            return self._with_matrix(PackedWeight.pack_fma(w, self.lanes), w, max_rows)
         return w
+
+    def prepare_head(self, w: Weight) -> Weight:
+        """An lm_head: its launches carry at most the rows that need logits."""
+        return self.prepare(w, HEAD_ROWS)
+
+    def _with_matrix(self, p: PackedWeight, plain: torch.Tensor, max_rows: int) -> PackedWeight:
+        """``p`` with ``plain`` kept for the matrix engine where it measured faster at some bucket
+        (int8 W8A8; a 16-bit weight in the activations' dtype)."""
+        if self.chooser is None or (p.layout != "w8a8" and plain.dtype != self.act_dtype):
+            return p
+        kind = "w8a8" if p.layout == "w8a8" else str(plain.dtype).removeprefix("torch.")
+        p.matrix = plain.contiguous()
+        choice = self.chooser.choose(kind, p.in_features, p.out_features, max_rows,
+                                     lambda x, out: self(x, p, out, matrix=False),
+                                     lambda x, out: self(x, p, out, matrix=True), self.act_dtype)
+        if any(choice):
+            p.matrix_rows = choice
+            first = ROW_BUCKETS[choice.index(True)]
+            self.matrix_from[kind] = min(first, self.matrix_from.get(kind, first))
+        else:
+            p.matrix = None
+        return p
 
     def _fma(self, w: Weight) -> bool:
         return (self.lanes > 1 and not self.packs and isinstance(w, torch.Tensor)
                 and w.dtype in (torch.bfloat16, torch.float16))
 
     def describe(self, weight_dtype: torch.dtype | str) -> str:
-        """Which kernel runs a weight of this kind (stats and the startup log)."""
+        """Which kernel runs a weight of this kind (stats and the startup log), and from how many
+        rows oneDNN's matrix GEMM takes over where it measured faster."""
+        name = self._describe(weight_dtype)
+        kind = {"int8": "w8a8", "int4": "w8a8"}.get(weight_dtype, str(weight_dtype).removeprefix("torch."))
+        if kind in self.matrix_from:
+            name += f" + onednn-{kind} from {self.matrix_from[kind]} rows"
+        return name
+
+    def _describe(self, weight_dtype: torch.dtype | str) -> str:
         if self.native is not None and weight_dtype == "int8" and self.int8_lanes:
             return f"native-{self.native.isa()}-w8a8"
         weight_dtype = "int8" if weight_dtype == "int8-wo" else weight_dtype
@@ -187,8 +235,14 @@ class LinearOp:
             return {"int8pack": "aten-int8pack", "npu": "npu-weight-quant"}.get(self.int8_op, "dequantize")
         return "aten-mm"
 
-    def __call__(self, x: torch.Tensor, w: Weight, out: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, w: Weight, out: torch.Tensor,
+                 matrix: bool | None = None) -> torch.Tensor:
+        """``matrix``: force (True) or forbid (False) the matrix-engine path; None: as measured."""
         if isinstance(w, PackedWeight):
+            if matrix is None:
+                matrix = w.matrix is not None and w.matrix_rows[bucket(x.shape[0])]
+            if matrix and self._matrix(x, w, out):
+                return out
             if w.layout == "fma":
                 self.native.linear_fma(x, w.packed, out)
             elif w.layout == "w8a8":
@@ -204,6 +258,34 @@ class LinearOp:
             self.native.linear(x, w, None, out)
             return out
         return torch.mm(x, w.t(), out=out)
+
+    def _matrix(self, x: torch.Tensor, w: PackedWeight, out: torch.Tensor) -> bool:
+        """``out = x @ w.T`` by oneDNN's GEMM (AMX where the CPU has it); False where it cannot run
+        this call (dtypes), so the native kernel does. int8: quantized and scaled by the native
+        kernel's own code around ``_int_mm``'s exact int32 sums (bit-equal to ``linear_w8a8``)."""
+        if w.layout == "w8a8":
+            m, k, n = x.shape[0], w.in_features, w.out_features
+            if self._xq.numel() < m * k or self._acc.numel() < m * n or self._sx.numel() < m:
+                self._grow(m * k, m * n, m)
+            q, acc = self._xq[: m * k].view(m, k), self._acc[: m * n].view(m, n)
+            self.native.quantize_rows_i8(x, q, self._sx)
+            torch._int_mm(q, w.matrix.t(), out=acc)
+            self.native.scale_int32(acc, self._sx, w.scale, out)
+            return True
+        if x.dtype != w.matrix.dtype or out.dtype != w.matrix.dtype:
+            return False
+        torch.mm(x, w.matrix.t(), out=out)
+        return True
+
+    def _grow(self, xq: int, acc: int, rows: int) -> None:
+        """The int8 matrix path's scratch, doubled past what a launch needs (a few growths at
+        warm-up, none per step after)."""
+        if self._xq.numel() < xq:
+            self._xq = torch.empty(max(xq, 2 * self._xq.numel()), dtype=torch.int8)
+        if self._acc.numel() < acc:
+            self._acc = torch.empty(max(acc, 2 * self._acc.numel()), dtype=torch.int32)
+        if self._sx.numel() < rows:
+            self._sx = torch.empty(max(rows, 2 * self._sx.numel()), dtype=torch.float32)
 
     def _int8(self, x: torch.Tensor, w: Int8Weight, out: torch.Tensor) -> torch.Tensor:
         if self.native is not None:

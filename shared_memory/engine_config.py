@@ -64,6 +64,10 @@ class DeviceConfig:
     # use (affinity, cgroup quota) divided among the node's workers and ranks.
     threads_per_worker: int = 0
     cpus_per_worker: int = 1  # Ray CPUs each worker (each rank of a group) reserves
+    # CPU GEMMs: "auto" runs oneDNN's (AMX where present) at the row buckets where it measured
+    # faster on this host, else the native kernels; "native" keeps the native kernels, so 16-bit
+    # outputs are bit-equal whatever the batch (int8 is bit-equal either way).
+    cpu_gemm: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,8 @@ def _native_kernels():
 
 @pytest.fixture(scope="session", autouse=True)
 def _model_cache(tmp_path_factory):
-    """Embedded default model written into a per-run cache, as on a fresh machine."""
+    """Embedded default model (and the GEMM timings) written into a per-run cache, as on a fresh
+    machine."""
     if "FUSEDSERVE_CACHE" not in os.environ:
         os.environ["FUSEDSERVE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
     yield

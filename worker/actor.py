@@ -78,7 +78,7 @@ class WorkerActor:
         progress, bar = weight_progress(f"{who}: loading weights", in_ray_worker=True)
         try:
             model = Qwen3Model.from_pretrained(m.model, m.dtype, device, m.max_model_len, m.quantization,
-                                               tp=tp, progress=progress)
+                                               tp=tp, progress=progress, gemm=cfg.device.cpu_gemm)
         finally:
             bar.close()
         table, dims = step_table(), cfg.max_dims(model.config.vocab_size)

@@ -61,7 +61,7 @@ def _load(cfg: EngineConfig, device: torch.device) -> Qwen3Model:
     progress, bar = weight_progress("loading weights", in_ray_worker=False)
     try:
         return Qwen3Model.from_pretrained(m.model, m.dtype, device, m.max_model_len, m.quantization,
-                                          progress=progress)
+                                          progress=progress, gemm=cfg.device.cpu_gemm)
     finally:
         bar.close()
 

@@ -65,11 +65,13 @@ class Kernels:
 
 
 def select_kernels(config: Qwen3Config, dtype: torch.dtype, device: torch.device,
-                   int8_activations: bool = True) -> Kernels:
-    """``int8_activations``: int8 weights multiply with int8 activations where the build can."""
+                   int8_activations: bool = True, gemm: str = "auto") -> Kernels:
+    """``int8_activations``: int8 weights multiply with int8 activations where the build can.
+    ``gemm``: ``auto`` lets a matrix-engine GEMM run the row buckets where it measured faster on
+    this CPU (``kernels/gemm_choice.py``); ``native`` keeps the native kernels everywhere."""
     backend = backend_for(device)
     build = native_build.kernels() if device.type == "cpu" else None
-    linear = LinearOp(device, build, dtype, int8_activations)
+    linear = LinearOp(device, build, dtype, int8_activations, gemm)
     return Kernels(config, dtype, device, backend, linear, backend.layer_ops(config, device),
                    grouped_moe=_grouped_mm_runs(config, device, dtype))
 

@@ -202,6 +202,8 @@ void linear_fma(const at::Tensor& x, const at::Tensor& packed, at::Tensor out);
 // linear_int8.cpp
 int64_t int8_lanes();
 bool int8_offset();
+void quantize_rows_i8(const at::Tensor& x, at::Tensor q, at::Tensor sx);
+void scale_int32(const at::Tensor& acc, const at::Tensor& sx, const at::Tensor& sw, at::Tensor out);
 void linear_w8a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sw, const at::Tensor& wsum,
                  at::Tensor out);
 

@@ -227,4 +227,61 @@ void linear_w8a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
 #endif
 }
 
+
+// The two ends of a W8A8 product whose integer middle runs elsewhere (a matrix engine's int8 GEMM,
+// e.g. AMX through oneDNN): rows quantized exactly as linear_w8a8 quantizes them (signed, no +128),
+// and the int32 sums scaled exactly as int8_gemm scales them. With exact int32 sums in between, the
+// output equals linear_w8a8's bit for bit, whichever GEMM summed.
+void quantize_rows_i8(const at::Tensor& x, at::Tensor q, at::Tensor sx) {
+#if FS_VL > 1
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && q.scalar_type() == at::kChar && sx.scalar_type() == at::kFloat &&
+              x.size(0) == q.size(0) && x.size(1) == q.size(1) && sx.numel() >= x.size(0) &&
+              x.stride(1) == 1 && q.stride(1) == 1 && sx.is_contiguous(),
+              "quantize_rows_i8: x [M, K], q [M, K] int8, sx [>= M] float32");
+  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0), ldq = q.stride(0);
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = sx.data_ptr<float>();
+  auto run = [&](auto* xp) {
+    at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) sp[r] = quantize_row_i8(xp + r * ldx, K, qp + r * ldq, 0);
+    });
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: run(x.data_ptr<float>()); break;
+    case at::kBFloat16: run(x.data_ptr<bf16>()); break;
+    case at::kHalf: run(x.data_ptr<f16>()); break;
+    default: TORCH_CHECK(false, "quantize_rows_i8: unsupported activation dtype ", x.scalar_type());
+  }
+#else
+  TORCH_CHECK(false, "quantize_rows_i8: this build has no vector unit");
+#endif
+}
+
+void scale_int32(const at::Tensor& acc, const at::Tensor& sx, const at::Tensor& sw, at::Tensor out) {
+  TORCH_CHECK(acc.dim() == 2 && acc.scalar_type() == at::kInt && acc.stride(1) == 1 && out.dim() == 2 &&
+              out.stride(1) == 1 && out.size(0) == acc.size(0) && out.size(1) == acc.size(1) &&
+              sx.scalar_type() == at::kFloat && sw.scalar_type() == at::kFloat && sx.is_contiguous() &&
+              sw.is_contiguous() && sx.numel() >= acc.size(0) && sw.numel() == acc.size(1),
+              "scale_int32: acc [M, N] int32, sx [>= M], sw [N] float32, out [M, N]");
+  const int64_t M = acc.size(0), N = acc.size(1), lda = acc.stride(0), ldo = out.stride(0);
+  const int32_t* ap = acc.data_ptr<int32_t>();
+  const float* sxp = sx.data_ptr<float>();
+  const float* swp = sw.data_ptr<float>();
+  auto run = [&](auto* op) {
+    using O = std::remove_pointer_t<decltype(op)>;
+    at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0; i < r1; ++i) {
+        const float s = sxp[i];
+        for (int64_t j = 0; j < N; ++j) op[i * ldo + j] = static_cast<O>(static_cast<float>(ap[i * lda + j]) * s * swp[j]);
+      }
+    });
+  };
+  switch (out.scalar_type()) {
+    case at::kFloat: run(out.data_ptr<float>()); break;
+    case at::kBFloat16: run(out.data_ptr<bf16>()); break;
+    case at::kHalf: run(out.data_ptr<f16>()); break;
+    default: TORCH_CHECK(false, "scale_int32: unsupported output dtype ", out.scalar_type());
+  }
+}
+
 }  // namespace fusedserve

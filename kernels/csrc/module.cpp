@@ -35,6 +35,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_offset", &int8_offset, "whether W8A8 stores activations + 128 (VNNI)");
   m.def("linear_w8a8", &linear_w8a8, "out = quantize(x) @ W.T, W int8 packed [N/VI, K/4, VI, 4], int32 sums",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("wsum"), py::arg("out"));
+  m.def("quantize_rows_i8", &quantize_rows_i8, "q, sx = rows of x as linear_w8a8 quantizes them (signed)",
+        py::arg("x"), py::arg("q"), py::arg("sx"));
+  m.def("scale_int32", &scale_int32, "out = acc * sx[:, None] * sw[None, :], as linear_w8a8 scales its sums",
+        py::arg("acc"), py::arg("sx"), py::arg("sw"), py::arg("out"));
   m.def("int4_lanes", &int4_lanes, "int32 lanes of the W4A8 pack (0: no vector unit)");
   m.def("linear_w4a8", &linear_w4a8, "out = quantize(x) @ W.T, W 4-bit in groups of 32, fp16 group scales",
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("out"));

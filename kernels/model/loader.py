@@ -238,7 +238,7 @@ def _prepare(w: Qwen3Weights, linear: LinearOp, grouped_moe: bool) -> None:
         elif lw.experts is not None:
             lw.experts = [None if ex is None else (linear.prepare(ex[0]), linear.prepare(ex[1]))
                           for ex in lw.experts]
-    w.lm_head = linear.prepare(w.lm_head)
+    w.lm_head = linear.prepare_head(w.lm_head)
 
 
 def _to_device(w: Qwen3Weights, device: torch.device) -> Qwen3Weights:

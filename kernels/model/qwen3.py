@@ -31,7 +31,7 @@ class Qwen3Model:
 
     def __init__(self, config: Qwen3Config, weights: Qwen3Weights, dtype: torch.dtype,
                  device: torch.device | str = "cpu", max_model_len: int | None = None,
-                 quantization: str | None = None, tp: TensorParallel = SINGLE):
+                 quantization: str | None = None, tp: TensorParallel = SINGLE, gemm: str = "auto"):
         self.config = config
         # What this rank computes: its heads and MLP slice under tensor parallelism, else the model.
         self.local = tp.local_config(config)
@@ -42,7 +42,7 @@ class Qwen3Model:
         # Resolved by the caller (coordinator/engine/config_resolution.py clamps it to the model's).
         self.max_model_len = max_model_len or config.max_context
         self.kernels = select_kernels(self.local, dtype, self.device,
-                                      int8_activations=self.quantization != "int8-weight-only")
+                                      int8_activations=self.quantization != "int8-weight-only", gemm=gemm)
         if self.quantization == "int4" and not self.kernels.linear.int4:
             raise ConfigError("int4 weights run on the native CPU kernels (AVX2 or AVX-512 builds); this "
                               f"device ({self.device}) has none: use int8 or none")
@@ -57,13 +57,15 @@ class Qwen3Model:
     def from_pretrained(cls, model_dir: str | Path, dtype: str | torch.dtype | None = None,
                         device: torch.device | str = "cpu", max_model_len: int | None = None,
                         quantization: str | None = None, tp: TensorParallel = SINGLE,
-                        progress: Progress | None = None) -> Qwen3Model:
+                        progress: Progress | None = None, gemm: str = "auto") -> Qwen3Model:
         """``dtype``: a name, None (the checkpoint's) or ``"auto"`` (``resolve_dtype``). ``tp``: load
-        and run one tensor-parallel rank's share. ``progress``: told as the layers load."""
+        and run one tensor-parallel rank's share. ``progress``: told as the layers load. ``gemm``:
+        the CPU's GEMM choice (``select_kernels``)."""
         config = Qwen3Config.from_dir(model_dir)
         torch_dtype = resolve_dtype(dtype, parse_dtype(config.dtype), torch.device(device).type)
         weights = load_weights(model_dir, config, torch_dtype, tp, progress)
-        return cls(config, weights, torch_dtype, device, max_model_len, quantization=quantization, tp=tp)
+        return cls(config, weights, torch_dtype, device, max_model_len, quantization=quantization, tp=tp,
+                   gemm=gemm)
 
     def kernel_info(self) -> dict[str, str]:
         """Which kernels this model runs (``stats`` and the startup log report it)."""
