@@ -423,3 +423,82 @@ def test_fused_silu_mul_and_the_cache_write_match_the_aten_ops(dtype):
     assert torch.equal(caches["native"][1][slots], v), "v is copied as is"
     untouched = [s for s in range(16) if s not in slots.tolist()]
     assert not caches["native"][0][untouched].any(), "no other slot is written"
+
+
+def _paged_chunks(spec: list[tuple[int, int]], kvh: int, d: int, bs: int, seed: int):
+    """Caches with each chunk's context on shuffled pages; spec: (queries, context) per chunk.
+    Returns caches, the block tables (row 0 a decode row's), the chunk table and the slots."""
+    g = torch.Generator().manual_seed(seed)
+    nblocks = sum(-(-ctx // bs) for _, ctx in spec) + 3
+    kc = torch.randn(nblocks * bs, kvh, d, generator=g).bfloat16()
+    vc = torch.randn(nblocks * bs, kvh, d, generator=g).bfloat16()
+    perm = torch.randperm(nblocks, generator=g)
+    width = max(-(-ctx // bs) for _, ctx in spec)
+    bt = torch.zeros(len(spec) + 1, width, dtype=torch.int32)
+    chunks, slots, used, start = [], [], 0, 1  # query row 0 is a decode row's: left alone
+    for i, (n, ctx) in enumerate(spec):
+        nb = -(-ctx // bs)
+        bt[i + 1, :nb] = perm[used : used + nb]
+        used += nb
+        chunks.append([i + 1, start, n, ctx])
+        slots.append((bt[i + 1, :nb].long()[:, None] * bs + torch.arange(bs)).flatten()[:ctx])
+        start += n
+    return kc, vc, bt, torch.tensor(chunks, dtype=torch.int64), slots, start
+
+
+def _prompt_reference(q, kc, vc, chunks, slots, scale):
+    """float64: query j of a chunk of n over ctx sees keys 0 .. ctx - n + j."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    g = q.shape[1] // kc.shape[1]
+    for (_, start, n, ctx), s in zip(chunks.tolist(), slots, strict=True):
+        k = kc[s].double().repeat_interleave(g, 1)  # [ctx, H, D]
+        v = vc[s].double().repeat_interleave(g, 1)
+        scores = torch.einsum("nhd,chd->hnc", q[start : start + n].double(), k) * scale
+        visible = torch.arange(ctx)[None, :] <= (ctx - n + torch.arange(n))[:, None]
+        p = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[start : start + n] = torch.einsum("hnc,chd->nhd", p, v)
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("heads,kvh,d,bs", [(4, 4, 16, 4), (4, 2, 32, 16), (8, 2, 64, 4), (16, 2, 128, 16),
+                                            (16, 1, 16, 16)])
+def test_prompt_attention_over_pages_matches_float64(heads, kvh, d, bs):
+    """Chunks with and without a cached prefix, one query to 70, in one call; bf16 out."""
+    m = native.kernels()
+    if not m.has_prompt_attention():
+        pytest.skip("prompt_attention needs an AVX-512 BF16 build")
+    spec = [(5, 5), (1, 1), (3, 40), (70, 70), (33, 101), (1, 17)]
+    kc, vc, bt, chunks, slots, rows = _paged_chunks(spec, kvh, d, bs, seed=heads + d)
+    q = torch.randn(rows, heads, d, generator=torch.Generator().manual_seed(7)).bfloat16()
+    out = torch.full((rows, heads, d), 7.0).bfloat16()
+    m.prompt_attention(q, kc, vc, bt, chunks, bs, d**-0.5, out)
+    ref = _prompt_reference(q, kc, vc, chunks, slots, d**-0.5)
+    assert torch.equal(out[0], torch.full((heads, d), 7.0).bfloat16())  # the decode row: untouched
+    # bf16 rounding of the output and of the probabilities in the value product (2^-9 each).
+    err = (out[1:].double() - ref[1:]).abs()
+    assert (err <= 2**-8 * ref[1:].abs() + 4e-3 * vc.double().abs().max()).all(), err.max()
+
+
+@needs_native
+def test_prompt_attention_rows_do_not_depend_on_chunking_or_neighbours():
+    """A row's sums depend only on its position, keys and query: one 40-token chunk, the same
+    prompt as two chunks of 20 (the second after a 20-token prefix), and beside another chunk
+    give the same bits."""
+    m = native.kernels()
+    if not m.has_prompt_attention():
+        pytest.skip("prompt_attention needs an AVX-512 BF16 build")
+    kc, vc, bt, _, _, _ = _paged_chunks([(40, 40)], 2, 32, 4, seed=3)
+    q = torch.randn(41, 4, 32, generator=torch.Generator().manual_seed(4)).bfloat16()
+
+    def run(chunks: list[list[int]], table: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(41, 4, 32).bfloat16()
+        m.prompt_attention(q, kc, vc, table, torch.tensor(chunks, dtype=torch.int64), 4, 32**-0.5, out)
+        return out
+
+    whole = run([[1, 1, 40, 40]], bt)
+    first = run([[1, 1, 20, 20]], bt)
+    second = run([[1, 21, 20, 40]], bt)
+    assert torch.equal(first[1:21], whole[1:21]) and torch.equal(second[21:41], whole[21:41])
+    both = run([[1, 1, 20, 20], [2, 21, 20, 40]], torch.cat([bt, bt[1:]]))
+    assert torch.equal(both[1:41], whole[1:41])

@@ -1,7 +1,8 @@
 """The native CPU backend (``kernels/csrc/``, built per instruction set by ``kernels/native.py``):
 one fused pass per row (add + norm), per head (norm + rotary + cache write) and per row of the
 MLP (SiLU x up); decode rows read K/V in place from the pages (``attention.cpp``: online softmax
-in fp32, GQA, cost per row's own length); prompt chunks through ``prompt_rows``."""
+in fp32, GQA, cost per row's own length); prompt chunks by ``prompt_attention.cpp`` (flash style
+over the pages, AVX-512 BF16, bf16 caches), else through ``prompt_rows``."""
 
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ def layer_ops(c: Qwen3Config, device: torch.device) -> NativeLayerOps:
 
 def attention(c: Qwen3Config, dtype: torch.dtype, device: torch.device, max_batch: int, max_ctx: int,
               block_size: int) -> NativeAttention:
-    return NativeAttention(native_build.kernels(), c.head_dim ** -0.5)
+    build = native_build.kernels()
+    flash = dtype == torch.bfloat16 and c.head_dim % 16 == 0 and build.has_prompt_attention()
+    return NativeAttention(build, c.head_dim ** -0.5, flash)
 
 
 class NativeLayerOps:
@@ -67,15 +70,34 @@ class NativeLayerOps:
 
 
 class NativeAttention:
-    def __init__(self, native: ModuleType, scale: float):
-        self.native, self.scale = native, scale
+    """Decode rows by ``decode_attention``; prompt chunks by the flash-style ``prompt_attention``
+    where the build has it (AVX-512 BF16) and the cache is bf16 with head_dim a multiple of 16,
+    else through ``prompt_rows`` (SDPA per chunk)."""
+
+    def __init__(self, native: ModuleType, scale: float, flash: bool):
+        self.native, self.scale, self.flash = native, scale, flash
         self._batch: ForwardBatch | None = None
         self._block_size = 0
         self._chunks: list[PromptChunk] = []
+        self._flash_chunks: torch.Tensor | None = None
 
     def begin(self, batch: ForwardBatch, block_size: int) -> None:
         self._batch, self._block_size = batch, block_size
-        self._chunks = plan_chunks(batch, block_size) if batch.prompt_query_lens else []
+        self._chunks, self._flash_chunks = [], None
+        if not batch.prompt_query_lens:
+            return
+        if self.flash:  # (block-table row, first query, queries, context) per chunk
+            rows, starts = [], []
+            start = batch.num_decode
+            for n in batch.prompt_query_lens:
+                rows.append(batch.num_decode + len(rows))
+                starts.append(start)
+                start += n
+            self._flash_chunks = torch.tensor(
+                list(zip(rows, starts, batch.prompt_query_lens, batch.prompt_seq_lens, strict=True)),
+                dtype=torch.int64)
+        else:
+            self._chunks = plan_chunks(batch, block_size)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                out: torch.Tensor) -> None:
@@ -83,4 +105,8 @@ class NativeAttention:
         if nd:
             self.native.decode_attention(q[:nd], k_cache, v_cache, b.block_tables[:nd], b.seq_lens[:nd],
                                          self._block_size, self.scale, out[:nd])
-        attend_chunks(self._chunks, q, k_cache, v_cache, out, self.scale)
+        if self._flash_chunks is not None:
+            self.native.prompt_attention(q, k_cache, v_cache, b.block_tables, self._flash_chunks,
+                                         self._block_size, self.scale, out)
+        else:
+            attend_chunks(self._chunks, q, k_cache, v_cache, out, self.scale)

@@ -186,6 +186,12 @@ inline float quantize_row_i8(const T* x, int64_t K, int8_t* q, uint8_t flip) {
   return s;
 }
 
+// prompt_attention.cpp
+bool has_prompt_attention();
+void prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& block_tables, const at::Tensor& chunks, int64_t block_size, double scale,
+                      at::Tensor out);
+
 // linear.cpp
 const float* as_f32(const at::Tensor& x, std::vector<float>& buf);  // rows as fp32 (a reused scratch)
 void linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale, at::Tensor out);

@@ -47,6 +47,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention, K/V read in place",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("block_size"), py::arg("scale"), py::arg("out"));
+  m.def("has_prompt_attention", &has_prompt_attention, "whether prompt_attention runs in this build");
+  m.def("prompt_attention", &prompt_attention,
+        "prompt chunks' causal attention over the paged bf16 cache, flash style (vdpbf16ps)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("chunks"),
+        py::arg("block_size"), py::arg("scale"), py::arg("out"));
   m.def("add_rms_norm", &add_rms_norm, "x += add; out = rms_norm(x) * w (rows)",
         py::arg("x"), py::arg("add"), py::arg("w"), py::arg("eps"), py::arg("out"));
   m.def("qk_norm_rope", &qk_norm_rope,

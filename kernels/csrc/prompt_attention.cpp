@@ -1,0 +1,274 @@
+// Prompt chunks' attention, flash style, over the paged bf16 cache (AVX-512 BF16 builds).
+//
+// A chunk of n new tokens whose sequence holds ctx tokens after this launch (p = ctx - n before
+// them: a cached prefix or earlier chunks) attends causally: query j (position p + j) sees keys
+// 0 .. p + j. Every chunk of the launch is served by one call.
+//
+// Per chunk and KV head, K and V are first copied out of the pages into the layouts vdpbf16ps
+// takes (each 32-bit word a pair of bf16):
+//   K: [ctx/16][D/2][16] words: word (b, d2, i) = (k[16b + i][2 d2], k[16b + i][2 d2 + 1]), so one
+//      vector holds 16 keys' pair d2 and a query's pair d2, broadcast, scores 16 keys per op;
+//   V: [ctx/2][D] words: word (t2, d) = (v[2 t2][d], v[2 t2 + 1][d]), so one vector holds 16 dims
+//      of two keys and a row's probabilities of those two keys, broadcast, add 16 dims per op.
+// A work item is up to 64 query rows (tokens x the KV head's query heads) of one chunk and head;
+// it walks the keys in blocks of 32 up to its last token's position, each block scored for 8 rows
+// at a time in registers, then an online softmax in fp32 (the probabilities rounded to bf16 for
+// the value product, as flash attention does on GPUs), then P V into fp32 rows. Keys past a row's
+// position are masked, and blocks past all of a tile's rows are skipped.
+#include "kernels.h"
+
+namespace fusedserve {
+
+#if defined(__AVX512BF16__)
+namespace {
+
+constexpr int KB = 32;  // keys per block: two vectors of scores
+constexpr int RT = 8;  // rows scored and accumulated together in registers
+constexpr int ITEM_ROWS = 64;  // query rows per work item
+
+inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
+
+struct Chunk {
+  int64_t row, q0, n, ctx, kv_off;  // its block-table row, first query, queries, context, repack offset
+};
+
+// A work item's rows: row r is token j0 + r / G of the chunk, query head kvh * G + r % G.
+struct Item {
+  const Chunk* c;
+  int64_t kvh, j0, rows;
+};
+
+template <int R>
+inline void score_tile(const uint32_t* const* q, const uint32_t* k0, int64_t D2, __m512* s) {
+  __m512 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+  const uint32_t* k1 = k0 + D2 * 16;
+  for (int64_t d2 = 0; d2 < D2; ++d2) {
+    const __m512bh kv0 = as_bh(_mm512_loadu_si512(k0 + d2 * 16));
+    const __m512bh kv1 = as_bh(_mm512_loadu_si512(k1 + d2 * 16));
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qb = as_bh(_mm512_set1_epi32(static_cast<int>(q[r][d2])));
+      a0[r] = _mm512_dpbf16_ps(a0[r], qb, kv0);
+      a1[r] = _mm512_dpbf16_ps(a1[r], qb, kv1);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    s[2 * r] = a0[r];
+    s[2 * r + 1] = a1[r];
+  }
+}
+
+template <int R>
+inline void value_tile(const uint32_t* p, const float* corr, const uint32_t* vp, int64_t D, float* o) {
+  for (int64_t c = 0; c < D; c += 16) {
+    __m512 a[R];
+    for (int r = 0; r < R; ++r) a[r] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + c), _mm512_set1_ps(corr[r]));
+    for (int t2 = 0; t2 < KB / 2; ++t2) {
+      const __m512bh vv = as_bh(_mm512_loadu_si512(vp + t2 * D + c));
+      for (int r = 0; r < R; ++r)
+        a[r] = _mm512_dpbf16_ps(a[r], as_bh(_mm512_set1_epi32(static_cast<int>(p[r * (KB / 2) + t2]))), vv);
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(o + r * D + c, a[r]);
+  }
+}
+
+template <int R>
+void tile_step(const uint32_t* const* q, const uint32_t* kblk, const uint32_t* vblk, int64_t D, int64_t kb0,
+               const int64_t* qpos, float scale, float* m, float* l, float* o) {
+  __m512 s[2 * R];
+  score_tile<R>(q, kblk, D / 2, s);
+  alignas(64) uint32_t p[R * KB / 2];
+  float corr[R];
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int r = 0; r < R; ++r) {
+    __m512 s0 = _mm512_mul_ps(s[2 * r], _mm512_set1_ps(scale));
+    __m512 s1 = _mm512_mul_ps(s[2 * r + 1], _mm512_set1_ps(scale));
+    const int64_t limit = qpos[r] - kb0;  // keys kb0 + i with i <= limit are visible
+    __mmask16 vis0 = 0xffff, vis1 = 0xffff;
+    if (limit < KB - 1) {
+      const __m512i lim = _mm512_set1_epi32(static_cast<int>(std::max<int64_t>(limit, -1)));
+      const __m512 ninf = _mm512_set1_ps(-INFINITY);
+      vis0 = _mm512_cmple_epi32_mask(lane, lim);
+      vis1 = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), lim);
+      s0 = _mm512_mask_mov_ps(ninf, vis0, s0);
+      s1 = _mm512_mask_mov_ps(ninf, vis1, s1);
+    }
+    const float bm = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+    const float mn = std::max(m[r], bm);
+    if (mn == -INFINITY) {  // nothing visible yet (cannot happen: key 0 is always visible)
+      corr[r] = 1.f;
+      std::fill(p + r * KB / 2, p + (r + 1) * KB / 2, 0u);
+      continue;
+    }
+    corr[r] = std::exp(m[r] - mn);
+    // Masked keys weigh exactly 0 (vexp clamps its input at -87).
+    const __m512 e0 = _mm512_maskz_mov_ps(vis0, vexp(_mm512_sub_ps(s0, _mm512_set1_ps(mn))));
+    const __m512 e1 = _mm512_maskz_mov_ps(vis1, vexp(_mm512_sub_ps(s1, _mm512_set1_ps(mn))));
+    l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+    m[r] = mn;
+    _mm512_store_si512(p + r * KB / 2, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0)));
+  }
+  value_tile<R>(p, corr, vblk, D, o);
+}
+
+void dispatch_tile(int rows, const uint32_t* const* q, const uint32_t* kblk, const uint32_t* vblk, int64_t D,
+                   int64_t kb0, const int64_t* qpos, float scale, float* m, float* l, float* o) {
+  switch (rows) {
+    case 8: tile_step<8>(q, kblk, vblk, D, kb0, qpos, scale, m, l, o); break;
+    case 7: tile_step<7>(q, kblk, vblk, D, kb0, qpos, scale, m, l, o); break;
+    case 6: tile_step<6>(q, kblk, vblk, D, kb0, qpos, scale, m, l, o); break;
+    case 5: tile_step<5>(q, kblk, vblk, D, kb0, qpos, scale, m, l, o); break;
+    case 4: tile_step<4>(q, kblk, vblk, D, kb0, qpos, scale, m, l, o); break;
+    case 3: tile_step<3>(q, kblk, vblk, D, kb0, qpos, scale, m, l, o); break;
+    case 2: tile_step<2>(q, kblk, vblk, D, kb0, qpos, scale, m, l, o); break;
+    default: tile_step<1>(q, kblk, vblk, D, kb0, qpos, scale, m, l, o); break;
+  }
+}
+
+}  // namespace
+
+bool has_prompt_attention() { return true; }
+
+void prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& block_tables, const at::Tensor& chunks, int64_t block_size, double scale,
+                      at::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3,
+              "prompt_attention: q/out [T, H, D], caches [slots, KVH, D]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+              "prompt_attention: bf16 only");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "prompt_attention: head rows and caches must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1 &&
+                  chunks.scalar_type() == at::kLong && chunks.dim() == 2 && chunks.size(1) == 4 &&
+                  chunks.is_contiguous(),
+              "prompt_attention: int32 block tables, chunks [C, 4] int64 (row, first query, queries, ctx)");
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(1), G = H / KVH, D2 = D / 2;
+  TORCH_CHECK(H % KVH == 0 && D % 16 == 0 && k_cache.size(2) == D, "prompt_attention: unsupported head layout");
+  const int64_t C = chunks.size(0), bts = block_tables.stride(0), slot_stride = KVH * D;
+  const int64_t* ch = chunks.data_ptr<int64_t>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  std::vector<Chunk> cs(C);
+  int64_t words = 0;  // 32-bit words of K (and of V) repacked, every chunk and head
+  for (int64_t c = 0; c < C; ++c) {
+    const int64_t ctx = ch[c * 4 + 3], n = ch[c * 4 + 2];
+    TORCH_CHECK(n > 0 && n <= ctx && ch[c * 4 + 1] + n <= q.size(0), "prompt_attention: bad chunk ", c);
+    cs[c] = {ch[c * 4], ch[c * 4 + 1], n, ctx, words};
+    words += KVH * ((ctx + KB - 1) / KB * KB) * D2;
+  }
+  thread_local std::vector<uint32_t> kbuf, vbuf;
+  if (kbuf.size() < static_cast<size_t>(words)) {
+    kbuf.resize(words);
+    vbuf.resize(words);
+  }
+  const uint16_t* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<bf16>());
+  const uint16_t* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<bf16>());
+  uint32_t* kr = kbuf.data();
+  uint32_t* vr = vbuf.data();
+  // Repack: one (chunk, KV head, block of 32 keys) per unit of work.
+  std::vector<std::pair<int64_t, int64_t>> blocks;  // (chunk, kvh * blocks + block)
+  for (int64_t c = 0; c < C; ++c) {
+    const int64_t nb = (cs[c].ctx + KB - 1) / KB;
+    for (int64_t i = 0; i < KVH * nb; ++i) blocks.emplace_back(c, i);
+  }
+  at::parallel_for(0, static_cast<int64_t>(blocks.size()), 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t w = b0; w < b1; ++w) {
+      const Chunk& c = cs[blocks[w].first];
+      const int64_t nb = (c.ctx + KB - 1) / KB, h = blocks[w].second / nb, blk = blocks[w].second % nb;
+      const int64_t base = c.kv_off + h * nb * KB * D2;
+      uint32_t* kd = kr + base + blk * KB * D2;  // two 16-key groups: [2][D2][16]
+      uint32_t* vd = vr + base + blk * KB * D2;  // [KB/2][D]
+      const uint16_t* krow[KB];
+      const uint16_t* vrow[KB];
+      for (int t = 0; t < KB; ++t) {
+        const int64_t pos = blk * KB + t;
+        if (pos < c.ctx) {
+          const int64_t slot = static_cast<int64_t>(bt[c.row * bts + pos / block_size]) * block_size + pos % block_size;
+          krow[t] = kp + slot * slot_stride + h * D;
+          vrow[t] = vp + slot * slot_stride + h * D;
+        } else {
+          krow[t] = vrow[t] = nullptr;
+        }
+      }
+      for (int t = 0; t < KB; ++t) {
+        uint32_t* dst = kd + (t / 16) * D2 * 16 + t % 16;
+        if (krow[t] == nullptr) {
+          for (int64_t d2 = 0; d2 < D2; ++d2) dst[d2 * 16] = 0;
+        } else {
+          const uint32_t* src = reinterpret_cast<const uint32_t*>(krow[t]);
+          for (int64_t d2 = 0; d2 < D2; ++d2) dst[d2 * 16] = src[d2];
+        }
+      }
+      for (int t2 = 0; t2 < KB / 2; ++t2) {
+        const uint16_t* a = vrow[2 * t2];
+        const uint16_t* b = vrow[2 * t2 + 1];
+        uint32_t* dst = vd + t2 * D;
+        for (int64_t d = 0; d < D; ++d)
+          dst[d] = (a ? a[d] : 0u) | (static_cast<uint32_t>(b ? b[d] : 0u) << 16);
+      }
+    }
+  });
+  // Work items: up to ITEM_ROWS query rows of one chunk and KV head.
+  const int64_t item_tokens = std::max<int64_t>(1, ITEM_ROWS / G);
+  std::vector<Item> items;
+  for (const Chunk& c : cs)
+    for (int64_t h = 0; h < KVH; ++h)
+      for (int64_t j0 = 0; j0 < c.n; j0 += item_tokens)
+        items.push_back({&c, h, j0, std::min<int64_t>(item_tokens, c.n - j0) * G});
+  const uint16_t* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<bf16>());
+  bf16* op = out.data_ptr<bf16>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+    thread_local std::vector<float> obuf;
+    if (obuf.size() < static_cast<size_t>(ITEM_ROWS * D)) obuf.resize(ITEM_ROWS * D);
+    float* o = obuf.data();
+    float m[ITEM_ROWS], l[ITEM_ROWS];
+    int64_t qpos[ITEM_ROWS];
+    const uint32_t* qrow[ITEM_ROWS];
+    for (int64_t it = i0; it < i1; ++it) {
+      const Item& w = items[it];
+      const Chunk& c = *w.c;
+      const int64_t p = c.ctx - c.n, nb = (c.ctx + KB - 1) / KB;
+      const uint32_t* kh = kr + c.kv_off + w.kvh * nb * KB * D2;
+      const uint32_t* vh = vr + c.kv_off + w.kvh * nb * KB * D2;
+      for (int64_t r = 0; r < w.rows; ++r) {
+        const int64_t j = w.j0 + r / G, head = w.kvh * G + r % G;
+        qrow[r] = reinterpret_cast<const uint32_t*>(qp + (c.q0 + j) * qs0 + head * qs1);
+        qpos[r] = p + j;
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+      }
+      std::fill(o, o + w.rows * D, 0.f);
+      const int64_t last = qpos[w.rows - 1];  // the item's furthest visible key
+      for (int64_t kb0 = 0; kb0 <= last; kb0 += KB) {
+        const uint32_t* kblk = kh + kb0 * D2;
+        const uint32_t* vblk = vh + kb0 * D2;
+        for (int64_t r0 = 0; r0 < w.rows; r0 += RT) {
+          const int rows = static_cast<int>(std::min<int64_t>(RT, w.rows - r0));
+          if (kb0 > qpos[r0 + rows - 1]) continue;  // the tile's rows see none of it (later rows see more)
+          dispatch_tile(rows, qrow + r0, kblk, vblk, D, kb0, qpos + r0, sc, m + r0, l + r0, o + r0 * D);
+        }
+      }
+      for (int64_t r = 0; r < w.rows; ++r) {
+        const int64_t j = w.j0 + r / G, head = w.kvh * G + r % G;
+        bf16* dst = op + (c.q0 + j) * os0 + head * os1;
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<bf16>(o[r * D + d] * inv);
+      }
+    }
+  });
+}
+
+#else
+
+bool has_prompt_attention() { return false; }
+
+void prompt_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                      int64_t, double, at::Tensor) {
+  TORCH_CHECK(false, "prompt_attention: this build has no AVX-512 BF16");
+}
+
+#endif
+
+}  // namespace fusedserve
