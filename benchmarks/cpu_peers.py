@@ -238,6 +238,25 @@ def table(res: dict) -> list[str]:
     return lines
 
 
+def prefill_table(res: dict) -> list[str]:
+    """Markdown for a ``--prefill`` run: seconds from one prompt to its first token, median
+    (min-max), and per weight class the best peer's median over fusedserve's (above 1: faster)."""
+    lines = [f"| engine | {res['input_len']}-token prompt to first token, s |", "|---|---|"]
+    secs = {}
+    for engine, row in res["results"].items():
+        v = next(iter(row.values()))  # tokens/s of the one new token: 1 / seconds
+        secs[engine] = {"median": 1 / v["median"], "fastest": 1 / v["max"], "slowest": 1 / v["min"]}
+        lines.append(f"| {engine} | {secs[engine]['median']:.2f} ({secs[engine]['fastest']:.2f}-"
+                     f"{secs[engine]['slowest']:.2f}) |")
+    lines += ["", "| ratio of medians (peer s / fusedserve s) | |", "|---|---|"]
+    for cls, (ours, *peers) in CLASSES.items():
+        have = [p for p in peers if p in secs]
+        if ours in secs and have:
+            ratio = min(secs[p]["median"] for p in have) / secs[ours]["median"]
+            lines.append(f"| {ours} vs best of {', '.join(have)} ({cls}) | {ratio:.2f}x |")
+    return lines
+
+
 def medians(res: dict) -> dict[str, dict[int, float]]:
     return {e: {int(b): v["median"] if isinstance(v, dict) else v for b, v in row.items()}
             for e, row in res["results"].items()}
@@ -259,6 +278,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--runs", type=int, default=RUNS)
     ap.add_argument("--isa", choices=sorted(ISA_ENV), default="native",
                     help="cap every engine at this instruction set (avx2: an AVX2-only CPU's kernels)")
+    ap.add_argument("--prefill", type=int, default=None, metavar="N",
+                    help="time one N-token prompt to its first token instead (batch 1, one new token)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # subprocess: one engine, one batch
     args = ap.parse_args(argv)
@@ -274,10 +295,12 @@ def main(argv: list[str] | None = None) -> dict | None:
                              args.runs, args.isa)
         print(json.dumps({"tokens_per_s": figures}))
         return None
+    if args.prefill:
+        batches, args.input_len, args.new_tokens = [1], args.prefill, 1
     res = measure(args.engines.split(","), batches, args.input_len, args.new_tokens, args.threads,
                   args.openvino_python, args.llama_cpp, args.llama_python, args.runs, args.isa)
     print(f"{res['machine']}; instruction set {args.isa}; read bandwidth {res['read_bw_gbps']:.1f} GB/s")
-    print("\n".join(table(res)))
+    print("\n".join(prefill_table(res) if args.prefill else table(res)))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     return res

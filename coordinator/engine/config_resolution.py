@@ -17,6 +17,7 @@ import torch
 from coordinator.engine import kv_sizing
 from coordinator.engine.kv_sizing import KVPlan
 from coordinator.model_files.default_model import resolve_model
+from kernels.model.checkpoint_format import checkpoint_format
 from kernels.model.config import Qwen3Config, parse_dtype
 from kernels.model.qwen3 import resolve_dtype
 from kernels.quantize import check_quantization
@@ -41,6 +42,8 @@ def resolve_config(cfg: EngineConfig, device_kind: str, ranks_on_node: int = 1) 
     m = cfg.model
     model_dir = str(resolve_model(m.model, m.revision, m.download_dir))
     model = Qwen3Config.from_dir(model_dir)
+    # A quantized checkpoint decides (or refuses) the quantization; an unknown format is refused.
+    quantization = checkpoint_format(model_dir).quantization(quantization, device_kind)
     limit = model.max_context  # YaRN's stretched window where the config has one
     max_len = m.max_model_len
     if max_len is not None and max_len > limit:

@@ -1,6 +1,10 @@
 """Hugging Face-layout weight loading: ``model.safetensors`` or a sharded index, then the
 post-processing that makes them runnable (device, quantization, each kernel's layout).
 
+Block-wise FP8 tensors (``kernels/model/checkpoint_format.py``) are dequantized as they are read.
+Where the weights run quantized on the CPU, each projection is quantized as soon as its layer is
+read, so the peak stays about one layer above the final weights, whatever the checkpoint's dtype.
+
 Weights are fused at load time (q/k/v into one matrix, gate/up into another, per expert in a
 Qwen3-MoE layer) so the decode step runs one matmul where the checkpoint has three or two.
 """
@@ -15,11 +19,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kernels.linear import Int4Weight, Int8Weight, LinearOp
+from kernels.linear import Int4Weight, Int8Weight, LinearOp, Weight
+from kernels.model.checkpoint_format import PLAIN, CheckpointFormat
 from kernels.model.config import Qwen3Config
 from kernels.model.tensor_parallel import SINGLE, TensorParallel
 
 Progress = Callable[[int, int], None]  # (parts done, parts in all)
+Quantizer = Callable[[torch.Tensor], Weight]
 
 
 class WeightError(ValueError):
@@ -77,18 +83,19 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
 class _Reader:
     """Reads named tensors lazily, checking shapes, one open file at a time per shard."""
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype):
+    def __init__(self, model_dir: Path, dtype: torch.dtype, fmt: CheckpointFormat = PLAIN):
         self.files = _tensor_files(model_dir)
         self.dtype = dtype
         self.model_dir = model_dir
+        self.fmt = fmt
 
     def has(self, name: str) -> bool:
         return name in self.files
 
     def get(self, name: str, shape: tuple[int, ...], rows: range | None = None,
-            cols: range | None = None) -> torch.Tensor:
-        """The tensor ``name`` of ``shape``, or only its ``rows`` / ``cols`` (a rank's share: only
-        those bytes are read)."""
+            cols: range | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor ``name`` of ``shape`` in ``dtype`` (default: the model's), or only its
+        ``rows`` / ``cols`` (a rank's share: only those bytes are read)."""
         path = self.files.get(name)
         if path is None:
             raise WeightError(f"{self.model_dir}: missing weight tensor {name!r}")
@@ -100,22 +107,49 @@ class _Reader:
                 )
             r = slice(None) if rows is None else slice(rows.start, rows.stop)
             tensor = part[r] if cols is None else part[r, cols.start : cols.stop]
-        return tensor.to(self.dtype).contiguous()
+        if tensor.dtype == torch.float8_e4m3fn:
+            return self._dequantize(name, shape, tensor, rows, cols).to(dtype or self.dtype).contiguous()
+        return tensor.to(dtype or self.dtype).contiguous()
 
-    def heads(self, name: str, heads: range, head_dim: int, total: int, cols: int | None) -> torch.Tensor:
+    def _dequantize(self, name: str, shape: tuple[int, ...], q: torch.Tensor, rows: range | None,
+                    cols: range | None) -> torch.Tensor:
+        """``q * scale`` per block, for the ``rows`` x ``cols`` of ``name`` that ``q`` holds: only
+        the scales of those blocks are read."""
+        if self.fmt.method != "fp8" or len(shape) != 2:
+            raise WeightError(f"{self.model_dir}: tensor {name!r} is FP8 but config.json declares no "
+                              "block-wise FP8 quantization_config")
+        (n, k), (bn, bk) = shape, self.fmt.block
+        rows, cols = rows or range(n), cols or range(k)
+        sr = range(rows.start // bn, -(-rows.stop // bn))
+        sc = range(cols.start // bk, -(-cols.stop // bk))
+        scale = self.get(name + "_scale_inv", (-(-n // bn), -(-k // bk)), rows=sr, cols=sc,
+                         dtype=torch.float32)
+        full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+        r0, c0 = rows.start - sr.start * bn, cols.start - sc.start * bk
+        full = full[r0 : r0 + len(rows), c0 : c0 + len(cols)]
+        return q.float() * full
+
+    def heads(self, name: str, heads: range, head_dim: int, total: int, cols: int | None,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
         """Rows of the heads ``heads`` of a projection with ``total`` heads (a bias when ``cols``
         is None)."""
         shape = (total * head_dim,) if cols is None else (total * head_dim, cols)
-        return self.get(name, shape, rows=range(heads.start * head_dim, heads.stop * head_dim))
+        return self.get(name, shape, rows=range(heads.start * head_dim, heads.stop * head_dim), dtype=dtype)
 
 
 def load_weights(model_dir: str | Path, config: Qwen3Config, dtype: torch.dtype,
-                 tp: TensorParallel = SINGLE, progress: Progress | None = None) -> Qwen3Weights:
+                 tp: TensorParallel = SINGLE, progress: Progress | None = None,
+                 fmt: CheckpointFormat = PLAIN, quantize: Quantizer | None = None) -> Qwen3Weights:
     """Read and fuse a Qwen3 checkpoint into ``dtype`` tensors on the CPU: the whole model, or
     one tensor-parallel rank's share of it (``kernels/model/tensor_parallel.py``), reading only
     that share from the files. ``progress(done, total)`` is told after each layer and after the
-    embeddings (``total``: layers + 1), so a bar can move while a large model loads."""
-    reader = _Reader(Path(model_dir), dtype)
+    embeddings (``total``: layers + 1), so a bar can move while a large model loads. ``fmt``: the
+    checkpoint's format (FP8 tensors dequantized on read); ``quantize``: applied to each
+    projection as its layer is read, from the checkpoint's values in fp32 (not rounded to
+    ``dtype`` first)."""
+    reader = _Reader(Path(model_dir), dtype, fmt)
+    q_ = quantize or (lambda t: t)
+    pd = torch.float32 if quantize is not None else None  # the projections' read dtype
     c = config
     tp.check(c)
     hidden, hd = c.hidden_size, c.head_dim
@@ -126,18 +160,18 @@ def load_weights(model_dir: str | Path, config: Qwen3Config, dtype: torch.dtype,
 
     def gate_up_down(prefix: str, width: int, share: range | None) -> tuple[torch.Tensor, torch.Tensor]:
         """An MLP's fused gate/up (column-parallel) and down (row-parallel), or ``share`` of them."""
-        gate = reader.get(prefix + "gate_proj.weight", (width, hidden), rows=share)
-        up = reader.get(prefix + "up_proj.weight", (width, hidden), rows=share)
-        return (torch.cat([gate, up]).contiguous(),
-                reader.get(prefix + "down_proj.weight", (hidden, width), cols=share))
+        gate = reader.get(prefix + "gate_proj.weight", (width, hidden), rows=share, dtype=pd)
+        up = reader.get(prefix + "up_proj.weight", (width, hidden), rows=share, dtype=pd)
+        return (q_(torch.cat([gate, up]).contiguous()),
+                q_(reader.get(prefix + "down_proj.weight", (hidden, width), cols=share, dtype=pd)))
 
     layers = []
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        q = reader.heads(a + "q_proj.weight", heads, hd, nh, hidden)
-        k = reader.heads(a + "k_proj.weight", kv_heads, hd, nkv, hidden)
-        v = reader.heads(a + "v_proj.weight", kv_heads, hd, nkv, hidden)
+        q = reader.heads(a + "q_proj.weight", heads, hd, nh, hidden, pd)
+        k = reader.heads(a + "k_proj.weight", kv_heads, hd, nkv, hidden, pd)
+        v = reader.heads(a + "v_proj.weight", kv_heads, hd, nkv, hidden, pd)
         bias = None
         if c.attention_bias:
             bias = torch.cat([reader.heads(a + "q_proj.bias", heads, hd, nh, None),
@@ -155,11 +189,11 @@ def load_weights(model_dir: str | Path, config: Qwen3Config, dtype: torch.dtype,
         layers.append(
             LayerWeights(
                 input_norm=reader.get(p + "input_layernorm.weight", (hidden,)),
-                qkv=torch.cat([q, k, v]).contiguous(),
+                qkv=q_(torch.cat([q, k, v]).contiguous()),
                 qkv_bias=bias,
                 q_norm=reader.get(a + "q_norm.weight", (hd,)),
                 k_norm=reader.get(a + "k_norm.weight", (hd,)),
-                o_proj=reader.get(a + "o_proj.weight", (hidden, c.q_size), cols=q_cols),
+                o_proj=q_(reader.get(a + "o_proj.weight", (hidden, c.q_size), cols=q_cols, dtype=pd)),
                 post_norm=reader.get(p + "post_attention_layernorm.weight", (hidden,)),
                 gate_up=gate_up,
                 down=down,
@@ -208,11 +242,7 @@ def _quantize(w: Qwen3Weights, mode: str, dtype: torch.dtype, device: torch.devi
     stays near the 16-bit model's). int8: per channel, everything. int4: groups of 32 for the
     projections, the lm_head int8 (the logits keep 8 bits, as llama.cpp keeps 6 there). The
     embedding gather stays 16-bit."""
-    def q(weight: torch.Tensor) -> Int4Weight | Int8Weight:
-        if mode == "int4":
-            return Int4Weight.quantize(weight, device)
-        return Int8Weight.quantize(weight, dtype, device)
-
+    q = quantizer(mode, dtype, device)
     for lw in w.layers:
         for name in ("qkv", "o_proj", "gate_up", "down"):
             if getattr(lw, name) is not None:
@@ -220,6 +250,19 @@ def _quantize(w: Qwen3Weights, mode: str, dtype: torch.dtype, device: torch.devi
         if lw.experts is not None:  # the experts; the router stays 16-bit (routing is sensitive)
             lw.experts = [None if ex is None else (q(ex[0]), q(ex[1])) for ex in lw.experts]
     w.lm_head = Int8Weight.quantize(w.lm_head, dtype, device)
+
+
+def quantizer(mode: str, dtype: torch.dtype, device: torch.device) -> Quantizer:
+    """A projection quantized as ``mode`` asks (int4: groups of 32; else int8 per channel); one
+    quantized already (as it was read) is kept."""
+    def q(weight: Weight) -> Weight:
+        if not isinstance(weight, torch.Tensor):
+            return weight
+        if mode == "int4":
+            return Int4Weight.quantize(weight, device)
+        return Int8Weight.quantize(weight, dtype, device)
+
+    return q
 
 
 def _prepare(w: Qwen3Weights, linear: LinearOp, grouped_moe: bool) -> None:

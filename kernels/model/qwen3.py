@@ -18,8 +18,9 @@ from kernels.backends import select_kernels
 from kernels.forward_batch import ForwardBatch
 from kernels.kv_cache import PagedKVCache
 from kernels.layer_ops import rope_tables
+from kernels.model.checkpoint_format import checkpoint_format
 from kernels.model.config import ConfigError, Qwen3Config, parse_dtype
-from kernels.model.loader import Progress, Qwen3Weights, load_weights, prepare_weights
+from kernels.model.loader import Progress, Qwen3Weights, load_weights, prepare_weights, quantizer
 from kernels.model.moe import moe_forward
 from kernels.model.tensor_parallel import SINGLE, TensorParallel
 from kernels.model.workspace import LayerBuffers, Workspace
@@ -62,8 +63,14 @@ class Qwen3Model:
         and run one tensor-parallel rank's share. ``progress``: told as the layers load. ``gemm``:
         the CPU's GEMM choice (``select_kernels``)."""
         config = Qwen3Config.from_dir(model_dir)
-        torch_dtype = resolve_dtype(dtype, parse_dtype(config.dtype), torch.device(device).type)
-        weights = load_weights(model_dir, config, torch_dtype, tp, progress)
+        dev = torch.device(device)
+        torch_dtype = resolve_dtype(dtype, parse_dtype(config.dtype), dev.type)
+        fmt = checkpoint_format(model_dir)
+        quantization = fmt.quantization(check_quantization(quantization), dev.type)
+        # On the CPU, each projection is quantized as its layer is read (the peak stays a layer
+        # above the final weights); accelerators quantize after the move, as before.
+        quantize = quantizer(quantization, torch_dtype, dev) if quantization and dev.type == "cpu" else None
+        weights = load_weights(model_dir, config, torch_dtype, tp, progress, fmt, quantize)
         return cls(config, weights, torch_dtype, device, max_model_len, quantization=quantization, tp=tp,
                    gemm=gemm)
 

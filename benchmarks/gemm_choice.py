@@ -1,0 +1,90 @@
+"""The CPU GEMM choice on this host: native kernels against oneDNN's (AMX where the CPU has it)
+for each projection of Qwen3-0.6B, bf16 and W8A8, at every row bucket, as the load-time
+measurement (``kernels/gemm_choice.py``) sees them.
+
+Figures: GFLOP/s of each path (each a median of ``REPEATS`` timed calls after a warm-up), the
+ratio native time / matrix time, and which path a load on this host picks. Nothing is read from
+or written to the user's cache: a fresh measurement every run.
+
+    python -m benchmarks.gemm_choice [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import machine
+from kernels import native
+from kernels.gemm_choice import HEAD_ROWS, REPEATS, ROW_BUCKETS, GemmChooser
+from kernels.linear import Int8Weight, LinearOp
+
+# Qwen3-0.6B: hidden 1024, 16 query / 8 KV heads of 128, MLP 3072, vocab 151,936.
+SHAPES = {"qkv": (1024, 4096), "o_proj": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024),
+          "lm_head": (1024, 151936)}
+
+
+def cpu_has_amx() -> bool:
+    try:
+        return "amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def measure(threads: int) -> dict:
+    torch.set_num_threads(threads)
+    build = native.kernels()
+    if build is None:
+        raise SystemExit("no native build here: nothing to choose between")
+    out = {"machine": machine(), "isa": build.isa(), "amx": cpu_has_amx(), "threads": threads,
+           "repeats": REPEATS, "shapes": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        op = LinearOp(torch.device("cpu"), build, torch.bfloat16)
+        op.chooser = GemmChooser(build.isa(), threads, Path(tmp) / "gemm.json")
+        g = torch.Generator().manual_seed(0)
+        for name, (k, n) in SHAPES.items():
+            w = (torch.randn(n, k, generator=g) * 0.02).bfloat16()
+            rows = HEAD_ROWS if name == "lm_head" else ROW_BUCKETS[-1]
+            for kind, weight in (("bfloat16", w), ("w8a8", Int8Weight.quantize(w.float(), torch.bfloat16,
+                                                                                torch.device("cpu")))):
+                op.prepare(weight, rows)
+                t = op.chooser.timings[f"{kind}:{k}x{n}:rows{rows}"]
+                buckets = ROW_BUCKETS[: len(t.native_s)]
+                out["shapes"][f"{name} {kind}"] = {
+                    "k": k, "n": n, "rows": list(buckets),
+                    "native_gflops": [2 * r * k * n / s / 1e9 for r, s in zip(buckets, t.native_s)],
+                    "matrix_gflops": [2 * r * k * n / s / 1e9 for r, s in zip(buckets, t.matrix_s)],
+                    "choice": ["matrix" if c else "native" for c in t.choice]}
+        out["measure_s"] = op.chooser.measured_s
+    return out
+
+
+def table(res: dict) -> list[str]:
+    lines = [f"{res['machine']}; build {res['isa']}; AMX {'yes' if res['amx'] else 'no'}; "
+             f"{res['threads']} threads; load-time measurement {res['measure_s']:.1f} s",
+             "", "| projection | rows | native GFLOP/s | oneDNN GFLOP/s | native/oneDNN time | chosen |",
+             "|---|---|---|---|---|---|"]
+    for name, s in res["shapes"].items():
+        for r, a, b, c in zip(s["rows"], s["native_gflops"], s["matrix_gflops"], s["choice"], strict=True):
+            lines.append(f"| {name} | {r} | {a:.0f} | {b:.0f} | {b / a:.2f} | {c} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    res = measure(args.threads)
+    print("\n".join(table(res)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    main()
