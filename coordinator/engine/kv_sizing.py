@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.model.checkpoint_format import checkpoint_format
 from kernels.model.config import Qwen3Config
 
 log = logging.getLogger(__name__)
@@ -114,5 +115,10 @@ def plan(model: Qwen3Config, dtype: torch.dtype, block_size: int, num_blocks: in
 
 
 def weight_bytes(model_dir: str) -> int:
-    """The checkpoint's size on disk (what the workers hold, before any quantization)."""
-    return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+    """The checkpoint's size on disk (what the workers hold, before any quantization): its
+    safetensors, or the GGUF file a sidecar directory names."""
+    files = list(Path(model_dir).glob("*.safetensors"))
+    fmt = checkpoint_format(model_dir)
+    if fmt.method == "gguf":
+        files.append(Path(fmt.file))
+    return sum(p.stat().st_size for p in files)

@@ -21,6 +21,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from coordinator.model_files.gguf_model import gguf_model_dir, is_gguf
+
 log = logging.getLogger(__name__)
 
 DEFAULT_NAME = "fusedserve-qwen3"
@@ -179,7 +181,8 @@ class ModelNotFound(FileNotFoundError):
 
 def resolve_model(model: str, revision: str | None = None, download_dir: str | None = None) -> Path:
     """``default``: the trained embedded model; ``default:PRESET``: a random-weight preset; a
-    directory; else a Hugging Face id (``ORG/NAME``), found in the hub's local cache first
+    directory; a GGUF file (its sidecar directory, ``gguf_model.py``); else a Hugging Face id
+    (``ORG/NAME``), found in the hub's local cache first
     (``download_dir`` if given) and downloaded where the network allows (not with
     ``HF_HUB_OFFLINE=1``)."""
     if model == "default":
@@ -191,6 +194,8 @@ def resolve_model(model: str, revision: str | None = None, download_dir: str | N
     path = Path(model)
     if path.is_dir():
         return path
+    if is_gguf(path):
+        return gguf_model_dir(path, cache_root())
     if model.count("/") != 1 or model.startswith((".", "/")) or model.endswith("/"):
         raise ModelNotFound(f"model {model!r}: no such directory, and not a Hugging Face id (ORG/NAME)")
     return _from_hub(model, revision, download_dir)

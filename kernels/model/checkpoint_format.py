@@ -7,6 +7,10 @@ and the quantization they run with.
   (``kernels/model/loader.py``); on the CPU they then run as int8 W8A8, re-quantized per output
   channel from the dequantized values (the FP8 bytes per weight, the int8 kernels' speed); on an
   accelerator as the 16-bit dtype (no FP8 GEMM is wired yet).
+- ``quant_method: "gguf"`` (written by ``coordinator/model_files/gguf_model.py`` beside a GGUF
+  file): the weights are the file's tensors (``kernels/model/gguf_tensors.py``); the file's type
+  decides the quantization (Q4_0 and the other 4/5-bit types: int4, Q4_0 bit for bit; Q8_0 and
+  Q6_K: int8; F16/BF16/F32: none), on accelerators int8 or none.
 - Anything else is refused by name: a quantized checkpoint loaded as if it were 16-bit answers
   garbage without an error.
 """
@@ -19,29 +23,46 @@ from pathlib import Path
 
 from kernels.model.config import ConfigError
 
-SUPPORTED = "16-bit safetensors, and block-wise FP8 (quant_method 'fp8' with weight_block_size)"
+SUPPORTED = "16-bit safetensors, block-wise FP8 (quant_method 'fp8' with weight_block_size), and GGUF files"
+GGUF_INT4 = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "IQ4_NL", "IQ4_XS")  # run as int4 on the CPU
+GGUF_FLOAT = ("F32", "F16", "BF16")
 FP8_QUANTIZATIONS = (None, "int8", "int8-weight-only")  # what an FP8 checkpoint may be asked to run as
 
 
 @dataclass(frozen=True)
 class CheckpointFormat:
-    method: str | None = None  # None: 16/32-bit tensors; "fp8": block-wise e4m3
+    method: str | None = None  # None: 16/32-bit tensors; "fp8": block-wise e4m3; "gguf"
     block: tuple[int, int] | None = None  # fp8: the rows x columns one scale covers
+    file: str | None = None  # gguf: the file
+    weights: str | None = None  # gguf: the projections' most common type (Q4_0, Q8_0, F16, ...)
 
     def quantization(self, asked: str | None, device_kind: str) -> str | None:
         """The quantization these weights run with on ``device_kind``, given ``--quantization``
         (already checked by ``check_quantization``); one the format cannot take is refused."""
         if self.method is None:
             return asked
+        if self.method == "gguf":
+            return self._gguf_quantization(asked, device_kind)
         if asked not in FP8_QUANTIZATIONS:
             raise ConfigError(f"--quantization {asked} conflicts with this FP8 checkpoint: its weights run "
                               "as int8 (re-quantized per channel from the FP8 blocks) or, on an accelerator, "
                               "16-bit; ask for none or int8")
         return asked or ("int8" if device_kind == "cpu" else None)
 
+    def _gguf_quantization(self, asked: str | None, device_kind: str) -> str | None:
+        if self.weights in GGUF_FLOAT:
+            return asked  # 16-bit weights: quantized at load only if asked
+        own = "int4" if self.weights in GGUF_INT4 and device_kind == "cpu" else "int8"
+        if asked in (None, own) or (own == "int8" and asked == "int8-weight-only"):
+            return asked or own
+        raise ConfigError(f"--quantization {asked} conflicts with this GGUF file's {self.weights} weights "
+                          f"(they run as {own}); ask for none or {own}")
+
     def describe(self) -> str:
         if self.method is None:
             return "16-bit"
+        if self.method == "gguf":
+            return f"gguf {self.weights} ({self.file})"
         return f"fp8 e4m3, scale blocks {self.block[0]}x{self.block[1]}"
 
 
@@ -67,5 +88,7 @@ def checkpoint_format(model_dir: str | Path) -> CheckpointFormat:
         if qc.get("fmt", "e4m3") != "e4m3":
             raise ConfigError(f"{path}: FP8 format {qc.get('fmt')!r} is not supported (e4m3 only)")
         return CheckpointFormat("fp8", (block[0], block[1]))
+    if method == "gguf" and isinstance(qc.get("file"), str) and isinstance(qc.get("weights"), str):
+        return CheckpointFormat("gguf", file=qc["file"], weights=qc["weights"])
     raise ConfigError(f"{path}: quantization_config.quant_method {method!r} is not supported; this loader "
                       f"reads {SUPPORTED}. Loading it as 16-bit would answer garbage.")

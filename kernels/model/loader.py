@@ -22,10 +22,11 @@ from safetensors import safe_open
 from kernels.linear import Int4Weight, Int8Weight, LinearOp, Weight
 from kernels.model.checkpoint_format import PLAIN, CheckpointFormat
 from kernels.model.config import Qwen3Config
+from kernels.model.gguf_tensors import GGUFTensors
 from kernels.model.tensor_parallel import SINGLE, TensorParallel
+from kernels.quantize import dequantize_int4
 
 Progress = Callable[[int, int], None]  # (parts done, parts in all)
-Quantizer = Callable[[torch.Tensor], Weight]
 
 
 class WeightError(ValueError):
@@ -83,19 +84,25 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
 class _Reader:
     """Reads named tensors lazily, checking shapes, one open file at a time per shard."""
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype, fmt: CheckpointFormat = PLAIN):
-        self.files = _tensor_files(model_dir)
+    def __init__(self, model_dir: Path, dtype: torch.dtype, fmt: CheckpointFormat = PLAIN,
+                 int4: bool = False):
+        self.gguf = GGUFTensors(fmt.file) if fmt.method == "gguf" else None
+        self.files = {} if self.gguf is not None else _tensor_files(model_dir)
         self.dtype = dtype
         self.model_dir = model_dir
         self.fmt = fmt
+        self.int4 = int4  # the model runs int4: a GGUF's Q4_0 projections keep their bytes
 
     def has(self, name: str) -> bool:
-        return name in self.files
+        return self.gguf.has(name) if self.gguf is not None else name in self.files
 
     def get(self, name: str, shape: tuple[int, ...], rows: range | None = None,
-            cols: range | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+            cols: range | None = None, dtype: torch.dtype | None = None, packed: bool = False) -> Weight:
         """The tensor ``name`` of ``shape`` in ``dtype`` (default: the model's), or only its
-        ``rows`` / ``cols`` (a rank's share: only those bytes are read)."""
+        ``rows`` / ``cols`` (a rank's share: only those bytes are read). ``packed``: a projection
+        that may come back already quantized (a GGUF's Q4_0 as ``Int4Weight`` in an int4 model)."""
+        if self.gguf is not None:
+            return self._get_gguf(name, shape, rows, cols, dtype, packed)
         path = self.files.get(name)
         if path is None:
             raise WeightError(f"{self.model_dir}: missing weight tensor {name!r}")
@@ -110,6 +117,19 @@ class _Reader:
         if tensor.dtype == torch.float8_e4m3fn:
             return self._dequantize(name, shape, tensor, rows, cols).to(dtype or self.dtype).contiguous()
         return tensor.to(dtype or self.dtype).contiguous()
+
+    def _get_gguf(self, name: str, shape: tuple[int, ...], rows: range | None, cols: range | None,
+                  dtype: torch.dtype | None, packed: bool) -> Weight:
+        if not self.gguf.has(name):
+            raise WeightError(f"{self.gguf.path}: missing weight tensor {name!r}")
+        if self.gguf.shape(name) != shape:
+            raise WeightError(f"{self.gguf.path.name}: tensor {name!r} has shape {self.gguf.shape(name)}, "
+                              f"expected {shape}")
+        if packed and self.int4:
+            w = self.gguf.read_int4(name, rows, cols)
+            if w is not None:
+                return w
+        return self.gguf.read(name, rows, cols).to(dtype or self.dtype)
 
     def _dequantize(self, name: str, shape: tuple[int, ...], q: torch.Tensor, rows: range | None,
                     cols: range | None) -> torch.Tensor:
@@ -130,11 +150,21 @@ class _Reader:
         return q.float() * full
 
     def heads(self, name: str, heads: range, head_dim: int, total: int, cols: int | None,
-              dtype: torch.dtype | None = None) -> torch.Tensor:
+              dtype: torch.dtype | None = None, packed: bool = False) -> Weight:
         """Rows of the heads ``heads`` of a projection with ``total`` heads (a bias when ``cols``
         is None)."""
         shape = (total * head_dim,) if cols is None else (total * head_dim, cols)
-        return self.get(name, shape, rows=range(heads.start * head_dim, heads.stop * head_dim), dtype=dtype)
+        return self.get(name, shape, rows=range(heads.start * head_dim, heads.stop * head_dim), dtype=dtype,
+                        packed=packed)
+
+
+def _fuse(parts: list[Weight]) -> Weight:
+    """Row blocks of one projection stacked (q/k/v, gate/up): int4 kept where every part is."""
+    if all(isinstance(p, Int4Weight) for p in parts):
+        return Int4Weight(torch.cat([p.u for p in parts]), torch.cat([p.d for p in parts]),
+                          parts[0].in_features)
+    return torch.cat([dequantize_int4(p.u, p.d, p.in_features, torch.float32) if isinstance(p, Int4Weight)
+                      else p for p in parts]).contiguous()
 
 
 def load_weights(model_dir: str | Path, config: Qwen3Config, dtype: torch.dtype,
@@ -147,9 +177,10 @@ def load_weights(model_dir: str | Path, config: Qwen3Config, dtype: torch.dtype,
     checkpoint's format (FP8 tensors dequantized on read); ``quantize``: applied to each
     projection as its layer is read, from the checkpoint's values in fp32 (not rounded to
     ``dtype`` first)."""
-    reader = _Reader(Path(model_dir), dtype, fmt)
+    reader = _Reader(Path(model_dir), dtype, fmt, int4=quantize is not None and quantize.mode == "int4")
     q_ = quantize or (lambda t: t)
     pd = torch.float32 if quantize is not None else None  # the projections' read dtype
+    pk = quantize is not None  # projections may come back quantized already
     c = config
     tp.check(c)
     hidden, hd = c.hidden_size, c.head_dim
@@ -160,18 +191,18 @@ def load_weights(model_dir: str | Path, config: Qwen3Config, dtype: torch.dtype,
 
     def gate_up_down(prefix: str, width: int, share: range | None) -> tuple[torch.Tensor, torch.Tensor]:
         """An MLP's fused gate/up (column-parallel) and down (row-parallel), or ``share`` of them."""
-        gate = reader.get(prefix + "gate_proj.weight", (width, hidden), rows=share, dtype=pd)
-        up = reader.get(prefix + "up_proj.weight", (width, hidden), rows=share, dtype=pd)
-        return (q_(torch.cat([gate, up]).contiguous()),
-                q_(reader.get(prefix + "down_proj.weight", (hidden, width), cols=share, dtype=pd)))
+        gate = reader.get(prefix + "gate_proj.weight", (width, hidden), rows=share, dtype=pd, packed=pk)
+        up = reader.get(prefix + "up_proj.weight", (width, hidden), rows=share, dtype=pd, packed=pk)
+        return (q_(_fuse([gate, up])),
+                q_(reader.get(prefix + "down_proj.weight", (hidden, width), cols=share, dtype=pd, packed=pk)))
 
     layers = []
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        q = reader.heads(a + "q_proj.weight", heads, hd, nh, hidden, pd)
-        k = reader.heads(a + "k_proj.weight", kv_heads, hd, nkv, hidden, pd)
-        v = reader.heads(a + "v_proj.weight", kv_heads, hd, nkv, hidden, pd)
+        q = reader.heads(a + "q_proj.weight", heads, hd, nh, hidden, pd, pk)
+        k = reader.heads(a + "k_proj.weight", kv_heads, hd, nkv, hidden, pd, pk)
+        v = reader.heads(a + "v_proj.weight", kv_heads, hd, nkv, hidden, pd, pk)
         bias = None
         if c.attention_bias:
             bias = torch.cat([reader.heads(a + "q_proj.bias", heads, hd, nh, None),
@@ -189,11 +220,12 @@ def load_weights(model_dir: str | Path, config: Qwen3Config, dtype: torch.dtype,
         layers.append(
             LayerWeights(
                 input_norm=reader.get(p + "input_layernorm.weight", (hidden,)),
-                qkv=q_(torch.cat([q, k, v]).contiguous()),
+                qkv=q_(_fuse([q, k, v])),
                 qkv_bias=bias,
                 q_norm=reader.get(a + "q_norm.weight", (hd,)),
                 k_norm=reader.get(a + "k_norm.weight", (hd,)),
-                o_proj=q_(reader.get(a + "o_proj.weight", (hidden, c.q_size), cols=q_cols, dtype=pd)),
+                o_proj=q_(reader.get(a + "o_proj.weight", (hidden, c.q_size), cols=q_cols, dtype=pd,
+                                     packed=pk)),
                 post_norm=reader.get(p + "post_attention_layernorm.weight", (hidden,)),
                 gate_up=gate_up,
                 down=down,
@@ -252,17 +284,25 @@ def _quantize(w: Qwen3Weights, mode: str, dtype: torch.dtype, device: torch.devi
     w.lm_head = Int8Weight.quantize(w.lm_head, dtype, device)
 
 
-def quantizer(mode: str, dtype: torch.dtype, device: torch.device) -> Quantizer:
+@dataclass(frozen=True)
+class Quantizer:
     """A projection quantized as ``mode`` asks (int4: groups of 32; else int8 per channel); one
     quantized already (as it was read) is kept."""
-    def q(weight: Weight) -> Weight:
+
+    mode: str
+    dtype: torch.dtype
+    device: torch.device
+
+    def __call__(self, weight: Weight) -> Weight:
         if not isinstance(weight, torch.Tensor):
             return weight
-        if mode == "int4":
-            return Int4Weight.quantize(weight, device)
-        return Int8Weight.quantize(weight, dtype, device)
+        if self.mode == "int4":
+            return Int4Weight.quantize(weight, self.device)
+        return Int8Weight.quantize(weight, self.dtype, self.device)
 
-    return q
+
+def quantizer(mode: str, dtype: torch.dtype, device: torch.device) -> Quantizer:
+    return Quantizer(mode, dtype, device)
 
 
 def _prepare(w: Qwen3Weights, linear: LinearOp, grouped_moe: bool) -> None:
