@@ -48,11 +48,13 @@ class Int8Weight:
 
 @dataclass
 class Int4Weight:
-    """``w ~= (u - 8) * d`` per group of 32 inputs (``kernels/quantize.py``), before packing."""
+    """``w ~= (u - z) * d`` per group of 32 inputs, before packing: ``z`` 8 (symmetric,
+    ``kernels/quantize.py``, Q4_0) or a zero point per group (AWQ, GPTQ)."""
 
     u: torch.Tensor  # [out, G * 32] uint8 in [0, 15]
     d: torch.Tensor  # [out, G] float16
     in_features: int
+    z: torch.Tensor | None = None  # [out, G] uint8 in [0, 15]; None: 8
 
     @classmethod
     def quantize(cls, w: torch.Tensor, device: torch.device) -> Int4Weight:
@@ -80,6 +82,7 @@ class PackedWeight:
     in_features: int
     layout: str = "pairs"
     wsum: torch.Tensor | None = None  # w8a8: [out] int32, each row's sum of int8 weights
+    zeros: torch.Tensor | None = None  # w4a8 with zero points: uint8, shaped as ``scale``
     # The same weight [out, in] as the matrix engine's GEMM takes it (bf16, or int8 with ``scale``),
     # kept only where that GEMM won a row bucket; ``matrix_rows[bucket(rows)]``: whether it runs.
     matrix: torch.Tensor | None = None
@@ -113,7 +116,10 @@ class PackedWeight:
         nibbles = u[:, :, :, :, 0, :] | (u[:, :, :, :, 1, :] << 4)
         packed = nibbles.permute(0, 2, 3, 1, 4).contiguous()
         d = _pad_rows(w.d, lanes).view(-1, lanes, w.d.shape[1]).permute(0, 2, 1).contiguous()
-        return cls(packed, d, n, w.in_features, "w4a8")
+        z = None
+        if w.z is not None:
+            z = _pad_rows(w.z, lanes).view(-1, lanes, w.z.shape[1]).permute(0, 2, 1).contiguous()
+        return cls(packed, d, n, w.in_features, "w4a8", zeros=z)
 
     @classmethod
     def pack_fma(cls, w: torch.Tensor, lanes: int) -> PackedWeight:
@@ -130,7 +136,7 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        extra = sum(t.nbytes for t in (self.scale, self.matrix) if t is not None)
+        extra = sum(t.nbytes for t in (self.scale, self.matrix, self.zeros) if t is not None)
         return self.packed.nbytes + extra
 
 
@@ -248,7 +254,7 @@ class LinearOp:
             elif w.layout == "w8a8":
                 self.native.linear_w8a8(x, w.packed, w.scale, w.wsum, out)
             elif w.layout == "w4a8":
-                self.native.linear_w4a8(x, w.packed, w.scale, out)
+                self.native.linear_w4a8(x, w.packed, w.scale, out, w.zeros)
             else:
                 self.native.linear_packed(x, w.packed, w.scale, out)
             return out

@@ -55,7 +55,10 @@ def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (q + 8).to(torch.uint8).view(n, -1), d.squeeze(2).to(torch.float16)
 
 
-def dequantize_int4(u: torch.Tensor, d: torch.Tensor, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_int4(u: torch.Tensor, d: torch.Tensor, in_features: int, dtype: torch.dtype,
+                    z: torch.Tensor | None = None) -> torch.Tensor:
+    """``(u - z) * d`` per group (``z`` 8 where None), the padding cut."""
     n = u.shape[0]
-    w = (u.float().view(n, -1, INT4_GROUP) - 8.0) * d.float()[:, :, None]
+    zero = 8.0 if z is None else z.float()[:, :, None]
+    w = (u.float().view(n, -1, INT4_GROUP) - zero) * d.float()[:, :, None]
     return w.view(n, -1)[:, :in_features].to(dtype)

@@ -370,6 +370,40 @@ def test_w4a8_gemm_matches_the_dequantized_weights_whatever_the_batch(isa):
         assert torch.equal(out, _rows_alone(m.linear_w4a8, (p.packed, p.scale), x, n))
 
 
+@needs_native
+@pytest.mark.parametrize("isa", ISAS)
+def test_w4a8_gemm_with_zero_points_matches_the_dequantized_weights_whatever_the_batch(isa):
+    """Asymmetric groups (AWQ, GPTQ): ``(u - z) * d`` with a uint8 zero point per group; z = 8
+    everywhere equals the symmetric kernel bit for bit."""
+    from kernels.linear import Int4Weight, PackedWeight
+    from kernels.quantize import dequantize_int4
+
+    m = _module(isa)
+    if not m.int4_lanes():
+        pytest.skip("the scalar build has no int4 GEMM")
+    g = torch.Generator().manual_seed(8)
+    for rows, k, n in SHAPES:
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        groups = -(-k // 32)
+        u = torch.randint(0, 16, (n, groups * 32), generator=g, dtype=torch.uint8)
+        d = (torch.rand(n, groups, generator=g) * 0.02 + 0.001).half()
+        z = torch.randint(0, 16, (n, groups), generator=g, dtype=torch.uint8)
+        iw = Int4Weight(u, d, k, z)
+        p = PackedWeight.pack_w4a8(iw, m.int4_lanes())
+        out = torch.empty(rows, n)
+        m.linear_w4a8(x, p.packed, p.scale, out, p.zeros)
+        xq, sx = _quantized_rows(x)
+        ref = (xq @ dequantize_int4(u, d, k, torch.float64, z).t()) * sx
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(out, _rows_alone(lambda a, b, c, e, o: m.linear_w4a8(a, b, c, o, e),
+                                            (p.packed, p.scale, p.zeros), x, n))
+        eight = PackedWeight.pack_w4a8(Int4Weight(u, d, k, torch.full_like(z, 8)), m.int4_lanes())
+        sym, asym8 = torch.empty(rows, n), torch.empty(rows, n)
+        m.linear_w4a8(x, p.packed, p.scale, sym)
+        m.linear_w4a8(x, eight.packed, eight.scale, asym8, eight.zeros)
+        assert torch.equal(sym, asym8)
+
+
 def test_int4_quantization_keeps_each_groups_extreme_and_16_levels():
     from kernels.quantize import dequantize_int4, quantize_int4
 

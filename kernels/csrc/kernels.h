@@ -215,7 +215,8 @@ void linear_w8a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
 
 // linear_int4.cpp
 int64_t int4_lanes();
-void linear_w4a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, at::Tensor out);
+void linear_w4a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, at::Tensor out,
+                 const c10::optional<at::Tensor>& zeros);
 
 // attention.cpp
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

@@ -1,5 +1,7 @@
 // 4-bit weights x int8 activations (W4A8), weights in groups of 32 inputs per output channel:
-// w[n, k] ~= (u[n, k] - 8) * d[n, k / 32] with u in [0, 15] and an fp16 scale d per group.
+// w[n, k] ~= (u[n, k] - z) * d[n, k / 32] with u in [0, 15], an fp16 scale d per group, and z = 8
+// (symmetric, Q4_0's scheme) or a zero point per group (asymmetric: AWQ, GPTQ; their groups of
+// 128 are four groups of 32 sharing d and z). Zero points: uint8 [ceil(N/VI), K/32, VI].
 //
 // Packed at load as [ceil(N/VI), K/32, 4, VI, 4] bytes: for one group and one block b of the
 // four, the VI x 4 bytes hold inputs 8b..8b+3 of each channel in their low nibbles and inputs
@@ -39,6 +41,9 @@ inline v4 dot_u4(v4 acc, v4 w, v4 x) {  // inline asm: see dot4 in linear_int8.c
 inline v4 pairs4(v4 w, v4 x) { return _mm512_maddubs_epi16(w, x); }
 inline v4 add16(v4 a, v4 b) { return _mm512_add_epi16(a, b); }
 inline v4 widen4(v4 a) { return _mm512_madd_epi16(a, _mm512_set1_epi16(1)); }
+inline v4 zeros4(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline v4 mul4(v4 a, v4 b) { return _mm512_mullo_epi32(a, b); }
+inline v4 subv4(v4 a, v4 b) { return _mm512_sub_epi32(a, b); }
 #else
 using v4 = __m256i;
 using f4 = __m256;
@@ -58,6 +63,9 @@ inline f4 fma4(f4 a, f4 b, f4 c) { return _mm256_fmadd_ps(a, b, c); }
 inline v4 pairs4(v4 w, v4 x) { return _mm256_maddubs_epi16(w, x); }
 inline v4 add16(v4 a, v4 b) { return _mm256_add_epi16(a, b); }
 inline v4 widen4(v4 a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
+inline v4 zeros4(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline v4 mul4(v4 a, v4 b) { return _mm256_mullo_epi32(a, b); }
+inline v4 subv4(v4 a, v4 b) { return _mm256_sub_epi32(a, b); }
 #endif
 #if defined(__AVX512VNNI__)
 constexpr bool VNNI4 = true;
@@ -79,9 +87,9 @@ struct QuantRows {  // activations quantized per row, for one call
 
 // pf: the next tile's weights (or null), fetched a group's share (pf_step bytes) at each group
 // of this tile, so they are in the caches when it starts (see int4_gemm).
-template <int M, int NV>
+template <int M, int NV, bool ZP>
 inline void int4_tile(const QuantRows& xr, int64_t m0, int64_t G, const uint8_t* const* w, const f16* const* d,
-                      f4* res, const uint8_t* pf, int64_t pf_step) {
+                      const uint8_t* const* z, f4* res, const uint8_t* pf, int64_t pf_step) {
   f4 facc[M][NV];
   for (int i = 0; i < M; ++i)
     for (int v = 0; v < NV; ++v) facc[i][v] = fz4();
@@ -123,26 +131,36 @@ inline void int4_tile(const QuantRows& xr, int64_t m0, int64_t G, const uint8_t*
         }
     f4 ds[NV];
     for (int v = 0; v < NV; ++v) ds[v] = scales4(d[v] + g * V4);
-    for (int i = 0; i < M; ++i) {
-      const int32_t corr = 8 * xr.gs[(m0 + i) * G + g];
-      for (int v = 0; v < NV; ++v)
-        facc[i][v] = fma4(cvt4(sub4(add4(acc[i][v], acc2[i][v]), corr)), ds[v], facc[i][v]);
+    if constexpr (ZP) {  // sum (u - z) x = sum u x - z * (the group's activation sum), exactly
+      v4 zs[NV];
+      for (int v = 0; v < NV; ++v) zs[v] = zeros4(z[v] + g * V4);
+      for (int i = 0; i < M; ++i) {
+        const v4 gsum = bc4(xr.gs[(m0 + i) * G + g]);
+        for (int v = 0; v < NV; ++v)
+          facc[i][v] = fma4(cvt4(subv4(add4(acc[i][v], acc2[i][v]), mul4(zs[v], gsum))), ds[v], facc[i][v]);
+      }
+    } else {
+      for (int i = 0; i < M; ++i) {
+        const int32_t corr = 8 * xr.gs[(m0 + i) * G + g];
+        for (int v = 0; v < NV; ++v)
+          facc[i][v] = fma4(cvt4(sub4(add4(acc[i][v], acc2[i][v]), corr)), ds[v], facc[i][v]);
+      }
     }
   }
   for (int i = 0; i < M; ++i)
     for (int v = 0; v < NV; ++v) res[i * N4 + v] = facc[i][v];
 }
 
-template <int NV>
+template <int NV, bool ZP>
 inline void int4_rows(int m, const QuantRows& xr, int64_t m0, int64_t G, const uint8_t* const* w,
-                      const f16* const* d, f4* res, const uint8_t* pf, int64_t pf_step) {
+                      const f16* const* d, const uint8_t* const* z, f4* res, const uint8_t* pf, int64_t pf_step) {
   switch (m) {
 #if defined(__AVX512F__)
-    case 4: int4_tile<4, NV>(xr, m0, G, w, d, res, pf, pf_step); break;
-    case 3: int4_tile<3, NV>(xr, m0, G, w, d, res, pf, pf_step); break;
+    case 4: int4_tile<4, NV, ZP>(xr, m0, G, w, d, z, res, pf, pf_step); break;
+    case 3: int4_tile<3, NV, ZP>(xr, m0, G, w, d, z, res, pf, pf_step); break;
 #endif
-    case 2: int4_tile<2, NV>(xr, m0, G, w, d, res, pf, pf_step); break;
-    default: int4_tile<1, NV>(xr, m0, G, w, d, res, pf, pf_step); break;
+    case 2: int4_tile<2, NV, ZP>(xr, m0, G, w, d, z, res, pf, pf_step); break;
+    default: int4_tile<1, NV, ZP>(xr, m0, G, w, d, z, res, pf, pf_step); break;
   }
 }
 
@@ -154,13 +172,14 @@ constexpr int WIDE_ROWS = 2;
 constexpr int WIDE_ROWS = 1;
 #endif
 
+template <bool ZP>
 inline void int4_nv(int nv, int m, const QuantRows& xr, int64_t m0, int64_t G, const uint8_t* const* w,
-                    const f16* const* d, f4* res, const uint8_t* pf, int64_t pf_step) {
+                    const f16* const* d, const uint8_t* const* z, f4* res, const uint8_t* pf, int64_t pf_step) {
   switch (nv) {
-    case 4: int4_rows<4>(m, xr, m0, G, w, d, res, pf, pf_step); break;
-    case 3: int4_rows<3>(m, xr, m0, G, w, d, res, pf, pf_step); break;
-    case 2: int4_rows<2>(m, xr, m0, G, w, d, res, pf, pf_step); break;
-    default: int4_rows<1>(m, xr, m0, G, w, d, res, pf, pf_step); break;
+    case 4: int4_rows<4, ZP>(m, xr, m0, G, w, d, z, res, pf, pf_step); break;
+    case 3: int4_rows<3, ZP>(m, xr, m0, G, w, d, z, res, pf, pf_step); break;
+    case 2: int4_rows<2, ZP>(m, xr, m0, G, w, d, z, res, pf, pf_step); break;
+    default: int4_rows<1, ZP>(m, xr, m0, G, w, d, z, res, pf, pf_step); break;
   }
 }
 
@@ -186,8 +205,8 @@ void quantize_groups(const at::Tensor& x, int64_t K32, std::vector<int8_t>& q, s
 }
 
 template <typename O>
-void int4_gemm(const QuantRows& xr, int64_t M, int64_t G, const uint8_t* packed, const f16* scales, int64_t nvec,
-               int64_t N, O* op, int64_t ldo) {
+void int4_gemm(const QuantRows& xr, int64_t M, int64_t G, const uint8_t* packed, const f16* scales,
+               const uint8_t* zeros, int64_t nvec, int64_t N, O* op, int64_t ldo) {
   const bool wide = M <= WIDE_ROWS;
   const int tile_v = wide ? N4 : 2, tile_m = wide ? static_cast<int>(M) : M4;
   const int64_t nblocks = (nvec + tile_v - 1) / tile_v;
@@ -202,14 +221,19 @@ void int4_gemm(const QuantRows& xr, int64_t M, int64_t G, const uint8_t* packed,
       const int nv = static_cast<int>(std::min<int64_t>(tile_v, nvec - v0));
       const uint8_t* w[N4];
       const f16* d[N4];
+      const uint8_t* z[N4] = {};
       for (int v = 0; v < nv; ++v) {
         w[v] = packed + (v0 + v) * G * 4 * V4 * 4;
         d[v] = scales + (v0 + v) * G * V4;
+        if (zeros) z[v] = zeros + (v0 + v) * G * V4;
       }
       for (int64_t m0 = 0; m0 < M; m0 += tile_m) {
         const int m = static_cast<int>(std::min<int64_t>(tile_m, M - m0));
         const uint8_t* pf = m0 == 0 && blk + 1 < b1 ? packed + (blk + 1) * tile_bytes : nullptr;
-        int4_nv(nv, m, xr, m0, G, w, d, res, pf, pf_step);
+        if (zeros)
+          int4_nv<true>(nv, m, xr, m0, G, w, d, z, res, pf, pf_step);
+        else
+          int4_nv<false>(nv, m, xr, m0, G, w, d, z, res, pf, pf_step);
         for (int v = 0; v < nv; ++v) {
           const int64_t n0 = (v0 + v) * V4;
           const int valid = static_cast<int>(std::min<int64_t>(V4, N - n0));
@@ -235,8 +259,10 @@ int64_t int4_lanes() {
 }
 
 // out[M, N] = quantize(x) @ W^T, W 4-bit packed [ceil(N/V4), K/32, 4, V4, 4] (uint8) with fp16
-// group scales [ceil(N/V4), K/32, V4]; K of x may be shorter than K/32 * 32 (zero padding).
-void linear_w4a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, at::Tensor out) {
+// group scales [ceil(N/V4), K/32, V4] and, where asymmetric, uint8 zero points of the same shape
+// (else 8); K of x may be shorter than K/32 * 32 (zero padding).
+void linear_w4a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, at::Tensor out,
+                 const c10::optional<at::Tensor>& zeros) {
 #if FS_VL > 1
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && packed.dim() == 5 && packed.size(2) == 4 && packed.size(3) == V4 &&
               packed.size(4) == 4, "linear_w4a8: x [M, K], packed [N/V4, K/32, 4, V4, 4] with V4 = ", V4);
@@ -246,7 +272,11 @@ void linear_w4a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
   TORCH_CHECK(G * G4 >= K && G * G4 < K + G4 && out.size(0) == M && nvec * V4 >= N && nvec * V4 < N + V4 &&
               scales.size(0) == nvec && scales.size(1) == G, "linear_w4a8: shape mismatch x ", x.sizes(),
               " packed ", packed.sizes(), " out ", out.sizes());
+  TORCH_CHECK(!zeros.has_value() || (zeros->scalar_type() == at::kByte && zeros->is_contiguous() &&
+                                      zeros->sizes() == scales.sizes()),
+              "linear_w4a8: zero points uint8, shaped as the scales");
   if (M == 0) return;
+  const uint8_t* zp = zeros.has_value() ? zeros->data_ptr<uint8_t>() : nullptr;
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> sx;
   thread_local std::vector<int32_t> gs;
@@ -265,9 +295,9 @@ void linear_w4a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
   const f16* sp = scales.data_ptr<f16>();
   const int64_t ldo = out.stride(0);
   switch (out.scalar_type()) {
-    case at::kFloat: int4_gemm(xr, M, G, pp, sp, nvec, N, out.data_ptr<float>(), ldo); break;
-    case at::kBFloat16: int4_gemm(xr, M, G, pp, sp, nvec, N, out.data_ptr<bf16>(), ldo); break;
-    case at::kHalf: int4_gemm(xr, M, G, pp, sp, nvec, N, out.data_ptr<f16>(), ldo); break;
+    case at::kFloat: int4_gemm(xr, M, G, pp, sp, zp, nvec, N, out.data_ptr<float>(), ldo); break;
+    case at::kBFloat16: int4_gemm(xr, M, G, pp, sp, zp, nvec, N, out.data_ptr<bf16>(), ldo); break;
+    case at::kHalf: int4_gemm(xr, M, G, pp, sp, zp, nvec, N, out.data_ptr<f16>(), ldo); break;
     default: TORCH_CHECK(false, "linear_w4a8: unsupported output dtype ", out.scalar_type());
   }
 #else

@@ -40,8 +40,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scale_int32", &scale_int32, "out = acc * sx[:, None] * sw[None, :], as linear_w8a8 scales its sums",
         py::arg("acc"), py::arg("sx"), py::arg("sw"), py::arg("out"));
   m.def("int4_lanes", &int4_lanes, "int32 lanes of the W4A8 pack (0: no vector unit)");
-  m.def("linear_w4a8", &linear_w4a8, "out = quantize(x) @ W.T, W 4-bit in groups of 32, fp16 group scales",
-        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("out"));
+  m.def("linear_w4a8", &linear_w4a8,
+        "out = quantize(x) @ W.T, W 4-bit in groups of 32, fp16 group scales, zero points 8 or given",
+        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("out"), py::arg("zeros") = py::none());
   m.def("linear", &linear, "out = x @ w.T (x scale for int8 w), fp32 accumulation",
         py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("out"));
   m.def("decode_attention", &decode_attention, "paged decode attention, K/V read in place",

@@ -11,6 +11,9 @@ and the quantization they run with.
   file): the weights are the file's tensors (``kernels/model/gguf_tensors.py``); the file's type
   decides the quantization (Q4_0 and the other 4/5-bit types: int4, Q4_0 bit for bit; Q8_0 and
   Q6_K: int8; F16/BF16/F32: none), on accelerators int8 or none.
+- ``quant_method: "awq"`` (AutoAWQ's GEMM layout, 4-bit, zero points) and ``"gptq"`` (4 or
+  8 bits, ``desc_act`` by ``g_idx``): ``kernels/model/group_quant.py``; 4-bit in-order groups run
+  as int4 with zero points, bit for bit; ``desc_act`` and 8-bit as int8, re-quantized.
 - Anything else is refused by name: a quantized checkpoint loaded as if it were 16-bit answers
   garbage without an error.
 """
@@ -22,8 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kernels.model.config import ConfigError
+from kernels.model.group_quant import GroupQuant
 
-SUPPORTED = "16-bit safetensors, block-wise FP8 (quant_method 'fp8' with weight_block_size), and GGUF files"
+SUPPORTED = ("16-bit safetensors, block-wise FP8 (quant_method 'fp8' with weight_block_size), AWQ (GEMM, "
+             "4-bit), GPTQ (4/8-bit) and GGUF files")
 GGUF_INT4 = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "IQ4_NL", "IQ4_XS")  # run as int4 on the CPU
 GGUF_FLOAT = ("F32", "F16", "BF16")
 FP8_QUANTIZATIONS = (None, "int8", "int8-weight-only")  # what an FP8 checkpoint may be asked to run as
@@ -35,6 +40,7 @@ class CheckpointFormat:
     block: tuple[int, int] | None = None  # fp8: the rows x columns one scale covers
     file: str | None = None  # gguf: the file
     weights: str | None = None  # gguf: the projections' most common type (Q4_0, Q8_0, F16, ...)
+    group_quant: GroupQuant | None = None  # awq, gptq: bits, group size, zero-point convention
 
     def quantization(self, asked: str | None, device_kind: str) -> str | None:
         """The quantization these weights run with on ``device_kind``, given ``--quantization``
@@ -43,6 +49,12 @@ class CheckpointFormat:
             return asked
         if self.method == "gguf":
             return self._gguf_quantization(asked, device_kind)
+        if self.group_quant is not None:
+            own = self.group_quant.runs_as if device_kind == "cpu" else "int8"
+            if asked in (None, own) or (own == "int8" and asked == "int8-weight-only"):
+                return asked or own
+            raise ConfigError(f"--quantization {asked} conflicts with this {self.method.upper()} checkpoint "
+                              f"({self.group_quant.bits}-bit: runs as {own}); ask for none or {own}")
         if asked not in FP8_QUANTIZATIONS:
             raise ConfigError(f"--quantization {asked} conflicts with this FP8 checkpoint: its weights run "
                               "as int8 (re-quantized per channel from the FP8 blocks) or, on an accelerator, "
@@ -63,6 +75,9 @@ class CheckpointFormat:
             return "16-bit"
         if self.method == "gguf":
             return f"gguf {self.weights} ({self.file})"
+        if self.group_quant is not None:
+            g = self.group_quant
+            return f"{g.method} {g.bits}-bit, group {g.group_size}"
         return f"fp8 e4m3, scale blocks {self.block[0]}x{self.block[1]}"
 
 
@@ -90,5 +105,25 @@ def checkpoint_format(model_dir: str | Path) -> CheckpointFormat:
         return CheckpointFormat("fp8", (block[0], block[1]))
     if method == "gguf" and isinstance(qc.get("file"), str) and isinstance(qc.get("weights"), str):
         return CheckpointFormat("gguf", file=qc["file"], weights=qc["weights"])
+    if method in ("awq", "gptq"):
+        return CheckpointFormat(method, group_quant=_group_quant(path, method, qc))
     raise ConfigError(f"{path}: quantization_config.quant_method {method!r} is not supported; this loader "
                       f"reads {SUPPORTED}. Loading it as 16-bit would answer garbage.")
+
+
+def _group_quant(path: Path, method: str, qc: dict) -> GroupQuant:
+    bits, group = qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size", 128))
+    if not isinstance(group, int) or group == 0 or group < -1:
+        raise ConfigError(f"{path}: {method} group_size {group!r} is not supported")
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if bits != 4 or version != "gemm" or not qc.get("zero_point", True):
+            raise ConfigError(f"{path}: AWQ {bits}-bit {version!r} (zero_point {qc.get('zero_point')}) is "
+                              "not supported; AutoAWQ's 4-bit GEMM layout with zero points is")
+        return GroupQuant("awq", 4, group)
+    fmt = qc.get("checkpoint_format", "gptq")
+    if bits not in (4, 8) or fmt not in ("gptq", "gptq_v2"):
+        raise ConfigError(f"{path}: GPTQ {bits}-bit, checkpoint_format {fmt!r} is not supported; 4 or 8 bits "
+                          "in the gptq or gptq_v2 layout are")
+    return GroupQuant("gptq", bits, group, zero_offset=1 if fmt == "gptq" else 0,
+                      desc_act=bool(qc.get("desc_act", False)))

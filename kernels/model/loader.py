@@ -23,6 +23,7 @@ from kernels.linear import Int4Weight, Int8Weight, LinearOp, Weight
 from kernels.model.checkpoint_format import PLAIN, CheckpointFormat
 from kernels.model.config import Qwen3Config
 from kernels.model.gguf_tensors import GGUFTensors
+from kernels.model.group_quant import GroupQuant
 from kernels.model.tensor_parallel import SINGLE, TensorParallel
 from kernels.quantize import dequantize_int4
 
@@ -103,6 +104,10 @@ class _Reader:
         that may come back already quantized (a GGUF's Q4_0 as ``Int4Weight`` in an int4 model)."""
         if self.gguf is not None:
             return self._get_gguf(name, shape, rows, cols, dtype, packed)
+        prefix = name.removesuffix(".weight")
+        if self.fmt.group_quant is not None and prefix + ".qweight" in self.files:
+            w = self._get_group_quant(prefix, shape, rows, cols)
+            return w if isinstance(w, Int4Weight) else w.to(dtype or self.dtype)
         path = self.files.get(name)
         if path is None:
             raise WeightError(f"{self.model_dir}: missing weight tensor {name!r}")
@@ -130,6 +135,55 @@ class _Reader:
             if w is not None:
                 return w
         return self.gguf.read(name, rows, cols).to(dtype or self.dtype)
+
+    def _slice(self, name: str, *dims: slice) -> torch.Tensor:
+        """``name``'s raw values at ``dims`` (only those bytes are read)."""
+        path = self.files.get(name)
+        if path is None:
+            raise WeightError(f"{self.model_dir}: missing weight tensor {name!r}")
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_slice(name)[dims]
+
+    def _get_group_quant(self, prefix: str, shape: tuple[int, ...], rows: range | None,
+                         cols: range | None) -> Weight:
+        """An AWQ/GPTQ projection's ``rows`` (outputs) x ``cols`` (inputs): its own bytes as
+        int4 where the model runs int4 and they map exactly, else dequantized to fp32."""
+        gq: GroupQuant = self.fmt.group_quant
+        n, k = shape
+        rows, cols = rows or range(n), cols or range(k)
+        per, gs = 32 // gq.bits, gq.group_rows(k)
+        full_r, full_c = slice(None), slice(None)
+        r_ok = rows.start % 8 == 0 and rows.stop % 8 == 0 and rows.start % per == 0 and rows.stop % per == 0
+        c_ok = cols.start % per == 0 and cols.stop % per == 0 and cols.start % gs == 0
+        r = slice(rows.start, rows.stop) if r_ok else full_r
+        rp = slice(rows.start // 8, rows.stop // 8) if r_ok else full_r  # AWQ: 8 outputs a word
+        rg = slice(rows.start // per, rows.stop // per) if r_ok else full_r  # GPTQ zeros: per outputs a word
+        g_idx = None
+        if gq.method == "awq":
+            c = slice(cols.start, cols.stop) if c_ok else full_c
+            g = slice(cols.start // gs, -(-cols.stop // gs)) if c_ok else full_c
+            qweight = self._slice(prefix + ".qweight", c, rp)
+            qzeros, scales = self._slice(prefix + ".qzeros", g, rp), self._slice(prefix + ".scales", g, r)
+        else:
+            c = slice(cols.start // per, cols.stop // per) if c_ok else full_c
+            qweight = self._slice(prefix + ".qweight", c, r)
+            qzeros = self._slice(prefix + ".qzeros", full_c, rg)
+            scales = self._slice(prefix + ".scales", full_c, r)
+            if prefix + ".g_idx" in self.files:
+                g_idx = self._slice(prefix + ".g_idx", slice(cols.start, cols.stop) if c_ok else full_c)
+        width = len(cols) if c_ok else k
+        q, z, s, groups = gq.unpack(qweight, qzeros, scales, g_idx, width)
+        if gq.method == "awq" and c_ok:
+            groups = torch.arange(cols.start, cols.stop) // gs - cols.start // gs
+        if not r_ok:
+            q, z, s = q[rows.start : rows.stop], z[:, rows.start : rows.stop], s[:, rows.start : rows.stop]
+        if not c_ok:
+            q, groups = q[:, cols.start : cols.stop], groups[cols.start : cols.stop]
+        if self.int4:
+            w = gq.as_int4(q, z, s, groups)
+            if w is not None:
+                return w
+        return gq.dequantize(q, z, s, groups)
 
     def _dequantize(self, name: str, shape: tuple[int, ...], q: torch.Tensor, rows: range | None,
                     cols: range | None) -> torch.Tensor:
@@ -161,10 +215,12 @@ class _Reader:
 def _fuse(parts: list[Weight]) -> Weight:
     """Row blocks of one projection stacked (q/k/v, gate/up): int4 kept where every part is."""
     if all(isinstance(p, Int4Weight) for p in parts):
+        zs = [p.z if p.z is not None else torch.full_like(p.d, 8, dtype=torch.uint8) for p in parts]
+        z = None if all(p.z is None for p in parts) else torch.cat(zs)
         return Int4Weight(torch.cat([p.u for p in parts]), torch.cat([p.d for p in parts]),
-                          parts[0].in_features)
-    return torch.cat([dequantize_int4(p.u, p.d, p.in_features, torch.float32) if isinstance(p, Int4Weight)
-                      else p for p in parts]).contiguous()
+                          parts[0].in_features, z)
+    return torch.cat([dequantize_int4(p.u, p.d, p.in_features, torch.float32, p.z)
+                      if isinstance(p, Int4Weight) else p for p in parts]).contiguous()
 
 
 def load_weights(model_dir: str | Path, config: Qwen3Config, dtype: torch.dtype,
