@@ -12,7 +12,10 @@ prompts as token ids (32 in, 64 out by default, greedy, EOS ignored), at batch
   with ``openvino-genai`` is given (``--openvino-python``; the ``openvino`` extra), exported once
   with ``optimum-cli export openvino``; ``ContinuousBatchingPipeline`` for batches;
 - llama.cpp with bf16, Q8_0 and Q4_0 weights, where a build is given (``--llama-cpp``;
-  ``benchmarks/llama_cpp.py``).
+  ``benchmarks/llama_cpp.py``);
+- fusedserve reading llama.cpp's own Q8_0 and Q4_0 files (``fusedserve-gguf-q8_0``,
+  ``fusedserve-gguf-q4_0``: int8 re-quantized per channel, Q4_0 as int4 bit for bit), against
+  llama.cpp on the same files: the same weights, kernel against kernel.
 
 ``--isa avx2`` holds every engine to AVX2 + FMA + F16C on a wider host, as a stand-in for an
 AVX2-only CPU: fusedserve's kernels built for AVX2 (``FUSEDSERVE_CPU_ISA``), ATen's and oneDNN's
@@ -52,7 +55,9 @@ ISA_ENV = {"native": {},
            "avx2": {"FUSEDSERVE_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
                     "ONEDNN_MAX_CPU_ISA": "AVX2"}}
 ENGINES = ("fusedserve-bf16", "fusedserve-int8", "fusedserve-int4", "transformers-bf16", "openvino-fp16",
-           "openvino-int8", "openvino-int4", "llamacpp-bf16", "llamacpp-q8_0", "llamacpp-q4_0")
+           "openvino-int8", "openvino-int4", "llamacpp-bf16", "llamacpp-q8_0", "llamacpp-q4_0",
+           "fusedserve-gguf-q8_0", "fusedserve-gguf-q4_0")
+SAME_FILE = {"fusedserve-gguf-q8_0": "llamacpp-q8_0", "fusedserve-gguf-q4_0": "llamacpp-q4_0"}
 # Weight classes: fusedserve's engine first, its peers after.
 CLASSES = {"16-bit": ("fusedserve-bf16", "openvino-fp16", "llamacpp-bf16"),
            "int8": ("fusedserve-int8", "openvino-int8", "llamacpp-q8_0"),
@@ -124,6 +129,9 @@ def run_engine(engine: str, model_dir: Path, ov_root: Path, batch: list[list[int
     quant = {"fusedserve-bf16": None, "fusedserve-int8": "int8", "fusedserve-int4": "int4"}
     if engine in quant:
         return fusedserve_generate(model_dir, batch, new, quant[engine], runs=runs)
+    if engine in SAME_FILE:  # llama.cpp's file for its peer, made by measure() before
+        path = cache_root() / f"llamacpp-{model_dir.name}" / f"{llama_cpp.WEIGHTS[SAME_FILE[engine]]}.gguf"
+        return fusedserve_generate(path, batch, new, None, runs=runs)
     if engine == "transformers-bf16":
         import torch
 
@@ -179,10 +187,14 @@ def measure(engines: list[str], batches: list[int], input_len: int, new: int, th
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
            "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **ISA_ENV[isa]}
     available = [e for e in engines if (not e.startswith("openvino-") or openvino_python)
-                 and (not e.startswith("llamacpp-") or llama_dir)]
+                 and (not (e.startswith("llamacpp-") or e in SAME_FILE) or llama_dir)]
     ggufs = {e: llama_cpp.gguf(Path(llama_dir), llama_python or sys.executable, model_dir,
                                cache_root() / f"llamacpp-{model_dir.name}", e)
              for e in available if e.startswith("llamacpp-")}
+    for e in available:
+        if e in SAME_FILE:
+            llama_cpp.gguf(Path(llama_dir), llama_python or sys.executable, model_dir,
+                           cache_root() / f"llamacpp-{model_dir.name}", SAME_FILE[e])
     raw: dict[str, dict[int, list[float]]] = {e: {b: [] for b in batches} for e in available}
     for run in range(runs):  # round robin: every engine and batch once per run
         for engine in available:
@@ -220,7 +232,7 @@ def table(res: dict) -> list[str]:
     lines = ["| engine | " + " | ".join(f"batch {b}" for b in batches)
              + " | batch 1 % of read bw (fusedserve's bytes) |", "|---" * (len(batches) + 2) + "|"]
     for engine, row in r.items():
-        cls = next((k for k, v in CLASSES.items() if engine in v), "16-bit")
+        cls = next((k for k, v in CLASSES.items() if engine in v or SAME_FILE.get(engine) in v), "16-bit")
         wb = res["weight_bytes"].get(cls, res["weight_bytes"]["16-bit"])
         bw = f"{100 * row[1] * wb / (res['read_bw_gbps'] * 1e9):.0f}%" if 1 in row else "-"
         lines.append(f"| {engine} | " + " | ".join(fmt(full[engine][b]) if b in row else "-" for b in batches)
@@ -232,6 +244,10 @@ def table(res: dict) -> list[str]:
         if ours in r and have:
             lines.append(f"| {ours} / best of {', '.join(have)} ({cls}) | " + " | ".join(
                 f"{r[ours][x] / max(r[p][x] for p in have):.2f}x" for x in batches) + " |")
+    for ours, peer in SAME_FILE.items():
+        if ours in r and peer in r:
+            lines.append(f"| {ours} / {peer} (the same GGUF file) | " + " | ".join(
+                f"{r[ours][x] / r[peer][x]:.2f}x" for x in batches) + " |")
     if "fusedserve-bf16" in r and "transformers-bf16" in r:
         lines.append("| fusedserve-bf16 / transformers-bf16 | " + " | ".join(
             f"{r['fusedserve-bf16'][x] / r['transformers-bf16'][x]:.2f}x" for x in batches) + " |")

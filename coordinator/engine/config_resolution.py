@@ -60,14 +60,28 @@ def resolve_config(cfg: EngineConfig, device_kind: str, ranks_on_node: int = 1) 
 
 
 def parameter_count(model_dir: str) -> int:
-    """Parameters of the checkpoint, read from its safetensors headers (no tensor is loaded)."""
+    """Parameters of the checkpoint, read from its safetensors headers or its GGUF file's tensor
+    list (no tensor is loaded); packed AWQ/GPTQ words count as the weights they hold, their scales
+    and zero points not at all."""
     from safetensors import safe_open
 
+    fmt = checkpoint_format(model_dir)
+    if fmt.method == "gguf":
+        from kernels.model.gguf_tensors import GGUFTensors
+
+        return sum(int(t.n_elements) for t in GGUFTensors(fmt.file).tensors.values())
     total = 0
     for path in Path(model_dir).glob("*.safetensors"):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                total += math.prod(f.get_slice(name).get_shape())
+                n = math.prod(f.get_slice(name).get_shape())
+                if fmt.group_quant is not None and name.endswith(".qweight"):
+                    n *= 32 // fmt.group_quant.bits
+                elif fmt.group_quant is not None and name.endswith((".qzeros", ".scales", ".g_idx")):
+                    n = 0
+                elif name.endswith("_scale_inv"):  # FP8 block scales
+                    n = 0
+                total += n
     return total
 
 

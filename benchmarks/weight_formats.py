@@ -1,0 +1,116 @@
+"""Every checkpoint format fusedserve reads, written from the embedded trained model, and the
+error of each as served: top-1 agreement and max |logit error| at 50 positions of held-out text
+against transformers in fp32 on (a) the format's own dequantized weights (the kernel's error)
+and (b) the original bf16 checkpoint (the format's whole error), with the bytes on disk.
+
+The writers are the tests' (``tests/test_checkpoint_formats.py``, ``tests/test_group_quant.py``,
+``tests/test_gguf.py``): FP8 as Qwen writes it, AWQ and GPTQ as AutoAWQ and GPTQ pack, GGUF
+with the ``gguf`` package's writer.
+
+    python -m benchmarks.weight_formats [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from coordinator.model_files.default_model import TRAINED_DIR, resolve_model
+from coordinator.model_files.tokenizer import TextTokenizer
+from kernels.model.checkpoint_format import checkpoint_format
+from kernels.model.qwen3 import Qwen3Model
+from tests.test_checkpoint_formats import _tensors, write_dequantized, write_fp8
+from tests.test_gguf import write_gguf
+from tests.test_group_quant import write_group_quant
+from tests.test_quantization import _last_logits
+
+
+def _hf_logits(model_dir: Path, ids: list[int], ends: list[int]) -> torch.Tensor:
+    from transformers import Qwen3ForCausalLM
+
+    hf = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0][[e - 1 for e in ends]]
+
+
+def _gguf_dequantized(path: Path, out: Path) -> Path:
+    """A GGUF file's weights as fp32 safetensors under Hugging Face names (fusedserve's own read)."""
+    from kernels.model.gguf_tensors import GGUFTensors
+
+    t = GGUFTensors(path)
+    names = [n for n in _tensors(TRAINED_DIR) if t.has(n)]
+    return write_dequantized(TRAINED_DIR, out, {n: t.read(n) for n in names})
+
+
+def measure() -> dict:
+    ids = TextTokenizer.from_dir(TRAINED_DIR).encode((TRAINED_DIR / "heldout.txt").read_text()[:4000])[:400]
+    ends = list(range(8, len(ids) + 1, 8))
+    original = _hf_logits(TRAINED_DIR, ids, ends)
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        made: dict[str, tuple[Path, Path, int]] = {}  # name: (served path, dequantized dir, bytes)
+
+        def size(p: Path) -> int:
+            return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.glob("*.safetensors"))
+
+        made["bf16 (none)"] = (TRAINED_DIR, TRAINED_DIR, size(TRAINED_DIR))
+        deq = write_fp8(TRAINED_DIR, root / "fp8")
+        made["fp8 block 128x128"] = (root / "fp8", write_dequantized(TRAINED_DIR, root / "fp8-deq", deq),
+                                     size(root / "fp8"))
+        for name, args in (("awq 4-bit g128", ("awq", 4, False, False)),
+                           ("gptq 4-bit g128 sym", ("gptq", 4, True, False)),
+                           ("gptq 4-bit g128 desc_act", ("gptq", 4, False, True)),
+                           ("gptq 8-bit g128", ("gptq", 8, False, False))):
+            method, bits, sym, act = args
+            out = root / name.replace(" ", "_")
+            d = write_group_quant(TRAINED_DIR, out, method, bits, sym=sym, desc_act=act)
+            made[name] = (out, write_dequantized(TRAINED_DIR, out.with_name(out.name + "-deq"), d), size(out))
+        for q in ("F16", "Q8_0", "Q4_0"):
+            path = write_gguf(TRAINED_DIR, root / f"model-{q}.gguf", q)
+            made[f"gguf {q}"] = (path, _gguf_dequantized(path, root / f"gguf-{q}-deq"), size(path))
+        for name, (path, deq_dir, nbytes) in made.items():
+            model_dir = resolve_model(str(path))
+            model = Qwen3Model.from_pretrained(model_dir, dtype="bfloat16")
+            got = _last_logits(model, [ids[:e] for e in ends])
+            own = _hf_logits(deq_dir, ids, ends)
+            rows[name] = {
+                "runs_as": f"{model.quantization or 'bf16'} ({model.kernel_info()['linear']})",
+                "format": checkpoint_format(model_dir).describe().split(" (")[0],
+                "bytes": nbytes,
+                "kernel_top1": (got.argmax(-1) == own.argmax(-1)).float().mean().item(),
+                "kernel_max_err": (got - own).abs().max().item(),
+                "total_top1": (got.argmax(-1) == original.argmax(-1)).float().mean().item(),
+                "total_max_err": (got - original).abs().max().item(),
+            }
+    return {"model": "embedded trained (4 layers, hidden 256)", "positions": len(ends), "rows": rows}
+
+
+def table(res: dict) -> list[str]:
+    lines = [f"Model: {res['model']}; {res['positions']} positions of held-out text; transformers fp32 as "
+             "the reference.", "",
+             "| checkpoint | runs as | MB on disk | vs its own dequantized weights: top-1 / max abs err "
+             "| vs the bf16 original: top-1 / max abs err |", "|---|---|---|---|---|"]
+    for name, r in res["rows"].items():
+        lines.append(f"| {name} | {r['runs_as']} | {r['bytes'] / 1e6:.1f} | {100 * r['kernel_top1']:.0f}% / "
+                     f"{r['kernel_max_err']:.3f} | {100 * r['total_top1']:.0f}% / {r['total_max_err']:.3f} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    res = measure()
+    print("\n".join(table(res)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    main()
