@@ -273,6 +273,38 @@ def prefill_table(res: dict) -> list[str]:
     return lines
 
 
+DECODE_TOKENS = 64
+
+
+def decode_at(engines: list[str], context: int, threads: int, openvino_python: str | None,
+              llama_dir: str | None, llama_python: str | None, runs: int, isa: str) -> dict:
+    """Batch-1 decode tokens/s after a ``context``-token prompt: each engine times the prompt to
+    1 token and to ``DECODE_TOKENS + 1``; the difference is the decode alone."""
+    peers = (threads, openvino_python, llama_dir, llama_python, runs, isa)
+    first = measure(engines, [1], context, 1, *peers)
+    full = measure(engines, [1], context, DECODE_TOKENS + 1, *peers)
+    rates = {}
+    for engine in full["results"]:
+        f1, fn = medians(first)[engine][1], medians(full)[engine][1]
+        rates[engine] = DECODE_TOKENS / ((DECODE_TOKENS + 1) / fn - 1 / f1)
+    return {"machine": full["machine"], "isa": isa, "context": context, "runs": runs, "decode_tok_s": rates,
+            "prefill_s": {e: 1 / medians(first)[e][1] for e in first["results"]}}
+
+
+def decode_table(res: dict) -> list[str]:
+    lines = [f"| engine | batch-1 decode tok/s at context {res['context']} | prefill of it, s |",
+             "|---|---|---|"]
+    for engine, v in res["decode_tok_s"].items():
+        lines.append(f"| {engine} | {v:.1f} | {res['prefill_s'][engine]:.2f} |")
+    r = res["decode_tok_s"]
+    for cls, (ours, *peers) in CLASSES.items():
+        have = [p for p in peers if p in r]
+        if ours in r and have:
+            ratio = r[ours] / max(r[p] for p in have)
+            lines.append(f"| {ours} / best of {', '.join(have)} ({cls}) | {ratio:.2f}x | |")
+    return lines
+
+
 def medians(res: dict) -> dict[str, dict[int, float]]:
     return {e: {int(b): v["median"] if isinstance(v, dict) else v for b, v in row.items()}
             for e, row in res["results"].items()}
@@ -296,6 +328,9 @@ def main(argv: list[str] | None = None) -> dict | None:
                     help="cap every engine at this instruction set (avx2: an AVX2-only CPU's kernels)")
     ap.add_argument("--prefill", type=int, default=None, metavar="N",
                     help="time one N-token prompt to its first token instead (batch 1, one new token)")
+    ap.add_argument("--decode-at", type=int, default=None, metavar="N",
+                    help=f"batch-1 decode tokens/s after an N-token prompt instead: {DECODE_TOKENS} / (time "
+                    f"to {DECODE_TOKENS + 1} tokens - time to 1), from the medians of each")
     ap.add_argument("--json", default=None)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # subprocess: one engine, one batch
     args = ap.parse_args(argv)
@@ -311,6 +346,14 @@ def main(argv: list[str] | None = None) -> dict | None:
                              args.runs, args.isa)
         print(json.dumps({"tokens_per_s": figures}))
         return None
+    if args.decode_at:
+        res = decode_at(args.engines.split(","), args.decode_at, args.threads, args.openvino_python,
+                        args.llama_cpp, args.llama_python, args.runs, args.isa)
+        print(f"{res['machine']}; instruction set {args.isa}")
+        print("\n".join(decode_table(res)))
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=2))
+        return res
     if args.prefill:
         batches, args.input_len, args.new_tokens = [1], args.prefill, 1
     res = measure(args.engines.split(","), batches, args.input_len, args.new_tokens, args.threads,
