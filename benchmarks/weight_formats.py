@@ -5,15 +5,18 @@ and (b) the original bf16 checkpoint (the format's whole error), with the bytes 
 
 The writers are the tests' (``tests/test_checkpoint_formats.py``, ``tests/test_group_quant.py``,
 ``tests/test_gguf.py``): FP8 as Qwen writes it, AWQ and GPTQ as AutoAWQ and GPTQ pack, GGUF
-with the ``gguf`` package's writer.
+with the ``gguf`` package's writer. With ``--llama-cpp DIR`` (a build, ``benchmarks/llama_cpp.py``),
+llama.cpp's ``llama-quantize`` also makes Q4_K_M and Q6_K files from the F16 one: the K-quants
+fusedserve dequantizes and re-quantizes (the ``gguf`` writer cannot make them).
 
-    python -m benchmarks.weight_formats [--json PATH]
+    python -m benchmarks.weight_formats [--llama-cpp DIR] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -46,7 +49,7 @@ def _gguf_dequantized(path: Path, out: Path) -> Path:
     return write_dequantized(TRAINED_DIR, out, {n: t.read(n) for n in names})
 
 
-def measure() -> dict:
+def measure(llama_dir: str | None = None) -> dict:
     ids = TextTokenizer.from_dir(TRAINED_DIR).encode((TRAINED_DIR / "heldout.txt").read_text()[:4000])[:400]
     ends = list(range(8, len(ids) + 1, 8))
     original = _hf_logits(TRAINED_DIR, ids, ends)
@@ -73,6 +76,13 @@ def measure() -> dict:
         for q in ("F16", "Q8_0", "Q4_0"):
             path = write_gguf(TRAINED_DIR, root / f"model-{q}.gguf", q)
             made[f"gguf {q}"] = (path, _gguf_dequantized(path, root / f"gguf-{q}-deq"), size(path))
+        for q in ("Q4_K_M", "Q6_K") if llama_dir else ():
+            path = root / f"model-{q}.gguf"
+            tool = Path(llama_dir) / "build" / "bin" / "llama-quantize"
+            subprocess.run([str(tool), str(root / "model-F16.gguf"), str(path), q], check=True,
+                           capture_output=True, timeout=600)
+            deq_dir = _gguf_dequantized(path, root / f"gguf-{q}-deq")
+            made[f"gguf {q} (llama-quantize)"] = (path, deq_dir, size(path))
         for name, (path, deq_dir, nbytes) in made.items():
             model_dir = resolve_model(str(path))
             model = Qwen3Model.from_pretrained(model_dir, dtype="bfloat16")
@@ -103,9 +113,10 @@ def table(res: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--llama-cpp", default=None, help="a built llama.cpp folder: adds Q4_K_M and Q6_K files")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    res = measure()
+    res = measure(args.llama_cpp)
     print("\n".join(table(res)))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
