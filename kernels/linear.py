@@ -187,8 +187,8 @@ class LinearOp:
         if self.packs and w.shape[1] % 2 == 0 and (isinstance(w, Int8Weight) or w.dtype == torch.bfloat16):
             packed = PackedWeight.pack(w)
             return packed if isinstance(w, Int8Weight) else self._with_matrix(packed, w, max_rows)
-        if self._fma(w):
-            return self._with_matrix(PackedWeight.pack_fma(w, self.lanes), w, max_rows)
+        if self._fma(w):  # AVX2 / AVX-512 without BF16: oneDNN has no fast 16-bit GEMM there either
+            return PackedWeight.pack_fma(w, self.lanes)
         return w
 
     def prepare_head(self, w: Weight) -> Weight:
