@@ -18,10 +18,9 @@ from coordinator.engine.llm_engine import LLMEngine
 from coordinator.model_files.default_model import TRAINED_DIR
 from coordinator.model_files.tokenizer import TextTokenizer
 from coordinator.sampling_params import SamplingParams
-from kernels.linear import Int8Weight
 from kernels.model.checkpoint_format import checkpoint_format
 from kernels.model.config import ConfigError, Qwen3Config
-from kernels.model.loader import WeightError, load_weights
+from kernels.model.loader import WeightError, load_weights, quantizer
 from kernels.model.qwen3 import Qwen3Model
 from kernels.model.tensor_parallel import TensorParallel
 from kernels.quantize import quantize_int8
@@ -97,7 +96,7 @@ def test_fp8_weights_are_the_dequantized_blocks_requantized_per_channel(fp8_trai
     assert model.quantization == "int8" and "w8a8" in model.kernel_info()["linear"]
     c = Qwen3Config.from_dir(fp8)
     w = load_weights(fp8, c, torch.bfloat16, fmt=checkpoint_format(fp8),
-                     quantize=lambda t: Int8Weight.quantize(t, torch.bfloat16, torch.device("cpu")))
+                     quantize=quantizer("int8", torch.bfloat16, torch.device("cpu")))
     want = deq["model.layers.1.mlp.down_proj.weight"]
     got = w.layers[1].down
     q, s = quantize_int8(want)
@@ -183,9 +182,8 @@ def _with_config(src: Path, dst: Path, qc: dict | None) -> Path:
 
 
 @pytest.mark.parametrize("qc, match", [
-    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}, "'awq'"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "'gptq'"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
+    ({"quant_method": "hqq", "nbits": 4}, "'hqq'"),
     ({"quant_method": "fp8", "activation_scheme": "static"}, "weight_block_size"),
     ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "e5m2"),
 ])
@@ -195,6 +193,13 @@ def test_formats_the_loader_cannot_read_are_refused_by_name(hf_checkpoints, tmp_
         Qwen3Model.from_pretrained(path)
     with pytest.raises(ConfigError, match=match):
         LLMEngine(str(path), max_batch=1, num_blocks=8)
+
+
+def test_a_config_declaring_awq_over_16_bit_tensors_is_refused(hf_checkpoints, tmp_path):
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+    path = _with_config(hf_checkpoints["gqa2_untied"], tmp_path / "m", awq)
+    with pytest.raises(WeightError, match="declares awq but projection .* has no .*qweight"):
+        Qwen3Model.from_pretrained(path)
 
 
 def test_fp8_refuses_a_conflicting_quantization_and_fp8_tensors_without_a_config(fp8_trained, tmp_path):

@@ -100,12 +100,16 @@ class _Reader:
     def get(self, name: str, shape: tuple[int, ...], rows: range | None = None,
             cols: range | None = None, dtype: torch.dtype | None = None, packed: bool = False) -> Weight:
         """The tensor ``name`` of ``shape`` in ``dtype`` (default: the model's), or only its
-        ``rows`` / ``cols`` (a rank's share: only those bytes are read). ``packed``: a projection
-        that may come back already quantized (a GGUF's Q4_0 as ``Int4Weight`` in an int4 model)."""
+        ``rows`` / ``cols`` (a rank's share: only those bytes are read). ``packed``: a projection,
+        which may come back already quantized (an in-order AWQ/GPTQ or a GGUF's Q4_0 as
+        ``Int4Weight`` where the model runs int4) and must be stored packed in an AWQ/GPTQ one."""
         if self.gguf is not None:
             return self._get_gguf(name, shape, rows, cols, dtype, packed)
         prefix = name.removesuffix(".weight")
-        if self.fmt.group_quant is not None and prefix + ".qweight" in self.files:
+        if self.fmt.group_quant is not None and packed:
+            if prefix + ".qweight" not in self.files:
+                raise WeightError(f"{self.model_dir}: config.json declares {self.fmt.method} but projection "
+                                  f"{prefix!r} has no {prefix}.qweight")
             w = self._get_group_quant(prefix, shape, rows, cols)
             return w if isinstance(w, Int4Weight) else w.to(dtype or self.dtype)
         path = self.files.get(name)
@@ -236,7 +240,7 @@ def load_weights(model_dir: str | Path, config: Qwen3Config, dtype: torch.dtype,
     reader = _Reader(Path(model_dir), dtype, fmt, int4=quantize is not None and quantize.mode == "int4")
     q_ = quantize or (lambda t: t)
     pd = torch.float32 if quantize is not None else None  # the projections' read dtype
-    pk = quantize is not None  # projections may come back quantized already
+    pk = True  # projections: packed in AWQ/GPTQ checkpoints, int4 already where the model runs int4
     c = config
     tp.check(c)
     hidden, hd = c.hidden_size, c.head_dim
