@@ -407,9 +407,63 @@ def routing_section(args: argparse.Namespace, t: list) -> list[str]:
     return routing_lines(res, t)
 
 
+FORMATS_HEADING = "## Checkpoint formats: the error of each as served"
+FORMATS_RESULTS = RESULTS / "weight_formats.json"
+
+
+def formats_section(args: argparse.Namespace, t: list) -> list[str]:
+    """``benchmarks.weight_formats``: every format written from the trained model, its error."""
+    from benchmarks import weight_formats
+
+    res = weight_formats.main(["--json", str(FORMATS_RESULTS)]
+                              + (["--llama-cpp", args.llama_cpp] if args.llama_cpp else []))
+    return ["", FORMATS_HEADING, "",
+            "`python -m benchmarks.weight_formats` (with `--llama-cpp DIR`: llama-quantize's K-quants too): each "
+            "format written from the embedded trained model as its tools write it, served by fusedserve, against "
+            "transformers in fp32 on the format's own dequantized weights (the kernels' error) and on the bf16 "
+            "original (the format's whole error).", "", *weight_formats.table(res)]
+
+
+LONG_HEADING = "## CPU: the GEMM choice and long prompts"
+LONG_RESULTS = RESULTS / "long_prompts.json"
+LONG_ENGINES = "fusedserve-bf16,openvino-fp16,llamacpp-bf16"
+
+
+def long_section(args: argparse.Namespace, t: list) -> list[str]:
+    """The per-host GEMM choice (``benchmarks.gemm_choice``), one 4,096-token prompt to its first
+    token and batch-1 decode after it (``cpu_peers --prefill / --decode-at``), 16-bit peers."""
+    from benchmarks import cpu_peers, gemm_choice
+
+    g = gemm_choice.main(["--json", str(RESULTS / "gemm_choice.json")])
+    chosen = sorted({n for n, s in g["shapes"].items() if "matrix" in s["choice"]})
+    peers = ["--engines", LONG_ENGINES]
+    for flag, value in (("--openvino-python", args.openvino_python), ("--llama-cpp", args.llama_cpp),
+                        ("--llama-python", args.llama_python)):
+        if value:
+            peers += [flag, value]
+    pre = cpu_peers.main([*peers, "--prefill", "4096"])
+    dec = cpu_peers.main([*peers, "--decode-at", "4096"])
+    LONG_RESULTS.write_text(json.dumps({"prefill": pre, "decode_at": dec}, indent=1))
+    lines = ["", LONG_HEADING, "",
+             f"`python -m benchmarks.gemm_choice` (build `{g['isa']}`, AMX {'yes' if g['amx'] else 'no'}): the "
+             "load-time measurement of the native GEMMs against oneDNN's at row buckets 1-512, Qwen3-0.6B's "
+             f"shapes, bf16 and W8A8, {g['measure_s']:.1f} s in all. oneDNN chosen for: "
+             f"{', '.join(chosen) if chosen else 'nothing (the native kernels win every bucket here)'}.", "",
+             "`python -m benchmarks.cpu_peers --prefill 4096` and `--decode-at 4096` (default:qwen3-0.6b, 2 "
+             "threads, a fresh process per engine and run, 3 runs round robin):", "",
+             *cpu_peers.prefill_table(pre), "", *cpu_peers.decode_table(dec)]
+    r = {e: 1 / cpu_peers.medians(pre)[e][1] for e in pre["results"]}
+    if "fusedserve-bf16" in r and "openvino-fp16" in r:
+        ratio = r["openvino-fp16"] / r["fusedserve-bf16"]
+        t.append(("16-bit 4,096-token prefill >= 1.2x OpenVINO fp16", ratio >= 1.2, f"{ratio:.2f}x"))
+    return lines
+
+
 SECTIONS = {"structured": (STRUCTURED_HEADING, structured_section),
             "parallel": (PARALLEL_HEADING, parallel_section),
-            "routing": (ROUTING_HEADING, routing_section)}
+            "routing": (ROUTING_HEADING, routing_section),
+            "formats": (FORMATS_HEADING, formats_section),
+            "long": (LONG_HEADING, long_section)}
 
 
 def splice(path: Path, heading: str, section: list[str], targets: list) -> None:
@@ -541,6 +595,8 @@ def main(argv: list[str] | None = None) -> None:
     lines += structured_section(args, t)
     lines += parallel_section(args, t)
     lines += routing_section(args, t)
+    lines += formats_section(args, t)
+    lines += long_section(args, t)
     lines += cuda_section(t)
     lines += ["", "## Targets", "", "| target | met | figure |", "|---|---|---|"]
     lines += [f"| {name} | {'yes' if ok else 'no'} | {fig} |" for name, ok, fig in t]

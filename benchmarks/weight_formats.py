@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import tempfile
 from pathlib import Path
@@ -49,54 +50,65 @@ def _gguf_dequantized(path: Path, out: Path) -> Path:
     return write_dequantized(TRAINED_DIR, out, {n: t.read(n) for n in names})
 
 
+def _size(p: Path) -> int:
+    return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.glob("*.safetensors"))
+
+
 def measure(llama_dir: str | None = None) -> dict:
     ids = TextTokenizer.from_dir(TRAINED_DIR).encode((TRAINED_DIR / "heldout.txt").read_text()[:4000])[:400]
     ends = list(range(8, len(ids) + 1, 8))
     original = _hf_logits(TRAINED_DIR, ids, ends)
     rows = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        made: dict[str, tuple[Path, Path, int]] = {}  # name: (served path, dequantized dir, bytes)
+    saved = os.environ.get("FUSEDSERVE_CACHE")
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            os.environ["FUSEDSERVE_CACHE"] = str(root / "cache")  # the GGUF sidecars go with the files
+            made: dict[str, tuple[Path, Path, int]] = {}  # name: (served path, dequantized dir, bytes)
 
-        def size(p: Path) -> int:
-            return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.glob("*.safetensors"))
+            made["bf16 (none)"] = (TRAINED_DIR, TRAINED_DIR, _size(TRAINED_DIR))
+            deq = write_fp8(TRAINED_DIR, root / "fp8")
+            made["fp8 block 128x128"] = (root / "fp8", write_dequantized(TRAINED_DIR, root / "fp8-deq", deq),
+                                         _size(root / "fp8"))
+            for name, args in (("awq 4-bit g128", ("awq", 4, False, False)),
+                               ("gptq 4-bit g128 sym", ("gptq", 4, True, False)),
+                               ("gptq 4-bit g128 desc_act", ("gptq", 4, False, True)),
+                               ("gptq 8-bit g128", ("gptq", 8, False, False))):
+                method, bits, sym, act = args
+                out = root / name.replace(" ", "_")
+                d = write_group_quant(TRAINED_DIR, out, method, bits, sym=sym, desc_act=act)
+                deq_dir = write_dequantized(TRAINED_DIR, out.with_name(out.name + "-deq"), d)
+                made[name] = (out, deq_dir, _size(out))
+            for q in ("F16", "Q8_0", "Q4_0"):
+                path = write_gguf(TRAINED_DIR, root / f"model-{q}.gguf", q)
+                made[f"gguf {q}"] = (path, _gguf_dequantized(path, root / f"gguf-{q}-deq"), _size(path))
+            for q in ("Q4_K_M", "Q6_K") if llama_dir else ():
+                path = root / f"model-{q}.gguf"
+                tool = Path(llama_dir) / "build" / "bin" / "llama-quantize"
+                subprocess.run([str(tool), str(root / "model-F16.gguf"), str(path), q], check=True,
+                               capture_output=True, timeout=600)
+                deq_dir = _gguf_dequantized(path, root / f"gguf-{q}-deq")
+                made[f"gguf {q} (llama-quantize)"] = (path, deq_dir, _size(path))
+            for name, (path, deq_dir, nbytes) in made.items():
+                model_dir = resolve_model(str(path))
+                model = Qwen3Model.from_pretrained(model_dir, dtype="bfloat16")
+                got = _last_logits(model, [ids[:e] for e in ends])
+                own = _hf_logits(deq_dir, ids, ends)
+                rows[name] = {
+                    "runs_as": f"{model.quantization or 'bf16'} ({model.kernel_info()['linear']})",
+                    "format": checkpoint_format(model_dir).describe().split(" (")[0],
+                    "bytes": nbytes,
+                    "kernel_top1": (got.argmax(-1) == own.argmax(-1)).float().mean().item(),
+                    "kernel_max_err": (got - own).abs().max().item(),
+                    "total_top1": (got.argmax(-1) == original.argmax(-1)).float().mean().item(),
+                    "total_max_err": (got - original).abs().max().item(),
+                }
 
-        made["bf16 (none)"] = (TRAINED_DIR, TRAINED_DIR, size(TRAINED_DIR))
-        deq = write_fp8(TRAINED_DIR, root / "fp8")
-        made["fp8 block 128x128"] = (root / "fp8", write_dequantized(TRAINED_DIR, root / "fp8-deq", deq),
-                                     size(root / "fp8"))
-        for name, args in (("awq 4-bit g128", ("awq", 4, False, False)),
-                           ("gptq 4-bit g128 sym", ("gptq", 4, True, False)),
-                           ("gptq 4-bit g128 desc_act", ("gptq", 4, False, True)),
-                           ("gptq 8-bit g128", ("gptq", 8, False, False))):
-            method, bits, sym, act = args
-            out = root / name.replace(" ", "_")
-            d = write_group_quant(TRAINED_DIR, out, method, bits, sym=sym, desc_act=act)
-            made[name] = (out, write_dequantized(TRAINED_DIR, out.with_name(out.name + "-deq"), d), size(out))
-        for q in ("F16", "Q8_0", "Q4_0"):
-            path = write_gguf(TRAINED_DIR, root / f"model-{q}.gguf", q)
-            made[f"gguf {q}"] = (path, _gguf_dequantized(path, root / f"gguf-{q}-deq"), size(path))
-        for q in ("Q4_K_M", "Q6_K") if llama_dir else ():
-            path = root / f"model-{q}.gguf"
-            tool = Path(llama_dir) / "build" / "bin" / "llama-quantize"
-            subprocess.run([str(tool), str(root / "model-F16.gguf"), str(path), q], check=True,
-                           capture_output=True, timeout=600)
-            deq_dir = _gguf_dequantized(path, root / f"gguf-{q}-deq")
-            made[f"gguf {q} (llama-quantize)"] = (path, deq_dir, size(path))
-        for name, (path, deq_dir, nbytes) in made.items():
-            model_dir = resolve_model(str(path))
-            model = Qwen3Model.from_pretrained(model_dir, dtype="bfloat16")
-            got = _last_logits(model, [ids[:e] for e in ends])
-            own = _hf_logits(deq_dir, ids, ends)
-            rows[name] = {
-                "runs_as": f"{model.quantization or 'bf16'} ({model.kernel_info()['linear']})",
-                "format": checkpoint_format(model_dir).describe().split(" (")[0],
-                "bytes": nbytes,
-                "kernel_top1": (got.argmax(-1) == own.argmax(-1)).float().mean().item(),
-                "kernel_max_err": (got - own).abs().max().item(),
-                "total_top1": (got.argmax(-1) == original.argmax(-1)).float().mean().item(),
-                "total_max_err": (got - original).abs().max().item(),
-            }
+    finally:
+        if saved is None:
+            os.environ.pop("FUSEDSERVE_CACHE", None)
+        else:
+            os.environ["FUSEDSERVE_CACHE"] = saved
     return {"model": "embedded trained (4 layers, hidden 256)", "positions": len(ends), "rows": rows}
 
 
