@@ -58,8 +58,11 @@ class GemmTiming:
 
     @property
     def choice(self) -> tuple[bool, ...]:
-        """Per bucket: whether the matrix path runs it (faster by ``MARGIN``)."""
-        return tuple(m * MARGIN < n for n, m in zip(self.native_s, self.matrix_s))
+        """Per bucket: whether the matrix path runs it: faster by ``MARGIN`` there and at every
+        larger bucket (a compute-bound GEMM only gains on a matrix engine as rows grow, so an
+        isolated win between losses is noise, and a choice never flips back and forth)."""
+        wins = [m * MARGIN < n for n, m in zip(self.native_s, self.matrix_s)]
+        return tuple(all(wins[i:]) for i in range(len(wins)))
 
 
 def host_key(isa: str, threads: int) -> str:

@@ -73,6 +73,9 @@ def test_buckets_and_the_margin():
     assert ROW_BUCKETS[bucket(100)] == 128
     t = GemmTiming((1.0, 1.0, 1.0), (2.0, 0.95, 0.5))
     assert t.choice == (False, False, True)  # 5% faster is noise; 2x is a choice
+    # A win between losses (noise in one bucket) is not taken; from a crossover on, every bucket is.
+    assert GemmTiming((1.0,) * 5, (0.5, 2.0, 0.5, 2.0, 2.0)).choice == (False,) * 5
+    assert GemmTiming((1.0,) * 4, (2.0, 0.5, 0.5, 0.5)).choice == (False, True, True, True)
 
 
 def test_the_faster_path_is_chosen_and_the_timing_cached(tmp_path):
