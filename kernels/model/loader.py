@@ -28,6 +28,10 @@ from kernels.model.tensor_parallel import SINGLE, TensorParallel
 from kernels.quantize import dequantize_int4
 
 Progress = Callable[[int, int], None]  # (parts done, parts in all)
+# A read dtype: the stored values where the model's dtype holds them exactly, else fp32. A bf16
+# checkpoint quantized at load is read in bf16 (fp32 copies of every projection, freed at once,
+# left glibc holding about 1.5 GB of Qwen3-0.6B's load in its heap); an fp32 or FP8 one in fp32.
+EXACT = object()
 
 
 class WeightError(ValueError):
@@ -99,7 +103,7 @@ class _Reader:
 
     def get(self, name: str, shape: tuple[int, ...], rows: range | None = None,
             cols: range | None = None, dtype: torch.dtype | None = None, packed: bool = False) -> Weight:
-        """The tensor ``name`` of ``shape`` in ``dtype`` (default: the model's), or only its
+        """The tensor ``name`` of ``shape`` in ``dtype`` (default: the model's; ``EXACT``), or only its
         ``rows`` / ``cols`` (a rank's share: only those bytes are read). ``packed``: a projection,
         which may come back already quantized (an in-order AWQ/GPTQ or a GGUF's Q4_0 as
         ``Int4Weight`` where the model runs int4) and must be stored packed in an AWQ/GPTQ one."""
@@ -111,7 +115,7 @@ class _Reader:
                 raise WeightError(f"{self.model_dir}: config.json declares {self.fmt.method} but projection "
                                   f"{prefix!r} has no {prefix}.qweight")
             w = self._get_group_quant(prefix, shape, rows, cols)
-            return w if isinstance(w, Int4Weight) else w.to(dtype or self.dtype)
+            return w if isinstance(w, Int4Weight) else w.to(self._read_dtype(w, dtype))
         path = self.files.get(name)
         if path is None:
             raise WeightError(f"{self.model_dir}: missing weight tensor {name!r}")
@@ -124,8 +128,14 @@ class _Reader:
             r = slice(None) if rows is None else slice(rows.start, rows.stop)
             tensor = part[r] if cols is None else part[r, cols.start : cols.stop]
         if tensor.dtype == torch.float8_e4m3fn:
-            return self._dequantize(name, shape, tensor, rows, cols).to(dtype or self.dtype).contiguous()
-        return tensor.to(dtype or self.dtype).contiguous()
+            tensor = self._dequantize(name, shape, tensor, rows, cols)
+        return tensor.to(self._read_dtype(tensor, dtype)).contiguous()
+
+    def _read_dtype(self, tensor: torch.Tensor, dtype: torch.dtype | object | None) -> torch.dtype:
+        """``EXACT``: as stored where the model's dtype holds it, else fp32 (no rounding)."""
+        if dtype is EXACT:
+            return self.dtype if tensor.dtype == self.dtype else torch.float32
+        return dtype or self.dtype
 
     def _get_gguf(self, name: str, shape: tuple[int, ...], rows: range | None, cols: range | None,
                   dtype: torch.dtype | None, packed: bool) -> Weight:
@@ -138,7 +148,8 @@ class _Reader:
             w = self.gguf.read_int4(name, rows, cols)
             if w is not None:
                 return w
-        return self.gguf.read(name, rows, cols).to(dtype or self.dtype)
+        values = self.gguf.read(name, rows, cols)  # fp32
+        return values.to(self._read_dtype(values, dtype))
 
     def _slice(self, name: str, *dims: slice) -> torch.Tensor:
         """``name``'s raw values at ``dims`` (only those bytes are read)."""
@@ -239,7 +250,7 @@ def load_weights(model_dir: str | Path, config: Qwen3Config, dtype: torch.dtype,
     ``dtype`` first)."""
     reader = _Reader(Path(model_dir), dtype, fmt, int4=quantize is not None and quantize.mode == "int4")
     q_ = quantize or (lambda t: t)
-    pd = torch.float32 if quantize is not None else None  # the projections' read dtype
+    pd = EXACT if quantize is not None else None  # the projections' read dtype
     pk = True  # projections: packed in AWQ/GPTQ checkpoints, int4 already where the model runs int4
     c = config
     tp.check(c)
