@@ -3,7 +3,8 @@ post-processing that makes them runnable (device, quantization, each kernel's la
 
 Block-wise FP8 tensors (``kernels/model/checkpoint_format.py``) are dequantized as they are read.
 Where the weights run quantized on the CPU, each projection is quantized as soon as its layer is
-read, so the peak stays about one layer above the final weights, whatever the checkpoint's dtype.
+read, so reading the layers stays about one layer above their quantized size, whatever the
+checkpoint's dtype (the lm_head is quantized afterwards, in one piece).
 
 Weights are fused at load time (q/k/v into one matrix, gate/up into another, per expert in a
 Qwen3-MoE layer) so the decode step runs one matmul where the checkpoint has three or two.

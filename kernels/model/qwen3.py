@@ -67,8 +67,8 @@ class Qwen3Model:
         torch_dtype = resolve_dtype(dtype, parse_dtype(config.dtype), dev.type)
         fmt = checkpoint_format(model_dir)
         quantization = fmt.quantization(check_quantization(quantization), dev.type)
-        # On the CPU, each projection is quantized as its layer is read (the peak stays a layer
-        # above the final weights); accelerators quantize after the move, as before.
+        # On the CPU, each projection is quantized as its layer is read (reading the layers stays
+        # a layer above their quantized size); accelerators quantize after the move, as before.
         quantize = quantizer(quantization, torch_dtype, dev) if quantization and dev.type == "cpu" else None
         weights = load_weights(model_dir, config, torch_dtype, tp, progress, fmt, quantize)
         return cls(config, weights, torch_dtype, device, max_model_len, quantization=quantization, tp=tp,
