@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from coordinator.model_files.default_model import default_model_dir
+from kernels.native import cpu_model
 
 PRESET = "benchmark"
 
@@ -22,15 +23,7 @@ def checkpoint() -> Path:
 
 
 def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
+    return (f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads, Python {platform.python_version()}")
 
 

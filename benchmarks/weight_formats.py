@@ -21,24 +21,13 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import torch
-
 from coordinator.model_files.default_model import TRAINED_DIR, resolve_model
-from coordinator.model_files.tokenizer import TextTokenizer
 from kernels.model.checkpoint_format import checkpoint_format
 from kernels.model.qwen3 import Qwen3Model
 from tests.test_checkpoint_formats import _tensors, write_dequantized, write_fp8
 from tests.test_gguf import write_gguf
 from tests.test_group_quant import write_group_quant
-from tests.test_quantization import _last_logits
-
-
-def _hf_logits(model_dir: Path, ids: list[int], ends: list[int]) -> torch.Tensor:
-    from transformers import Qwen3ForCausalLM
-
-    hf = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0][[e - 1 for e in ends]]
+from tests.test_quantization import _last_logits, agreement, heldout_positions, hf_logits
 
 
 def _gguf_dequantized(path: Path, out: Path) -> Path:
@@ -55,9 +44,8 @@ def _size(p: Path) -> int:
 
 
 def measure(llama_dir: str | None = None) -> dict:
-    ids = TextTokenizer.from_dir(TRAINED_DIR).encode((TRAINED_DIR / "heldout.txt").read_text()[:4000])[:400]
-    ends = list(range(8, len(ids) + 1, 8))
-    original = _hf_logits(TRAINED_DIR, ids, ends)
+    ids, ends = heldout_positions()
+    original = hf_logits(TRAINED_DIR, ids, ends)
     rows = {}
     saved = os.environ.get("FUSEDSERVE_CACHE")
     try:
@@ -93,15 +81,15 @@ def measure(llama_dir: str | None = None) -> dict:
                 model_dir = resolve_model(str(path))
                 model = Qwen3Model.from_pretrained(model_dir, dtype="bfloat16")
                 got = _last_logits(model, [ids[:e] for e in ends])
-                own = _hf_logits(deq_dir, ids, ends)
+                own = hf_logits(deq_dir, ids, ends)
+                kernel_top1, kernel_err = agreement(got, own)
+                total_top1, total_err = agreement(got, original)
                 rows[name] = {
                     "runs_as": f"{model.quantization or 'bf16'} ({model.kernel_info()['linear']})",
                     "format": checkpoint_format(model_dir).describe().split(" (")[0],
                     "bytes": nbytes,
-                    "kernel_top1": (got.argmax(-1) == own.argmax(-1)).float().mean().item(),
-                    "kernel_max_err": (got - own).abs().max().item(),
-                    "total_top1": (got.argmax(-1) == original.argmax(-1)).float().mean().item(),
-                    "total_max_err": (got - original).abs().max().item(),
+                    "kernel_top1": kernel_top1, "kernel_max_err": kernel_err,
+                    "total_top1": total_top1, "total_max_err": total_err,
                 }
 
     finally:

@@ -26,13 +26,14 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from kernels.native import cpu_model
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +68,7 @@ class GemmTiming:
 
 def host_key(isa: str, threads: int) -> str:
     """What makes a timing valid elsewhere: the CPU model, the build's ISA, threads, torch."""
-    model = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    raw = f"{model}|{isa}|{threads}|{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}"
+    raw = f"{cpu_model()}|{isa}|{threads}|{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}"
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
 
 

@@ -77,6 +77,17 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def cpu_model() -> str:
+    """The running CPU's model name (Linux /proc/cpuinfo; ``platform.processor()`` elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def best_isa(flags: set[str]) -> str:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return "scalar"

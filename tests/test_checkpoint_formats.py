@@ -16,15 +16,14 @@ from safetensors.torch import save_file
 
 from coordinator.engine.llm_engine import LLMEngine
 from coordinator.model_files.default_model import TRAINED_DIR
-from coordinator.model_files.tokenizer import TextTokenizer
 from coordinator.sampling_params import SamplingParams
 from kernels.model.checkpoint_format import checkpoint_format
 from kernels.model.config import ConfigError, Qwen3Config
-from kernels.model.loader import WeightError, load_weights, quantizer
+from kernels.model.loader import Quantizer, WeightError, load_weights
 from kernels.model.qwen3 import Qwen3Model
 from kernels.model.tensor_parallel import TensorParallel
 from kernels.quantize import quantize_int8
-from tests.test_quantization import _last_logits
+from tests.test_quantization import _last_logits, agreement, heldout_positions, hf_logits
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 E4M3_MAX = 448.0
@@ -96,7 +95,7 @@ def test_fp8_weights_are_the_dequantized_blocks_requantized_per_channel(fp8_trai
     assert model.quantization == "int8" and "w8a8" in model.kernel_info()["linear"]
     c = Qwen3Config.from_dir(fp8)
     w = load_weights(fp8, c, torch.bfloat16, fmt=checkpoint_format(fp8),
-                     quantize=quantizer("int8", torch.bfloat16, torch.device("cpu")))
+                     quantize=Quantizer("int8", torch.bfloat16, torch.device("cpu")))
     want = deq["model.layers.1.mlp.down_proj.weight"]
     got = w.layers[1].down
     q, s = quantize_int8(want)
@@ -108,17 +107,11 @@ def test_fp8_weights_are_the_dequantized_blocks_requantized_per_channel(fp8_trai
 def test_fp8_logits_agree_with_transformers_on_the_dequantized_weights(fp8_trained):
     """Within the int8 test's bounds (tests/test_quantization.py): top-1 on >= 95% of 50
     positions, max |logit error| < 0.5; and far from the garbage of reading e4m3 as 16-bit."""
-    from transformers import Qwen3ForCausalLM
-
     fp8, deq_dir, _ = fp8_trained
-    ids = TextTokenizer.from_dir(TRAINED_DIR).encode((TRAINED_DIR / "heldout.txt").read_text()[:4000])[:400]
-    hf = Qwen3ForCausalLM.from_pretrained(deq_dir, torch_dtype=torch.float32).eval()
-    with torch.no_grad():
-        want = hf(torch.tensor([ids])).logits[0]
-    ends = list(range(8, len(ids) + 1, 8))
-    ref = want[[e - 1 for e in ends]]
+    ids, ends = heldout_positions()
+    ref = hf_logits(deq_dir, ids, ends)
     got = _last_logits(Qwen3Model.from_pretrained(fp8, dtype="bfloat16"), [ids[:e] for e in ends])
-    agree, err = (got.argmax(-1) == ref.argmax(-1)).float().mean().item(), (got - ref).abs().max().item()
+    agree, err = agreement(got, ref)
     assert agree >= 0.95 and err < 0.5, (agree, err)
 
 

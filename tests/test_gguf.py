@@ -23,7 +23,7 @@ from kernels.model.gguf_tensors import GGUFTensors
 from kernels.model.qwen3 import Qwen3Model
 from kernels.quantize import quantize_int8
 from tests.test_checkpoint_formats import _tensors
-from tests.test_quantization import _last_logits
+from tests.test_quantization import _last_logits, agreement, heldout_positions, hf_logits
 
 gguf = pytest.importorskip("gguf")
 
@@ -102,7 +102,6 @@ def _reference(path: Path, ids: list[int], ends: list[int], tmp: Path) -> torch.
     back under their Hugging Face names. (Its ``gguf_file=`` loader cannot be used: it ignores
     ``attention.key_length`` and takes head_dim 128.)"""
     from safetensors.torch import save_file
-    from transformers import Qwen3ForCausalLM
     from transformers.integrations.gguf.dequant import dequantize
 
     gguf_to_hf = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -122,10 +121,7 @@ def _reference(path: Path, ids: list[int], ends: list[int], tmp: Path) -> torch.
     ref.mkdir()
     save_file(tensors, str(ref / "model.safetensors"))
     (ref / "config.json").write_text((TRAINED_DIR / "config.json").read_text())
-    hf = Qwen3ForCausalLM.from_pretrained(str(ref), dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = hf(torch.tensor([ids])).logits[0]
-    return logits[[e - 1 for e in ends]]
+    return hf_logits(str(ref), ids, ends)
 
 
 @pytest.mark.parametrize("qtype, quantization, bound", [("F16", None, 0.5), ("Q8_0", "int8", 0.5),
@@ -137,13 +133,11 @@ def test_gguf_logits_agree_with_transformers_on_the_same_file(ggufs, tmp_path, q
     model_dir = resolve_model(str(path))
     fmt = checkpoint_format(model_dir)
     assert fmt.method == "gguf" and fmt.weights == qtype
-    ids = TextTokenizer.from_dir(TRAINED_DIR).encode((TRAINED_DIR / "heldout.txt").read_text()[:4000])[:400]
-    ends = list(range(8, len(ids) + 1, 8))
+    ids, ends = heldout_positions()
     model = Qwen3Model.from_pretrained(model_dir, dtype="bfloat16")
     assert model.quantization == quantization
     got = _last_logits(model, [ids[:e] for e in ends])
-    ref = _reference(path, ids, ends, tmp_path)
-    agree, err = (got.argmax(-1) == ref.argmax(-1)).float().mean().item(), (got - ref).abs().max().item()
+    agree, err = agreement(got, _reference(path, ids, ends, tmp_path))
     assert agree >= 0.95 and err < bound, (qtype, agree, err)
 
 

@@ -26,7 +26,7 @@ from kernels.model.qwen3 import Qwen3Model
 from kernels.model.tensor_parallel import TensorParallel
 from kernels.quantize import dequantize_int4
 from tests.test_checkpoint_formats import PROJECTIONS, _tensors, write_dequantized
-from tests.test_quantization import _last_logits
+from tests.test_quantization import _last_logits, agreement, heldout_positions, hf_logits
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -128,20 +128,13 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[Path, Path, dict]]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_agree_with_transformers_on_the_dequantized_weights(checkpoints, case):
     """int4 bound of tests/test_quantization.py (a 4-bit step); 8-bit within int8's."""
-    from transformers import Qwen3ForCausalLM
-
     path, deq_dir, _ = checkpoints[case]
     *_, runs_as, _ = CASES[case]
-    ids = TextTokenizer.from_dir(TRAINED_DIR).encode((TRAINED_DIR / "heldout.txt").read_text()[:4000])[:400]
-    hf = Qwen3ForCausalLM.from_pretrained(deq_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        want = hf(torch.tensor([ids])).logits[0]
-    ends = list(range(8, len(ids) + 1, 8))
-    ref = want[[e - 1 for e in ends]]
+    ids, ends = heldout_positions()
+    ref = hf_logits(deq_dir, ids, ends)
     model = Qwen3Model.from_pretrained(path, dtype="bfloat16")
     assert model.quantization == runs_as
-    got = _last_logits(model, [ids[:e] for e in ends])
-    agree, err = (got.argmax(-1) == ref.argmax(-1)).float().mean().item(), (got - ref).abs().max().item()
+    agree, err = agreement(_last_logits(model, [ids[:e] for e in ends]), ref)
     assert agree >= 0.95 and err < (1.0 if runs_as == "int4" else 0.5), (case, agree, err)
 
 
@@ -149,10 +142,10 @@ def test_logits_agree_with_transformers_on_the_dequantized_weights(checkpoints, 
 def test_in_order_groups_are_int4_with_zero_points_bit_for_bit(checkpoints, case):
     path, _, deq = checkpoints[case]
     c = Qwen3Config.from_dir(path)
-    from kernels.model.loader import quantizer
+    from kernels.model.loader import Quantizer
 
     w = load_weights(path, c, torch.bfloat16, fmt=checkpoint_format(path),
-                     quantize=quantizer("int4", torch.bfloat16, torch.device("cpu")))
+                     quantize=Quantizer("int4", torch.bfloat16, torch.device("cpu")))
     down = w.layers[1].down
     assert down.z is not None and down.d.dtype == torch.float16
     want = deq["model.layers.1.mlp.down_proj.weight"]
@@ -164,11 +157,11 @@ def test_act_order_and_8_bit_are_requantized_to_int8_within_half_a_step(checkpoi
     """g_idx in a permuted order (every input its own group's scale and zero point) is exact
     before re-quantizing: the int8 weights are within max |row| / 254 of the checkpoint's."""
     path, _, deq = checkpoints[case]
-    from kernels.model.loader import quantizer
+    from kernels.model.loader import Quantizer
 
     assert checkpoint_format(path).quantization(None, "cpu") == "int8"
     w = load_weights(path, Qwen3Config.from_dir(path), torch.bfloat16, fmt=checkpoint_format(path),
-                     quantize=quantizer("int8", torch.bfloat16, torch.device("cpu")))
+                     quantize=Quantizer("int8", torch.bfloat16, torch.device("cpu")))
     down, want = w.layers[0].down, deq["model.layers.0.mlp.down_proj.weight"]
     err = (down.q.float() * down.scale[:, None] - want).abs()
     assert (err <= want.abs().amax(1, keepdim=True) / 254 * (1 + 1e-4)).all()

@@ -34,6 +34,26 @@ def _last_logits(model: Qwen3Model, prompts: list[list[int]]) -> torch.Tensor:
     return logits
 
 
+def heldout_positions() -> tuple[list[int], list[int]]:
+    """400 tokens of the trained model's held-out text and the 50 prefix ends scored on them."""
+    ids = TextTokenizer.from_dir(TRAINED_DIR).encode((TRAINED_DIR / "heldout.txt").read_text()[:4000])[:400]
+    return ids, list(range(8, len(ids) + 1, 8))
+
+
+def hf_logits(model_dir, ids: list[int], ends: list[int]) -> torch.Tensor:
+    """transformers fp32: the next-token logits after each of ``ends`` prefixes of ``ids``."""
+    from transformers import Qwen3ForCausalLM
+
+    hf = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0][[e - 1 for e in ends]]
+
+
+def agreement(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(top-1 agreement, max |logit error|)."""
+    return (got.argmax(-1) == ref.argmax(-1)).float().mean().item(), (got - ref).abs().max().item()
+
+
 def test_quantized_next_token_logits_agree_with_transformers_fp32():
     """Through fusedserve's kernels on the trained model, 50 positions: int8 and int4 with int8
     activations, and int8 weight-only, against transformers in fp32. int4's logit error bound is

@@ -33,9 +33,11 @@ PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up"
 
 def is_gguf(path: str | Path) -> bool:
     p = Path(path)
+    if not p.is_file():
+        return False
     try:
         with p.open("rb") as f:
-            return p.is_file() and f.read(4) == MAGIC
+            return f.read(4) == MAGIC
     except OSError:
         return False
 

@@ -87,15 +87,11 @@ class NativeAttention:
         if not batch.prompt_query_lens:
             return
         if self.flash:  # (block-table row, first query, queries, context) per chunk
-            rows, starts = [], []
-            start = batch.num_decode
-            for n in batch.prompt_query_lens:
-                rows.append(batch.num_decode + len(rows))
-                starts.append(start)
+            chunks, start = [], batch.num_decode
+            for i, (n, ctx) in enumerate(zip(batch.prompt_query_lens, batch.prompt_seq_lens, strict=True)):
+                chunks.append((batch.num_decode + i, start, n, ctx))
                 start += n
-            self._flash_chunks = torch.tensor(
-                list(zip(rows, starts, batch.prompt_query_lens, batch.prompt_seq_lens, strict=True)),
-                dtype=torch.int64)
+            self._flash_chunks = torch.tensor(chunks, dtype=torch.int64)
         else:
             self._chunks = plan_chunks(batch, block_size)
 

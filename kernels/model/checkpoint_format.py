@@ -51,10 +51,8 @@ class CheckpointFormat:
             return self._gguf_quantization(asked, device_kind)
         if self.group_quant is not None:
             own = self.group_quant.runs_as if device_kind == "cpu" else "int8"
-            if asked in (None, own) or (own == "int8" and asked == "int8-weight-only"):
-                return asked or own
-            raise ConfigError(f"--quantization {asked} conflicts with this {self.method.upper()} checkpoint "
-                              f"({self.group_quant.bits}-bit: runs as {own}); ask for none or {own}")
+            bits = self.group_quant.bits
+            return _own(asked, own, f"this {self.method.upper()} checkpoint ({bits}-bit: runs as {own})")
         if asked not in FP8_QUANTIZATIONS:
             raise ConfigError(f"--quantization {asked} conflicts with this FP8 checkpoint: its weights run "
                               "as int8 (re-quantized per channel from the FP8 blocks) or, on an accelerator, "
@@ -65,10 +63,7 @@ class CheckpointFormat:
         if self.weights in GGUF_FLOAT:
             return asked  # 16-bit weights: quantized at load only if asked
         own = "int4" if self.weights in GGUF_INT4 and device_kind == "cpu" else "int8"
-        if asked in (None, own) or (own == "int8" and asked == "int8-weight-only"):
-            return asked or own
-        raise ConfigError(f"--quantization {asked} conflicts with this GGUF file's {self.weights} weights "
-                          f"(they run as {own}); ask for none or {own}")
+        return _own(asked, own, f"this GGUF file's {self.weights} weights (they run as {own})")
 
     def describe(self) -> str:
         if self.method is None:
@@ -82,6 +77,14 @@ class CheckpointFormat:
 
 
 PLAIN = CheckpointFormat()  # 16/32-bit tensors
+
+
+def _own(asked: str | None, own: str, what: str) -> str:
+    """A quantized checkpoint runs as ``own``: asking for nothing or for it (int8 also as
+    int8-weight-only) is taken, anything else refused."""
+    if asked in (None, own) or (own == "int8" and asked == "int8-weight-only"):
+        return asked or own
+    raise ConfigError(f"--quantization {asked} conflicts with {what}; ask for none or {own}")
 
 
 def checkpoint_format(model_dir: str | Path) -> CheckpointFormat:

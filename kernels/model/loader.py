@@ -346,7 +346,7 @@ def _quantize(w: Qwen3Weights, mode: str, dtype: torch.dtype, device: torch.devi
     stays near the 16-bit model's). int8: per channel, everything. int4: groups of 32 for the
     projections, the lm_head int8 (the logits keep 8 bits, as llama.cpp keeps 6 there). The
     embedding gather stays 16-bit."""
-    q = quantizer(mode, dtype, device)
+    q = Quantizer(mode, dtype, device)
     for lw in w.layers:
         for name in ("qkv", "o_proj", "gate_up", "down"):
             if getattr(lw, name) is not None:
@@ -371,10 +371,6 @@ class Quantizer:
         if self.mode == "int4":
             return Int4Weight.quantize(weight, self.device)
         return Int8Weight.quantize(weight, self.dtype, self.device)
-
-
-def quantizer(mode: str, dtype: torch.dtype, device: torch.device) -> Quantizer:
-    return Quantizer(mode, dtype, device)
 
 
 def _prepare(w: Qwen3Weights, linear: LinearOp, grouped_moe: bool) -> None:

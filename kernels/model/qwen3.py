@@ -20,7 +20,7 @@ from kernels.kv_cache import PagedKVCache
 from kernels.layer_ops import rope_tables
 from kernels.model.checkpoint_format import checkpoint_format
 from kernels.model.config import ConfigError, Qwen3Config, parse_dtype
-from kernels.model.loader import Progress, Qwen3Weights, load_weights, prepare_weights, quantizer
+from kernels.model.loader import Progress, Quantizer, Qwen3Weights, load_weights, prepare_weights
 from kernels.model.moe import moe_forward
 from kernels.model.tensor_parallel import SINGLE, TensorParallel
 from kernels.model.workspace import LayerBuffers, Workspace
@@ -69,7 +69,7 @@ class Qwen3Model:
         quantization = fmt.quantization(check_quantization(quantization), dev.type)
         # On the CPU, each projection is quantized as its layer is read (reading the layers stays
         # a layer above their quantized size); accelerators quantize after the move, as before.
-        quantize = quantizer(quantization, torch_dtype, dev) if quantization and dev.type == "cpu" else None
+        quantize = Quantizer(quantization, torch_dtype, dev) if quantization and dev.type == "cpu" else None
         weights = load_weights(model_dir, config, torch_dtype, tp, progress, fmt, quantize)
         return cls(config, weights, torch_dtype, device, max_model_len, quantization=quantization, tp=tp,
                    gemm=gemm)
