@@ -161,6 +161,12 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
+    def speculable(self) -> bool:
+        """Its decode rows may carry proposals: a penalty would need each proposal counted before
+        the next row's logits are penalized, which one launch does not do."""
+        return not self.penalized
+
+    @property
     def full_prefill(self) -> bool:
         """Every prompt token must pass through the device (no cached prefix): its logprobs are
         asked, or its tokens count for a penalty."""

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 from shared_memory.slots import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, bitmask_words, table_width
 
+MAX_SPECULATIVE_TOKENS = 16  # proposals per row and launch
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -77,8 +79,22 @@ class ParallelConfig:
     enable_expert_parallel: bool = False  # a MoE model's experts placed whole across the group
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (coordinator/engine/speculative/): a decode row carries its newest token
+    and up to ``num_speculative_tokens`` proposed ones, verified in the same launch."""
+
+    speculative_method: str = "off"  # off | ngram (prompt lookup over the request's own tokens)
+    num_speculative_tokens: int = 4  # k: proposals per row and launch
+    prompt_lookup_max: int = 4  # ngram: the longest suffix n-gram looked up
+    prompt_lookup_min: int = 2  # ngram: the shortest
+    # The policy: rows speculate only while at most this many requests decode on the worker (at
+    # larger batches a step is no longer bound by reading the weights, and the rows run ahead).
+    speculative_max_batch: int = 4
+
+
 PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig,
-         "parallel": ParallelConfig}
+         "parallel": ParallelConfig, "speculative": SpeculativeConfig}
 
 
 def _owner(name: str) -> str:
@@ -95,6 +111,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
     def fields(cls) -> set[str]:
@@ -141,6 +158,33 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization}")
         if d.threads_per_worker < 0:
             raise ValueError(f"threads_per_worker must be >= 0, got {d.threads_per_worker}")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        sp = self.speculative
+        if sp.speculative_method not in ("off", "ngram"):
+            raise ValueError(f"speculative_method must be off or ngram, got {sp.speculative_method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "speculative_max_batch"):
+            value = getattr(sp, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if sp.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {sp.num_speculative_tokens}")
+        if sp.prompt_lookup_min > sp.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({sp.prompt_lookup_min}) must not exceed prompt_lookup_max "
+                             f"({sp.prompt_lookup_max})")
+        if self.speculating and self.scheduler.max_batch < 2:
+            raise ValueError("speculative decoding needs max_batch >= 2: a row's proposals ride as rows")
+
+    @property
+    def speculating(self) -> bool:
+        return self.speculative.speculative_method != "off"
+
+    @property
+    def rows_per_request(self) -> int:
+        """K1: the most rows one request's decode takes in a launch (its token and its proposals)."""
+        return 1 + self.speculative.num_speculative_tokens if self.speculating else 1
 
     @property
     def banks(self) -> int:
@@ -185,4 +229,6 @@ class EngineConfig:
             "PT": t,  # chunk tokens counted for penalties
             "PB": b,  # penalized rows
             "LB": b * MAX_LOGIT_BIAS,  # logit-bias entries
+            "S": b,  # speculating requests
+            "K1": self.rows_per_request,  # rows of one speculating request
         }

@@ -9,7 +9,8 @@ Dimensions: B rows (sequences), B1 = B + 1, T packed tokens, W block-table width
 asking for logprobs, N top logprobs per such row, TL prompt tokens asking for their
 logprob, NP top logprobs per such token, V vocabulary, G rows of token bitmask (B when a row
 of the launch samples under a mask, else 0), VW = ceil(V / 32) bitmask words per row; for
-penalties, PR slots reset, PT tokens counted, PB rows penalized; LB logit-bias entries.
+penalties, PR slots reset, PT tokens counted, PB rows penalized; LB logit-bias entries; S
+speculating requests, K1 rows of one (its newest token and its proposals).
 """
 
 from __future__ import annotations
@@ -175,7 +176,13 @@ def step_table() -> SlotTable:
             Slot("bias_rows", ("LB",), i64, IN, HS),
             Slot("bias_ids", ("LB",), i64, IN, HS),
             Slot("bias_values", ("LB",), f32, IN, HS),
-            Slot("sampled_ids", ("B",), i32, OUT, HS),
+            # Speculative decoding: each speculating request's rows (its newest token's, then one per
+            # proposal, consecutive decode rows; padded with its first row). Row j + 1's token is the
+            # proposal that row j's draw verifies.
+            Slot("spec_rows", ("S", "K1"), i64, IN, HS),
+            Slot("sampled_ids", ("B",), i32, OUT, HS),  # -1 on a speculating request's rejected rows
+            Slot("spec_accepted", ("S",), i32, OUT, HS),  # tokens each speculating request gained
+
             Slot("sampled_logprobs", ("NL",), f32, OUT, HS),
             Slot("top_logprob_ids", ("NL", "N"), i32, OUT, HS),
             Slot("top_logprob_values", ("NL", "N"), f32, OUT, HS),

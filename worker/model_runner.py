@@ -18,6 +18,7 @@ from kernels.forward_batch import ForwardBatch
 from kernels.model.qwen3 import Qwen3Model
 from kernels.penalties import PenaltyState, apply_logit_bias
 from kernels.sampler import SamplingPlan
+from kernels.speculation import accept_prefix
 from shared_memory.arena import HostArena
 from shared_memory.contract import LaunchDescriptor, LaunchReply
 from shared_memory.engine_config import EngineConfig
@@ -107,6 +108,7 @@ class ModelRunner:
         if self.graphs is not None and batch.decode_only:
             if not (processed or dims["NL"] or dims["TL"]):  # one replay: forward and sampler
                 self.graphs.run(b, plan)
+                self._verify(v, dims)
                 return
             self.graphs.run(b, None)
         else:
@@ -139,6 +141,14 @@ class ModelRunner:
                                    v["sampled_logprobs"], v["top_logprob_ids"], v["top_logprob_values"])
         if dims["TL"]:
             self._prompt_logprobs(hidden, v)
+        self._verify(v, dims)
+
+    @staticmethod
+    def _verify(v: dict[str, torch.Tensor], dims: dict[str, int]) -> None:
+        """Speculating requests keep the prefix of their proposals their own draws agree with
+        (after logprobs, which every row's draw has)."""
+        if dims["S"]:
+            accept_prefix(v["sampled_ids"], v["token_ids"], v["spec_rows"], v["spec_accepted"])
 
     def _sample_rows(self, n: int, plan: SamplingPlan) -> None:
         """The sampler over the first ``n`` rows of the pool (what a decode graph captures)."""

@@ -31,6 +31,7 @@ class OutputPlan:
     reached the device (each fails alone when read)."""
 
     logprob_rows: tuple[int, ...] = ()
+    spec_firsts: tuple[int, ...] = ()  # speculating requests' first rows, in ``spec_accepted``'s order
     prompt_spans: tuple[PromptSpan, ...] = ()
     invalid: dict[int, RequestError] = field(default_factory=dict)
 
@@ -59,9 +60,10 @@ def write_batch(arena: HostArena, batch: ScheduledBatch, step: int, bank: int, c
     _write_penalties(arena, batch, dims, penalty_slots or {})
     _write_logit_bias(arena, batch, dims)
     spans = _write_prompt_logprobs(arena, batch, dims)
+    firsts = _write_spec_rows(arena, batch, dims)
     desc = LaunchDescriptor(dims, step, bank, num_decode=nd, prompt_query_lens=list(batch.query_lens[nd:]),
                             prompt_seq_lens=batch.seq_lens[nd:].tolist(), sampling=plan.stages())
-    return desc, OutputPlan(tuple(rows), tuple(spans), invalid)
+    return desc, OutputPlan(tuple(rows), firsts, tuple(spans), invalid)
 
 
 def _write_sampling(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int], candidates: int,
@@ -189,6 +191,18 @@ def _write_prompt_logprobs(arena: HostArena, batch: ScheduledBatch, dims: dict[s
     return spans
 
 
+def _write_spec_rows(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int]) -> tuple[int, ...]:
+    """Each speculating request's rows, padded with its first (``kernels/speculation.py``)."""
+    width = max((n for _, n in batch.spec_groups), default=1)
+    table = np.empty((len(batch.spec_groups), width), dtype=np.int64)
+    for i, (first, n) in enumerate(batch.spec_groups):
+        table[i] = first
+        table[i, :n] = np.arange(first, first + n)
+    dims["S"], dims["K1"] = table.shape
+    _put(arena, "spec_rows", table)
+    return tuple(first for first, _ in batch.spec_groups)
+
+
 def read_outputs(arena: HostArena, desc: LaunchDescriptor, plan: OutputPlan) -> StepOutputs:
     """The launch's output slots (and nothing else) as numpy views of its bank."""
     d = desc.dims
@@ -196,6 +210,8 @@ def read_outputs(arena: HostArena, desc: LaunchDescriptor, plan: OutputPlan) -> 
     return StepOutputs(
         step=desc.step,
         sampled_ids=arena.view("sampled_ids", (d["B"],)).numpy(),
+        spec_firsts=list(plan.spec_firsts),
+        spec_accepted=arena.view("spec_accepted", (d["S"],)).numpy(),
         logprob_rows=list(plan.logprob_rows),
         sampled_logprobs=arena.view("sampled_logprobs", (nl,)).numpy(),
         top_logprob_ids=arena.view("top_logprob_ids", (nl, n)).numpy(),

@@ -139,6 +139,16 @@ class BlockManager:
         for _ in range(need):
             table.append(self._fresh())
 
+    def trim(self, seq_id: str, num_tokens: int) -> None:
+        """Give back the table's blocks past ``num_tokens`` tokens (a speculating sequence's rejected
+        proposals' blocks): never named, so they are plain free blocks again."""
+        table = self._tables[seq_id]
+        for _ in range(len(table) - max(self.blocks_for(num_tokens), self.committed(seq_id))):
+            block = table.pop()
+            self._refs[block] -= 1
+            if not self._refs[block]:
+                self._free.append(block)
+
     def needs_commit(self, seq_id: str, num_computed: int) -> bool:
         """Whether ``commit`` would name a new block (cheap: a block boundary was crossed)."""
         hashes = self._hashes.get(seq_id)

@@ -143,6 +143,8 @@ class EngineCore:
         s.wait_s += reply.wait
         out = read_outputs(self.arenas[desc.bank], desc, inflight.plan)
         events = self.output.process(batch, self.scheduler.settle(batch), out)
+        if batch.spec_groups:
+            self.scheduler.speculated(batch, out.accepted())
         self.scheduler.update(events)
         s.tokens += sum(ev.token is not None for ev in events)
         if desc.kind == "decode":

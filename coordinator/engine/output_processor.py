@@ -35,8 +35,13 @@ class OutputProcessor:
             seq = batch.seqs[row]
             try:
                 out.record_prompt_logprobs(row, seq)
-                if batch.samples[row]:
-                    events.append(self._append(seq, out.token(row, seq.seq_id), row, out))
+                if not batch.samples[row]:
+                    continue
+                for r in range(row, row + out.gained(row)):  # a speculating request's tokens in order
+                    ev = self._append(seq, out.token(r, seq.seq_id), r, out)
+                    events.append(ev)
+                    if ev.finished:
+                        break
             except RequestError as exc:  # a coded failure of this request (a grammar past its limits)
                 log.warning("request %s failed: %s: %s", seq.seq_id, exc.code, exc)
                 seq.finish_reason = "error"

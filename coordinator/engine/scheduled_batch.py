@@ -41,6 +41,20 @@ class ScheduledBatch:
     samples: tuple[bool, ...]  # the row samples a token
     computed_to: tuple[int, ...]  # the row's K/V reach after this launch
     draw_steps: tuple[int, ...]  # the sampled token's index in the output
+    # Speculating requests as (first row, rows): consecutive decode rows, the request's newest token
+    # then one row per proposal. The first row stands for the request; the others follow it.
+    spec_groups: tuple[tuple[int, int], ...] = ()
+
+    def follows(self, row: int) -> bool:
+        """The row carries a proposal of a speculating request whose first row is earlier."""
+        return any(first < row < first + n for first, n in self.spec_groups)
+
+    def group_rows(self, row: int) -> int:
+        """Rows the request of ``row`` (a first row) takes: 1 unless it speculates."""
+        for first, n in self.spec_groups:
+            if first == row:
+                return n
+        return 1
 
     @property
     def batch_size(self) -> int:

@@ -27,12 +27,14 @@ import numpy as np
 from coordinator.engine.block_manager import BlockManager, OutOfBlocks
 from coordinator.engine.scheduled_batch import ScheduledBatch
 from coordinator.engine.sequence import Sequence, TokenEvent
+from coordinator.engine.speculative.speculation_policy import SpecState, Speculation
 from shared_memory.engine_config import EngineConfig
 
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_model_len: int, max_batch: int,
-                 max_num_batched_tokens: int = 2048):
+                 max_num_batched_tokens: int = 2048, speculation: Speculation | None = None):
+        self.speculation = speculation
         self.blocks = blocks
         self.max_model_len = max_model_len
         self.max_batch = max_batch
@@ -48,7 +50,7 @@ class Scheduler:
         """The scheduler of one worker with the resolved ``cfg``: offline and served alike."""
         c, s = cfg.cache, cfg.scheduler
         return cls(BlockManager(cfg.num_blocks, c.block_size, c.enable_prefix_caching), cfg.max_model_len,
-                   s.max_batch, s.max_num_batched_tokens)
+                   s.max_batch, s.max_num_batched_tokens, Speculation.from_config(cfg))
 
     # ------------------------------------------------------------------ requests
 
@@ -82,7 +84,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         """The next launch, or None when nothing can run now."""
-        decoding = self._decode_rows()
+        speculating = self._speculating()
+        decoding = self._decode_rows(speculating)
         budget = self.max_num_batched_tokens - len(decoding)
         chunks: list[tuple[Sequence, int]] = []
         for seq in self.running:  # prompts already admitted, not computed to their end
@@ -116,48 +119,68 @@ class Scheduler:
             budget -= take
         if not decoding and not chunks:
             return None
-        batch = self._build(decoding, chunks)
+        drafts = self._propose(decoding, speculating, self.max_batch - len(decoding) - len(chunks), budget)
+        batch = self._build(decoding, chunks, drafts)
         self._advance(batch)
         self.steps += 1
         return batch
 
-    def _build(self, decoding: list[Sequence], chunks: list[tuple[Sequence, int]]) -> ScheduledBatch:
+    def _build(self, decoding: list[Sequence], chunks: list[tuple[Sequence, int]],
+               drafts: dict[int, list[int]]) -> ScheduledBatch:
+        """``drafts``: each speculating sequence's proposals, by ``id(seq)``."""
         ids, pos, slots, feed = [], [], [], []
+        rows: list[Sequence] = []  # one per row: a speculating sequence's proposals are rows of it
+        groups, query_lens, after, steps = [], [], [], []
         for seq in decoding:
             token, row = self._input(seq)
-            ids.append(token)
-            feed.append(row)
-            pos.append(seq.num_computed)
-            slots.append(self.blocks.slot(seq.seq_id, seq.num_computed))
+            proposed = drafts.get(id(seq), [])
+            if proposed:
+                groups.append((len(rows), 1 + len(proposed)))
+            for j, t in enumerate([token, *proposed]):
+                ids.append(t)
+                feed.append(row if j == 0 else -1)
+                pos.append(seq.num_computed + j)
+                slots.append(self.blocks.slot(seq.seq_id, seq.num_computed + j))
+                rows.append(seq)
+                query_lens.append(1)
+                after.append(seq.num_computed + 1 + j)
+                steps.append(len(seq.output_ids) + seq.num_pending + j)
         for seq, take in chunks:
             start, all_ids = seq.num_computed, seq.all_ids
             ids.extend(all_ids[start : start + take])
             pos.extend(range(start, start + take))
             slots.extend(self.blocks.slot(seq.seq_id, p) for p in range(start, start + take))
             feed.append(-1)
-        seqs = decoding + [s for s, _ in chunks]
-        query_lens = [1] * len(decoding) + [t for _, t in chunks]
-        after = [s.num_computed + n for s, n in zip(seqs, query_lens)]  # each row's K/V reach
+            rows.append(seq)
+            query_lens.append(take)
+            after.append(seq.num_computed + take)  # each row's K/V reach
+            steps.append(len(seq.output_ids) + seq.num_pending)
+        seqs = rows
+        num_decode = len(rows) - len(chunks)
         width = max(len(self.blocks.table(s.seq_id)) for s in seqs)
         tables = np.zeros((len(seqs), width), dtype=np.int32)
         for r, s in enumerate(seqs):
             t = self.blocks.table(s.seq_id)
             tables[r, : len(t)] = t
         self.tokens_scheduled += len(ids)
+        reach = {id(s): a for s, a in zip(seqs, after)}  # a speculating sequence's: its last row's
         return ScheduledBatch(
-            seqs=tuple(seqs), num_decode=len(decoding), query_lens=tuple(query_lens),
+            seqs=tuple(seqs), num_decode=num_decode, query_lens=tuple(query_lens),
             token_ids=np.asarray(ids, dtype=np.int32), positions=np.asarray(pos, dtype=np.int32),
             slot_mapping=np.asarray(slots, dtype=np.int64), seq_lens=np.asarray(after, dtype=np.int32),
             block_tables=tables, feed_rows=np.asarray(feed, dtype=np.int32),
-            samples=tuple(a >= s.length for s, a in zip(seqs, after)), computed_to=tuple(after),
-            draw_steps=tuple(len(s.output_ids) + s.num_pending for s in seqs),
+            samples=tuple(a >= s.length for s, a in zip(seqs, after)),
+            computed_to=tuple(reach[id(s)] for s in seqs), draw_steps=tuple(steps), spec_groups=tuple(groups),
         )
 
     @staticmethod
     def _advance(batch: ScheduledBatch) -> None:
         """Count what the launch will compute and sample, before it runs: the next
-        launch may be scheduled before this one's ids are read."""
+        launch may be scheduled before this one's ids are read. A speculating sequence counts
+        every proposal as computed until its launch is read (``speculated`` rolls back)."""
         for row, seq in enumerate(batch.seqs):
+            if batch.follows(row):
+                continue
             seq.num_computed = batch.computed_to[row]
             if batch.samples[row]:
                 seq.num_pending += 1
@@ -189,7 +212,69 @@ class Scheduler:
         return (len(seq.output_ids) + seq.num_pending >= seq.params.max_tokens
                 or seq.length >= self.max_model_len)
 
-    def _decode_rows(self) -> list[Sequence]:
+    # ------------------------------------------------------------ speculation
+
+    def _speculating(self) -> bool:
+        """The batch gate: speculation runs while few enough requests decode."""
+        sp = self.speculation
+        if sp is None:
+            return False
+        decoding = sum(s.prefilled and not self._length_done(s) for s in self.running)
+        return decoding <= sp.max_batch
+
+    def _speculates(self, seq: Sequence) -> bool:
+        """``seq`` proposes in this launch (so it waits for its newest token rather than run ahead)."""
+        if not seq.params.speculable or seq.needs_last_token:
+            return False
+        if seq.spec is None:
+            seq.spec = SpecState()
+        return seq.spec.active(self.steps)
+
+    def _propose(self, decoding: list[Sequence], speculating: bool, rows: int,
+                 budget: int) -> dict[int, list[int]]:
+        """Each speculating sequence's proposals within the free rows, token budget and blocks,
+        never past its ``max_tokens`` or the context; by ``id(seq)``."""
+        drafts: dict[int, list[int]] = {}
+        if not speculating:
+            return drafts
+        sp = self.speculation
+        for seq in decoding:
+            if not self._speculates(seq):
+                continue
+            room = min(sp.k, rows, budget, seq.params.max_tokens - len(seq.output_ids) - 1,
+                       self.max_model_len - seq.length)
+            proposed = sp.proposer.propose(seq.all_ids, room) if room > 0 else []
+            if proposed:
+                try:
+                    self.blocks.ensure(seq.seq_id, seq.length + len(proposed))
+                except OutOfBlocks:  # proposals never preempt anyone
+                    proposed = []
+            if not proposed:
+                seq.spec.record(0, self.steps)
+                continue
+            drafts[id(seq)] = proposed
+            rows -= len(proposed)
+            budget -= len(proposed)
+            sp.stats.drafts += 1
+            sp.stats.proposed += len(proposed)
+        return drafts
+
+    def speculated(self, batch: ScheduledBatch, accepted: dict[int, int]) -> None:
+        """After a launch's tokens are appended: each speculating sequence still running keeps the
+        K/V of the proposals it accepted (``accepted``: tokens gained, by first row); the blocks past
+        its tokens go back to the block manager, and the rejected rows' slots are never read."""
+        sp = self.speculation
+        for first, n in batch.spec_groups:
+            seq = batch.seqs[first]
+            gained = accepted.get(first, 0)
+            if sp is not None and gained:
+                sp.stats.accepted += gained - 1
+                seq.spec.record(gained - 1, self.steps)
+            if seq in self.running and seq.finish_reason is None:
+                seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)
+                self.blocks.trim(seq.seq_id, seq.num_tokens)
+
+    def _decode_rows(self, speculating: bool = False) -> list[Sequence]:
         """The prefilled running sequences that need another token, each with room for it;
         when blocks run out the newest running sequence is preempted (recomputed later)."""
         self.running.sort(key=lambda s: s.arrival)
@@ -202,10 +287,11 @@ class Scheduler:
                 i += 1
             except OutOfBlocks:
                 self._preempt(self.running[-1])
-        # A row whose mask needs its previous token (a grammar, a multi-token bad word) skips a
-        # launch rather than run one ahead (the other rows stay one launch ahead).
+        # A row whose mask needs its previous token (a grammar, a multi-token bad word), or that
+        # proposes from its tokens, skips a launch rather than run one ahead (the other rows stay one
+        # launch ahead).
         return [s for s in self.running if s.prefilled and not self._length_done(s)
-                and not (s.needs_last_token and s.num_pending)]
+                and not (s.num_pending and (s.needs_last_token or (speculating and self._speculates(s))))]
 
     def _preempt(self, seq: Sequence) -> None:
         self._retire(seq)
@@ -235,7 +321,7 @@ class Scheduler:
         token), left or moved are dropped."""
         rows = []
         for row, seq in enumerate(batch.seqs):
-            if seq.finish_reason is not None or not self._holds(seq):
+            if seq.finish_reason is not None or not self._holds(seq) or batch.follows(row):
                 continue
             if batch.samples[row]:
                 seq.num_pending -= 1

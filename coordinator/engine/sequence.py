@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from coordinator.engine.block_manager import prefix_hashes
 from coordinator.engine.detokenizer import Detokenizer
+from coordinator.engine.speculative.speculation_policy import SpecState
 from coordinator.engine.token_rules import TokenRules
 from coordinator.errors import RequestError
 from coordinator.sampling_params import SamplingParams
@@ -41,6 +42,7 @@ class Sequence:
     # Prompt tokens whose K/V came from the prefix cache when it was first admitted (usage's
     # cached_tokens); None before that.
     cached_tokens: int | None = None
+    spec: SpecState | None = None  # speculative decoding: whether its proposals pay (made on first use)
     _hashes: tuple[int, int, list[bytes]] | None = field(default=None, repr=False)
 
     def prefix_hashes(self, block_size: int) -> list[bytes]:

@@ -29,6 +29,10 @@ class StepOutputs:
 
     step: int
     sampled_ids: np.ndarray  # [B] int32
+    # Speculating requests' first rows, and the tokens each gained (1 + accepted proposals): its
+    # tokens are the ids of that many rows from its first.
+    spec_firsts: list[int] = field(default_factory=list)
+    spec_accepted: np.ndarray = field(default_factory=lambda: _empty(0, dtype=np.int32))  # [S]
     # Rows that asked for logprobs, the sampled token's, and the top n.
     logprob_rows: list[int] = field(default_factory=list)
     sampled_logprobs: np.ndarray = field(default_factory=lambda: _empty(0))  # [NL]
@@ -48,6 +52,19 @@ class StepOutputs:
         if row >= len(self.sampled_ids):
             raise MissingRowError(f"request {request_id!r}, step {self.step}: row {row} has no sampled id")
         return int(self.sampled_ids[row])
+
+    def gained(self, row: int) -> int:
+        """How many tokens the request of first row ``row`` gained: 1 unless it speculated."""
+        if row not in self.spec_firsts:
+            return 1
+        n = int(self.spec_accepted[self.spec_firsts.index(row)])
+        if n < 1:
+            raise MissingRowError(f"step {self.step}: speculating row {row} gained {n} tokens")
+        return n
+
+    def accepted(self) -> dict[int, int]:
+        """Tokens gained by each speculating request, by its first row."""
+        return {row: int(n) for row, n in zip(self.spec_firsts, self.spec_accepted)}
 
     def logprobs(self, row: int, request_id: str, n: int) -> tuple[float, list[tuple[int, float]]]:
         """The sampled token's logprob and the ``n`` most likely tokens', computed on the device."""
