@@ -25,7 +25,7 @@ from coordinator.server.ray_cluster import EmbeddedHead, RayPorts, connect, embe
 from coordinator.server.routing_policy import POLICIES, RoutingConfig
 from coordinator.structured.grammar_compiler import GrammarLimits
 from kernels.quantize import QUANTIZATIONS
-from shared_memory.engine_config import SchedulerConfig
+from shared_memory.engine_config import EngineConfig, SchedulerConfig
 
 if TYPE_CHECKING:
     from coordinator.server.server import Server
@@ -101,7 +101,7 @@ def _server_config(args: argparse.Namespace, token: str | None = None):
         max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=not args.no_async_scheduling,
         threads_per_worker=args.threads_per_worker, cpu_gemm=args.cpu_gemm,
         tensor_parallel_size=args.tensor_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel,
+        enable_expert_parallel=args.enable_expert_parallel, **args.speculative_config,
         host=args.host, port=args.port, transport=args.transport, auth_token=token, limits=limits,
         grammar=grammar, admin_token=_read_file(args.admin_token_file),
         routing=RoutingConfig(args.routing, args.routing_balance_abs, args.routing_balance_rel),
@@ -323,6 +323,29 @@ def _grammar_flags(p: argparse.ArgumentParser) -> None:
                        dest=f"grammar_{f.name}", help=f"{GRAMMAR_HELP[f.name]} (default {f.default})")
 
 
+def speculative_settings(text: str) -> dict[str, object]:
+    """``--speculative-config``'s JSON as engine settings (``SpeculativeConfig``'s names)."""
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(spec, dict):
+        raise argparse.ArgumentTypeError("a JSON object, such as {\"method\": \"ngram\"}")
+    names = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
+             "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min",
+             "disable_by_batch_size": "speculative_max_batch"}
+    unknown = sorted(set(spec) - set(names))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown keys {unknown}; known: {sorted(names)}")
+    settings = {names[k]: v for k, v in spec.items()}
+    settings.setdefault("speculative_method", "ngram")
+    try:
+        EngineConfig.build(**settings).check()
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return settings
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand's flags (tests parse with it too)."""
     ap = argparse.ArgumentParser(prog="fusedserve")
@@ -427,6 +450,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--no-async-scheduling", action="store_true",
                        help="one launch in flight per worker: schedule the next only after reading "
                        "this one's ids (default: two in flight, the next fed on the device)")
+        p.add_argument("--speculative-config", type=speculative_settings, default={},
+                       help='speculative decoding, as vLLM spells it: JSON such as {"method": "ngram", '
+                       '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '
+                       '"disable_by_batch_size": 4} (the last: speculate only while at most this many '
+                       'requests decode on a worker); default off')
         p.add_argument("--threads-per-worker", type=int, default=0,
                        help="per rank, each pinned to cores of its own (default 0: the cores this process "
                        "may use divided among the node's ranks)")

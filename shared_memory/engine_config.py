@@ -164,7 +164,8 @@ class EngineConfig:
         sp = self.speculative
         if sp.speculative_method not in ("off", "ngram"):
             raise ValueError(f"speculative_method must be off or ngram, got {sp.speculative_method!r}")
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "speculative_max_batch"):
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                     "speculative_max_batch"):
             value = getattr(sp, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

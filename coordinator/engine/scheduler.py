@@ -264,7 +264,7 @@ class Scheduler:
         K/V of the proposals it accepted (``accepted``: tokens gained, by first row); the blocks past
         its tokens go back to the block manager, and the rejected rows' slots are never read."""
         sp = self.speculation
-        for first, n in batch.spec_groups:
+        for first, _ in batch.spec_groups:
             seq = batch.seqs[first]
             gained = accepted.get(first, 0)
             if sp is not None and gained:

@@ -57,6 +57,13 @@ class _StatsCollector:
                       sum(w["prefix_cache"]["hit_tokens"] for w in workers))
         yield counter("num_preemptions", "Requests preempted to free KV blocks (recomputed later)",
                       sum(w.get("preemptions", 0) for w in workers))
+        spec = [w["speculative"] for w in workers if w.get("speculative")]
+        yield counter("spec_decode_num_drafts", "Launches in which a request carried proposed tokens",
+                      sum(x["drafts"] for x in spec))
+        yield counter("spec_decode_num_draft_tokens", "Proposed tokens verified",
+                      sum(x["proposed"] for x in spec))
+        yield counter("spec_decode_num_accepted_tokens", "Proposed tokens accepted",
+                      sum(x["accepted"] for x in spec))
         yield gauge("workers", "Workers up (draining ones included)", len(workers))
         yield gauge("kv_blocks_used", "KV cache blocks in use, all workers", used)
         yield gauge("kv_blocks_free", "KV cache blocks free (cached ones included), all workers", free)

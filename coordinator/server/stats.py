@@ -6,6 +6,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
+from coordinator.engine.speculative.speculation_policy import Speculation
 from coordinator.server.frontend import Frontend
 from coordinator.server.request_table import RequestTable
 from coordinator.server.router import Router
@@ -35,6 +36,17 @@ def rss_bytes() -> int:
         return 0
 
 
+def speculative_stats(spec: Speculation | None) -> dict | None:
+    """Proposals made and accepted on one worker (None: speculation is off)."""
+    if spec is None:
+        return None
+    st = spec.stats
+    return {"method": spec.method, "num_speculative_tokens": spec.k, "max_batch": spec.max_batch,
+            "drafts": st.drafts, "proposed": st.proposed, "accepted": st.accepted,
+            "acceptance_rate": st.acceptance,
+            "mean_accepted_per_draft": st.accepted / st.drafts if st.drafts else 0.0}
+
+
 def worker_stats(w: WorkerHandle) -> dict:
     s, b = w.core.stats, w.scheduler.blocks
     hit_rate = b.stats.hit_tokens / b.stats.query_tokens if b.stats.query_tokens else 0.0
@@ -51,6 +63,7 @@ def worker_stats(w: WorkerHandle) -> dict:
         "last_decode": s.last_decode, "launch_s": s.launch_s, "idle_s": s.idle_s, "wait_s": s.wait_s,
         "async_scheduling": w.core.async_scheduling, "launches_ahead": s.ahead, "fed_rows": s.fed_rows,
         "max_launch_tokens": s.max_launch_tokens,
+        "speculative": speculative_stats(w.scheduler.speculation),
         "transport": "serial" if w.serial else "shm", "wire_bytes": w.executor.wire_bytes,
         "kernels": w.info.get("kernels", {}),
     }

@@ -63,6 +63,7 @@ class SpecStats:
 class Speculation:
     """One worker's speculation: its proposer, k, the batch gate and its counters."""
 
+    method: str
     proposer: NgramProposer
     k: int
     max_batch: int
@@ -73,5 +74,5 @@ class Speculation:
         sp = cfg.speculative
         if sp.speculative_method == "off":
             return None
-        return cls(NgramProposer(sp.prompt_lookup_max, sp.prompt_lookup_min), sp.num_speculative_tokens,
-                   sp.speculative_max_batch)
+        proposer = NgramProposer(sp.prompt_lookup_max, sp.prompt_lookup_min)
+        return cls(sp.speculative_method, proposer, sp.num_speculative_tokens, sp.speculative_max_batch)
