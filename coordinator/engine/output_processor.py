@@ -75,7 +75,7 @@ class OutputProcessor:
             if finished:
                 seq.detok.finish()
             text = seq.detok.delta(final=finished)
-        return TokenEvent(seq, token, finished, text)
+        return TokenEvent(seq, token, finished, text, index=len(seq.output_ids) - 1)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

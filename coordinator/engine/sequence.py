@@ -97,3 +97,6 @@ class TokenEvent:
     finished: bool
     text: str = ""
     error: RequestError | None = None
+    # The token's index in the output (a speculating request may append several in one launch,
+    # so the output's length when the event is sent is not this token's).
+    index: int = -1

@@ -168,11 +168,12 @@ def pack(msg: dict) -> bytes:
 def token(rid: Any, ev: TokenEvent) -> dict:
     """A streamed token: its id, the text it completed (may be empty) and its index."""
     seq = ev.seq
-    msg = {"type": "token", "id": rid, "token": ev.token, "text": ev.text, "index": len(seq.output_ids) - 1}
+    i = ev.index if ev.index >= 0 else len(seq.output_ids) - 1
+    msg = {"type": "token", "id": rid, "token": ev.token, "text": ev.text, "index": i}
     if seq.params.logprobs:
-        msg["logprob"] = seq.logprobs[-1]
+        msg["logprob"] = seq.logprobs[i]
         if seq.params.top_logprobs:
-            msg["top_logprobs"] = [list(p) for p in seq.top_logprobs[-1]]
+            msg["top_logprobs"] = [list(p) for p in seq.top_logprobs[i]]
     if seq.params.prompt_logprobs is not None and msg["index"] == 0:  # known once the prompt is done
         _prompt_logprobs(msg, seq)
     return msg
