@@ -4,6 +4,9 @@ greedy or seeded, alone or batched; the rejection rule keeps the target's distri
 
 from __future__ import annotations
 
+import json
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +17,7 @@ from coordinator.engine.llm_engine import LLMEngine, load_model
 from coordinator.engine.speculative.ngram_proposer import NgramProposer
 from coordinator.engine.speculative.speculation_policy import MIN_GAIN, SpecState
 from coordinator.sampling_params import SamplingParams
+from coordinator.structured.structured_spec import StructuredSpec
 from kernels import sampler
 from kernels.speculation import accept_prefix
 from tests.support import running_server
@@ -204,6 +208,28 @@ def test_policy_gates_by_batch_and_skips_penalized_rows(model):
     pen, spec2 = _generate(model, PROMPTS[:1], _params(1, repetition_penalty=1.3), **NGRAM)
     assert spec2.stats.proposed == 0
     assert pen == _generate(model, PROMPTS[:1], _params(1, repetition_penalty=1.3))[0]
+
+
+def test_constrained_rows_speculate_with_the_grammar_applied_to_the_proposals(model):
+    """Each proposal row is masked by the grammar after the proposals before it, and a proposal the
+    grammar refuses is never made: constrained output is the output without speculation."""
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["alpha", "beta"]},
+                                                        "minItems": 6, "maxItems": 6}},
+              "required": ["tags"], "additionalProperties": False}
+    literal = "alpha, beta, gamma, alpha, beta, gamma, alpha, beta, gamma, alpha, beta, gamma."
+    specs = [StructuredSpec("regex", re.escape(literal)), StructuredSpec("json", schema),
+             StructuredSpec("json", schema)]
+    params = [SamplingParams(max_tokens=60, structured=specs[0]),
+              SamplingParams(max_tokens=60, structured=specs[1]),
+              SamplingParams(max_tokens=60, temperature=1.0, seed=3, structured=specs[2])]
+    prompts = [PROMPTS[2], "The tags:", "The tags:"]
+    want, _ = _generate(model, prompts, params)
+    got, spec = _generate(model, prompts, params, **NGRAM)
+    assert got == want
+    assert got[0][1] == literal and got[0][2] == "stop"
+    for g in got[1:]:
+        assert len(json.loads(g[1])["tags"]) == 6
+    assert spec.stats.accepted > 0
 
 
 def test_preemption_and_a_tight_cache_lose_nothing(model):

@@ -107,7 +107,16 @@ def _write_bitmask(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int]
         return
     mask = arena.view("token_bitmask", (batch.batch_size, words)).numpy()
     mask.fill(-1)
-    _fill_grammars(batch, rows, mask, invalid)
+    speculating = {first: n for first, n in batch.spec_groups if batch.seqs[first].grammar is not None}
+    _fill_grammars(batch, [i for i in rows if i not in speculating and not batch.follows(i)], mask, invalid)
+    for first, n in speculating.items():  # each proposal row after the proposals before it
+        proposals = batch.token_ids[first + 1 : first + n].tolist()
+        try:
+            batch.seqs[first].grammar.fill_proposals(mask, first, proposals)
+        except Exception as exc:  # noqa: BLE001 - this request alone
+            mask[first : first + n] = -1
+            why = f"the grammar could not give its next tokens: {exc}"
+            invalid[first] = RequestError("grammar_error", why)
     for i in ruled:
         seq = batch.seqs[i]
         seq.rules.apply(mask[i].view(np.uint32), seq.output_ids, batch.draw_steps[i])

@@ -224,7 +224,9 @@ class Scheduler:
 
     def _speculates(self, seq: Sequence) -> bool:
         """``seq`` proposes in this launch (so it waits for its newest token rather than run ahead)."""
-        if not seq.params.speculable or seq.needs_last_token:
+        if not seq.params.speculable or (seq.rules is not None and seq.rules.needs_last_token):
+            return False
+        if seq.grammar is not None and not seq.grammar.speculable:
             return False
         if seq.spec is None:
             seq.spec = SpecState()
@@ -244,6 +246,8 @@ class Scheduler:
             room = min(sp.k, rows, budget, seq.params.max_tokens - len(seq.output_ids) - 1,
                        self.max_model_len - seq.length)
             proposed = sp.proposer.propose(seq.all_ids, room) if room > 0 else []
+            if proposed and seq.grammar is not None:  # a proposal the grammar refuses is never drawn
+                proposed = proposed[: seq.grammar.allowed_prefix(proposed)]
             if proposed:
                 try:
                     self.blocks.ensure(seq.seq_id, seq.length + len(proposed))

@@ -68,6 +68,28 @@ class GrammarState:
             raise ValueError(f"token {token} breaks the grammar: {self.matcher.get_error()}")
 
     @property
+    def speculable(self) -> bool:
+        """Proposals can be checked against the grammar (not in a thinking phase, whose gate is the
+        coordinator's, not the matcher's)."""
+        return self.phase == FREE
+
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, in order, the grammar accepts from here (state unchanged)."""
+        return int(self.matcher.validate_tokens(tokens))
+
+    def fill_proposals(self, bitmask: np.ndarray, row: int, proposals: list[int]) -> None:
+        """A speculating row's masks: ``row`` as ``fill``, then row ``row + j`` after the first j
+        proposals (each allowed, ``allowed_prefix``); the matcher ends where it started."""
+        import llguidance.numpy as llnp
+
+        llnp.fill_next_token_bitmask(self.matcher, bitmask, row)
+        for j, token in enumerate(proposals, 1):
+            if not self.matcher.consume_token(token):
+                raise ValueError(f"proposal {token} breaks the grammar: {self.matcher.get_error()}")
+            llnp.fill_next_token_bitmask(self.matcher, bitmask, row + j)
+        self.matcher.rollback(len(proposals))
+
+    @property
     def done(self) -> bool:
         """The grammar is complete and allows nothing more (the output ends here)."""
         return self.phase == FREE and self.matcher.is_stopped()

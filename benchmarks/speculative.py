@@ -1,0 +1,265 @@
+"""Speculative decoding: tokens per second with speculation off and with n-gram proposals, at batch 1
+and 16, on three workloads, with the acceptance rates.
+
+Acceptance depends on what the model writes, and no real checkpoint can be downloaded here: random
+weights copy nothing. So the target runs Qwen3-0.6B's shape (random weights, the embedded trained
+model's tokenizer) in full every launch, and its choice of token is then set to the workload's
+reference text (``forced``: each row's logit of the reference's next token raised past every other;
+the proposer, the verification, the rollback and the scheduling never see the reference). The
+figures are what fusedserve does for a model that writes that text:
+
+  (a) edit: a ~400-token Python file in the prompt; the output rewrites it with a rename;
+  (b) tool: tool calls and responses in the prompt; the output is the next calls;
+  (c) prose: held-out documentation text (from the embedded model's corpus) continued.
+
+Greedy, ``ignore_eos``; the same output length in every mode. Decode tokens per second exclude the
+prefill: batch x (N - 1) / (time of N tokens - time of 1 token). Each figure is the median (min-max)
+of ``--runs`` runs, the modes alternating within each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import RUNS, fmt, machine, median, spread
+from coordinator.engine.llm_engine import LLMEngine, load_model
+from coordinator.model_files.default_model import TRAINED_DIR, cache_root, default_model_dir
+from coordinator.model_files.tokenizer import TextTokenizer
+from coordinator.sampling_params import SamplingParams
+from kernels.forward_batch import ForwardBatch
+from kernels.model.qwen3 import Qwen3Model
+
+TARGET_FORMAT = 1
+
+EDIT_FILE = '''import os
+import sys
+import json
+import logging
+
+log = logging.getLogger(__name__)
+
+
+class Config:
+    """Settings read from a JSON file, with defaults."""
+
+    def __init__(self, path, defaults=None):
+        self.path = path
+        self.values = dict(defaults or {})
+
+    def load(self):
+        if not os.path.exists(self.path):
+            log.warning("no config file at %s", self.path)
+            return self.values
+        with open(self.path) as f:
+            self.values.update(json.load(f))
+        return self.values
+
+    def get(self, key, default=None):
+        return self.values.get(key, default)
+
+
+def read_lines(path):
+    """Return the lines of a file, without their newlines."""
+    with open(path) as f:
+        return [line.rstrip("\\n") for line in f]
+
+
+def count_words(lines):
+    counts = {}
+    for line in lines:
+        for word in line.split():
+            counts[word] = counts.get(word, 0) + 1
+    return counts
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    config = Config(argv[0] if argv else "config.json", {"verbose": False})
+    config.load()
+    for name in argv[1:]:
+        counts = count_words(read_lines(name))
+        for word, n in sorted(counts.items()):
+            print(word, n)
+    if config.get("verbose"):
+        log.info("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+'''
+
+TOOLS = ('[{"name": "get_weather", "description": "Current weather for a city", "parameters": {"type": '
+         '"object", "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": '
+         '["celsius", "fahrenheit"]}}, "required": ["city"]}}, {"name": "search_files", "description": '
+         '"Find files by pattern", "parameters": {"type": "object", "properties": {"pattern": {"type": '
+         '"string"}, "path": {"type": "string"}}, "required": ["pattern"]}}]')
+TOOL_PROMPT = "Tools: " + TOOLS + '''
+<tool_call>
+{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
+</tool_call>
+<tool_response>
+{"city": "Paris", "temperature": 18, "unit": "celsius", "conditions": "cloudy"}
+</tool_response>
+<tool_call>
+{"name": "search_files", "arguments": {"pattern": "*.py", "path": "src"}}
+</tool_call>
+<tool_response>
+{"files": ["src/main.py", "src/config.py", "src/util.py"]}
+</tool_response>
+<tool_call>
+{"name": "get_weather", "arguments": {"city": "Berlin", "unit": "celsius"}}
+</tool_call>
+<tool_response>
+{"city": "Berlin", "temperature": 15, "unit": "celsius", "conditions": "rain"}
+</tool_response>
+<tool_call>
+{"name": "get_weather", "arguments": {"city": "'''
+
+
+TOOL_MORE = '''Madrid", "unit": "celsius"}}
+</tool_call>
+<tool_response>
+{"city": "Madrid", "temperature": 24, "unit": "celsius", "conditions": "sunny"}
+</tool_response>
+<tool_call>
+{"name": "search_files", "arguments": {"pattern": "*.json", "path": "src"}}
+</tool_call>
+<tool_response>
+{"files": ["src/config.json"]}
+</tool_response>
+<tool_call>
+{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}
+</tool_call>'''
+
+
+def workloads() -> dict[str, tuple[str, str]]:
+    """Each workload's prompt and the reference text its output is."""
+    heldout = (TRAINED_DIR / "heldout.txt").read_text()
+    edited = EDIT_FILE.replace("count_words", "word_counts")
+    return {
+        "edit": ("Rename count_words to word_counts in this file:\n\n" + EDIT_FILE
+                 + "\n\nThe file after the change:\n\n", edited),
+        "tool": (TOOL_PROMPT, TOOL_MORE),
+        "prose": (heldout[:1500], heldout[1500:3500]),
+    }
+
+
+# ------------------------------------------------------------------------------------ the target
+
+def target_dir() -> Path:
+    """Qwen3-0.6B's shape (the random-weight preset) with the embedded trained model's tokenizer."""
+    final = cache_root() / f"spec-target-v{TARGET_FORMAT}"
+    if (final / "config.json").is_file():
+        return final
+    preset = default_model_dir("qwen3-0.6b")
+    tmp = Path(tempfile.mkdtemp(prefix=".spec-target-", dir=cache_root()))
+    try:
+        (tmp / "model.safetensors").symlink_to(preset / "model.safetensors")
+        config = json.loads((preset / "config.json").read_text())
+        config["eos_token_id"] = json.loads((TRAINED_DIR / "config.json").read_text())["eos_token_id"]
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(TRAINED_DIR / f, tmp / f)
+        tmp.rename(final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def forced(model: Qwen3Model, all_ids: list[int]) -> None:
+    """After each forward, raise every row's logit of the reference's next token (``all_ids``:
+    prompt then reference) past the rest: the full model ran, and the text is the reference."""
+    table = torch.tensor(all_ids[1:] + [all_ids[-1]], dtype=torch.int64)
+    real = model.__dict__.setdefault("unforced_forward", model.forward)
+
+    def forward(batch: ForwardBatch, kv, ws, logits: torch.Tensor):
+        hidden = real(batch, kv, ws, logits)
+        b = logits.shape[0]
+        last = batch.query_start_loc[1 : b + 1].long() - 1
+        nxt = table[batch.positions.index_select(0, last).long().clamp(max=len(table) - 1)]
+        logits.scatter_(1, nxt.unsqueeze(1), 1e4)
+        return hidden
+
+    model.forward = forward
+
+
+# ------------------------------------------------------------------------------------ measuring
+
+NGRAM = dict(speculative_method="ngram", num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2)
+MODES = {"off": {}, "ngram": NGRAM}
+
+
+def _timed(eng: LLMEngine, prompts: list[list[int]], n: int) -> float:
+    t0 = time.perf_counter()
+    eng.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+    return time.perf_counter() - t0
+
+
+def once(model: Qwen3Model, tok: TextTokenizer, prompt: list[int], batch: int, tokens: int) -> dict:
+    """One run of every mode: decode tokens/s and the acceptance."""
+    out = {}
+    for mode, settings in MODES.items():
+        rc = dict(max_batch=max(16, batch * 5), block_size=16, enable_prefix_caching=False,
+                  kv_cache_memory=1 << 30, **settings)
+        with LLMEngine(model, tokenizer=tok, **rc) as eng:
+            prompts = [prompt] * batch
+            _timed(eng, prompts, 2)  # warm-up
+            first = _timed(eng, prompts, 1)
+            spec = eng.core.scheduler.speculation
+            full = _timed(eng, prompts, tokens)
+            out[f"{mode}_tok_s"] = batch * (tokens - 1) / (full - first)
+            if spec:  # the three runs' counts: the forced text is the same in each
+                st = spec.stats
+                out[f"{mode}_acceptance"] = st.accepted / st.proposed if st.proposed else 0.0
+                out[f"{mode}_accepted_per_draft"] = st.accepted / st.drafts if st.drafts else 0.0
+    out["ngram_speedup"] = out["ngram_tok_s"] / out["off_tok_s"]
+    return out
+
+
+def run(batches: list[int], tokens: int | None, runs: int = RUNS) -> dict:
+    model, tok = load_model(target_dir(), max_model_len=4096)
+    results = {}
+    for name, (prompt, reference) in workloads().items():
+        ids, ref = tok.encode(prompt), tok.encode(reference)
+        n = min(tokens or len(ref), len(ref))
+        forced(model, ids + ref)
+        for b in batches:
+            each = [once(model, tok, ids, b, n) for _ in range(runs)]
+            results[f"{name}_b{b}"] = {"prompt_tokens": len(ids), "tokens": n,
+                                       **{k: spread([e[k] for e in each]) for k in each[0]}}
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="output tokens (default: the whole reference)")
+    ap.add_argument("--runs", type=int, default=RUNS)
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    results = run([int(b) for b in args.batches.split(",")], args.tokens, args.runs)
+    print(f"# {machine()}; Qwen3-0.6B shape, bf16, forced to each workload's text; greedy; "
+          f"median (min-max) of {args.runs}")
+    print(f"{'workload':<10} {'tokens':>6} {'off tok/s':>18} {'ngram tok/s':>18} {'speedup':>16} "
+          f"{'acceptance':>10} {'accepted/draft':>14}")
+    for key, r in results.items():
+        print(f"{key:<10} {r['tokens']:>6} {fmt(r['off_tok_s']):>18} {fmt(r['ngram_tok_s']):>18} "
+              f"{fmt(r['ngram_speedup'], '.2f'):>16} {median(r['ngram_acceptance']):>10.2f} "
+              f"{median(r['ngram_accepted_per_draft']):>14.2f}")
+    report = {"machine": machine(), "runs": args.runs, "results": results}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
