@@ -331,14 +331,17 @@ def speculative_settings(text: str) -> dict[str, object]:
         raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
     if not isinstance(spec, dict):
         raise argparse.ArgumentTypeError("a JSON object, such as {\"method\": \"ngram\"}")
-    names = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
+    names = {"method": "speculative_method", "model": "speculative_model",
+             "num_speculative_tokens": "num_speculative_tokens",
              "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min",
              "disable_by_batch_size": "speculative_max_batch"}
     unknown = sorted(set(spec) - set(names))
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown keys {unknown}; known: {sorted(names)}")
     settings = {names[k]: v for k, v in spec.items()}
-    settings.setdefault("speculative_method", "ngram")
+    settings.setdefault("speculative_method", "draft" if "speculative_model" in settings else "ngram")
+    if settings["speculative_method"] == "draft_model":  # vLLM's name for it
+        settings["speculative_method"] = "draft"
     try:
         EngineConfig.build(**settings).check()
     except (TypeError, ValueError) as exc:
@@ -453,8 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--speculative-config", type=speculative_settings, default={},
                        help='speculative decoding, as vLLM spells it: JSON such as {"method": "ngram", '
                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '
-                       '"disable_by_batch_size": 4} (the last: speculate only while at most this many '
-                       'requests decode on a worker); default off')
+                       '"disable_by_batch_size": 4} (the last: speculate only while a worker holds at '
+                       'most this many requests), or {"model": DRAFT_DIR, "num_speculative_tokens": 4} '
+                       "for a smaller Qwen3 sharing the tokenizer, run on each worker; default off")
         p.add_argument("--threads-per-worker", type=int, default=0,
                        help="per rank, each pinned to cores of its own (default 0: the cores this process "
                        "may use divided among the node's ranks)")

@@ -84,12 +84,15 @@ class SpeculativeConfig:
     """Speculative decoding (coordinator/engine/speculative/): a decode row carries its newest token
     and up to ``num_speculative_tokens`` proposed ones, verified in the same launch."""
 
-    speculative_method: str = "off"  # off | ngram (prompt lookup over the request's own tokens)
+    # off | ngram (prompt lookup over the request's own tokens) | draft (a smaller Qwen3 sharing the
+    # vocabulary, run by each worker inside the launch)
+    speculative_method: str = "off"
+    speculative_model: str | None = None  # draft: its directory, Hugging Face id or embedded name
     num_speculative_tokens: int = 4  # k: proposals per row and launch
     prompt_lookup_max: int = 4  # ngram: the longest suffix n-gram looked up
     prompt_lookup_min: int = 2  # ngram: the shortest
-    # The policy: rows speculate only while at most this many requests decode on the worker (at
-    # larger batches a step is no longer bound by reading the weights, and the rows run ahead).
+    # The policy: rows speculate only while the worker holds at most this many requests, running or
+    # waiting (at larger batches a step is no longer bound by reading the weights; rows run ahead).
     speculative_max_batch: int = 4
 
 
@@ -162,8 +165,13 @@ class EngineConfig:
 
     def _check_speculative(self) -> None:
         sp = self.speculative
-        if sp.speculative_method not in ("off", "ngram"):
-            raise ValueError(f"speculative_method must be off or ngram, got {sp.speculative_method!r}")
+        if sp.speculative_method not in ("off", "ngram", "draft"):
+            raise ValueError(f"speculative_method must be off, ngram or draft, got {sp.speculative_method!r}")
+        if (sp.speculative_method == "draft") != (sp.speculative_model is not None):
+            raise ValueError("a draft model (speculative_model) goes with speculative_method draft, and only "
+                             "with it")
+        if sp.speculative_method == "draft" and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("a draft model runs on one device: not with tensor_parallel_size > 1")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
                      "speculative_max_batch"):
             value = getattr(sp, name)
@@ -232,4 +240,5 @@ class EngineConfig:
             "LB": b * MAX_LOGIT_BIAS,  # logit-bias entries
             "S": b,  # speculating requests
             "K1": self.rows_per_request,  # rows of one speculating request
+            "BD": b,  # rows a draft model's first pass reads
         }

@@ -10,7 +10,8 @@ asking for logprobs, N top logprobs per such row, TL prompt tokens asking for th
 logprob, NP top logprobs per such token, V vocabulary, G rows of token bitmask (B when a row
 of the launch samples under a mask, else 0), VW = ceil(V / 32) bitmask words per row; for
 penalties, PR slots reset, PT tokens counted, PB rows penalized; LB logit-bias entries; S
-speculating requests, K1 rows of one (its newest token and its proposals).
+speculating requests, K1 rows of one (its newest token and its proposals), BD rows a draft model's
+first pass reads.
 """
 
 from __future__ import annotations
@@ -180,6 +181,10 @@ def step_table() -> SlotTable:
             # proposal, consecutive decode rows; padded with its first row). Row j + 1's token is the
             # proposal that row j's draw verifies.
             Slot("spec_rows", ("S", "K1"), i64, IN, HS),
+            # A draft model on the device: the rows of its first pass (all but proposal rows), and
+            # each speculating request's first row's index among them.
+            Slot("draft_rows", ("BD",), i64, IN, HS),
+            Slot("draft_leads", ("S",), i64, IN, HS),
             Slot("sampled_ids", ("B",), i32, OUT, HS),  # -1 on a speculating request's rejected rows
             Slot("spec_accepted", ("S",), i32, OUT, HS),  # tokens each speculating request gained
 

@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from coordinator.client import Client
 from coordinator.engine.block_manager import BlockManager
 from coordinator.engine.llm_engine import LLMEngine, load_model
 from coordinator.engine.speculative.ngram_proposer import NgramProposer
 from coordinator.engine.speculative.speculation_policy import MIN_GAIN, SpecState
+from coordinator.model_files.default_model import TRAINED_DIR
 from coordinator.sampling_params import SamplingParams
 from coordinator.structured.structured_spec import StructuredSpec
 from kernels import sampler
@@ -36,6 +40,22 @@ PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",
 @pytest.fixture(scope="module")
 def model():
     return load_model("default")
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory) -> Path:
+    """A 2-layer draft sharing the default model's vocabulary: its first two layers."""
+    out = tmp_path_factory.mktemp("draft")
+    src = load_file(str(TRAINED_DIR / "model.safetensors"))
+    keep = {k: v for k, v in src.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < 2}
+    save_file(keep, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((TRAINED_DIR / "config.json").read_text())
+    config["num_hidden_layers"] = 2
+    config.pop("layer_types", None)
+    (out / "config.json").write_text(json.dumps(config))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TRAINED_DIR / f, out / f)
+    return out
 
 
 def _generate(model, prompts, params, **settings):
@@ -230,6 +250,33 @@ def test_constrained_rows_speculate_with_the_grammar_applied_to_the_proposals(mo
     for g in got[1:]:
         assert len(json.loads(g[1])["tags"]) == 6
     assert spec.stats.accepted > 0
+
+
+def _draft(draft_dir: Path, **kw) -> dict:
+    return dict(speculative_method="draft", speculative_model=str(draft_dir), num_speculative_tokens=3, **kw)
+
+
+def test_a_draft_model_on_the_device_keeps_greedy_and_seeded_output(model, draft_dir):
+    """The draft runs inside the launch (its proposals never reach the host); a 2-layer truncation of
+    the target agrees with it often, and the output is the output without speculation."""
+    params = [SamplingParams(max_tokens=40), SamplingParams(max_tokens=40, temperature=0.8, seed=4),
+              SamplingParams(max_tokens=33), SamplingParams(max_tokens=40, stop=[" the"])]
+    want, _ = _generate(model, PROMPTS, params)
+    for prompts, ps in ((PROMPTS[:1], params[:1]), (PROMPTS, params)):
+        got, spec = _generate(model, prompts, ps, **_draft(draft_dir))
+        assert got == want[: len(prompts)]
+        assert spec.method == "draft" and spec.stats.accepted > 0
+    # Chunked prompts and a tight cache: the draft's K/V follow every chunk, preemption and rollback.
+    got, spec = _generate(model, PROMPTS, params, max_num_batched_tokens=24, num_blocks=40,
+                          **_draft(draft_dir))
+    assert got == want and spec.stats.accepted > 0
+
+
+def test_a_draft_must_share_the_vocabulary(model, hf_checkpoints):
+    m, tok = model
+    other = next(iter(hf_checkpoints.values()))
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLMEngine(m, tokenizer=tok, **RC, **_draft(other))
 
 
 def test_preemption_and_a_tight_cache_lose_nothing(model):

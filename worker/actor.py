@@ -100,6 +100,7 @@ class WorkerActor:
         self.runner = ModelRunner(model, cfg, self.arenas, writes_outputs=leader)
         info = {"pid": os.getpid(), "device": str(device), "transport": "serial" if self.serial else "shm",
                 "node_id": ray.get_runtime_context().get_node_id(), "kv_bytes": self.runner.kv.nbytes,
+                "draft_kv_bytes": self.runner.drafter.nbytes if self.runner.drafter else 0,
                 "pool_bytes": self.runner.pool.nbytes, "kernels": model.kernel_info()}
         if not leader:
             self._thread = threading.Thread(target=self._follow, daemon=True, name=f"follow-{self.worker_id}")

@@ -23,6 +23,7 @@ from shared_memory.arena import HostArena
 from shared_memory.contract import LaunchDescriptor, LaunchReply
 from shared_memory.engine_config import EngineConfig
 from shared_memory.slots import step_table
+from worker.drafter import Drafter
 from worker.graphs import DecodeGraphs
 from worker.launch_runtime import LaunchRuntime
 from worker.scratch_pool import DeviceScratchPool
@@ -58,6 +59,8 @@ class ModelRunner:
         self._masked: torch.Tensor | None = None  # processed logits, when logprobs need the raw ones
         # Penalties' token counts per slot (at most one slot per running sequence), made on first use.
         self.penalties = PenaltyState(max_batch, model.config.vocab_size, dev)
+        # A draft model proposing inside the launch (speculative decoding), with its own KV cache.
+        self.drafter = Drafter.load(cfg, model)
         self.graphs: DecodeGraphs | None = None
         # A Qwen3-MoE layer reads its routing back to the host: no device graph can capture it.
         # Tensor-parallel ranks run eagerly too (collectives in a captured graph: not yet checked).
@@ -98,6 +101,8 @@ class ModelRunner:
     def _step(self, v: dict[str, torch.Tensor], desc: LaunchDescriptor) -> None:
         dims, b = desc.dims, desc.dims["B"]
         self._feed(v["token_ids"], v["feed_rows"])
+        if self.drafter is not None:
+            self.drafter.propose(v, desc)
         batch = ForwardBatch(v["token_ids"], v["positions"], v["slot_mapping"], v["query_start_loc"],
                              v["seq_lens"], v["block_tables"], desc.num_decode, desc.prompt_query_lens,
                              desc.prompt_seq_lens)

@@ -209,7 +209,13 @@ def _write_spec_rows(arena: HostArena, batch: ScheduledBatch, dims: dict[str, in
         table[i, :n] = np.arange(first, first + n)
     dims["S"], dims["K1"] = table.shape
     _put(arena, "spec_rows", table)
-    return tuple(first for first, _ in batch.spec_groups)
+    firsts = tuple(first for first, _ in batch.spec_groups)
+    kept = [r for r in range(batch.batch_size) if not batch.follows(r)] if batch.device_proposals else []
+    dims["BD"] = len(kept)
+    _put(arena, "draft_rows", np.asarray(kept, dtype=np.int64))
+    leads = [kept.index(f) for f in firsts] if kept else [0] * len(firsts)
+    _put(arena, "draft_leads", np.asarray(leads, dtype=np.int64))
+    return firsts
 
 
 def read_outputs(arena: HostArena, desc: LaunchDescriptor, plan: OutputPlan) -> StepOutputs:

@@ -55,8 +55,23 @@ def resolve_config(cfg: EngineConfig, device_kind: str, ranks_on_node: int = 1) 
                         device_kind, cfg.scheduler.max_batch, max_len, kv_sizing.weight_bytes(model_dir),
                         ranks_on_node, p.tensor_parallel_size)
     resolved = cfg.replace(model=model_dir, max_model_len=kv.max_model_len, quantization=quantization,
-                           dtype=dtype_name(dtype), num_blocks=kv.num_blocks)
+                           dtype=dtype_name(dtype), num_blocks=kv.num_blocks,
+                           speculative_model=_draft_dir(cfg, model))
     return ResolvedEngine(resolved, model, kv, parameter_count(model_dir))
+
+
+def _draft_dir(cfg: EngineConfig, target: Qwen3Config) -> str | None:
+    """The draft model's directory, refused unless it shares the target's vocabulary."""
+    name = cfg.speculative.speculative_model
+    if name is None:
+        return None
+    m = cfg.model
+    path = str(resolve_model(name, None, m.download_dir))
+    vocab = Qwen3Config.from_dir(path).vocab_size
+    if vocab != target.vocab_size:
+        raise ValueError(f"the draft model {name!r} has a vocabulary of {vocab}, the target "
+                         f"{target.vocab_size}: a draft must share the target's tokenizer")
+    return path
 
 
 def parameter_count(model_dir: str) -> int:

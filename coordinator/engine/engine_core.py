@@ -91,11 +91,14 @@ class EngineCore:
         return self.inflight[0].started if self.inflight else None
 
     def wants_launch(self) -> bool:
-        """Whether ``launch()`` may run now: nothing in flight, or (async scheduling) one launch,
-        whose ids can feed the next launch on the device."""
+        """Whether ``launch()`` may run now: nothing in flight, or (async scheduling) one launch
+        without speculating requests, whose ids can feed the next launch on the device."""
         if not self.scheduler.has_work():
             return False
-        return not self.inflight or (self.async_scheduling and len(self.inflight) == 1)
+        # A launch with speculating requests is read before the next is sent: their rows could not
+        # ride in it (their proposals need their newest tokens), and would skip every other launch.
+        return not self.inflight or (self.async_scheduling and len(self.inflight) == 1
+                                     and not self.inflight[0].batch.spec_groups)
 
     def launch(self) -> bool:
         """Schedule the next step and start it; False when nothing could be scheduled.

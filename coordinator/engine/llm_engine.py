@@ -94,7 +94,11 @@ class LLMEngine:
         c = self.model.config
         dims = cfg.max_dims(c.vocab_size)
         self.arenas = [HostArena.create(step_table(), dims, tag="engine") for _ in range(cfg.banks)]
-        self.runner = ModelRunner(self.model, cfg, self.arenas)
+        try:
+            self.runner = ModelRunner(self.model, cfg, self.arenas)
+        except BaseException:  # nothing of a failed engine stays in shared memory
+            self.close()
+            raise
         self.input = InputProcessor.for_model(c, self.tokenizer, RequestLimits.for_worker(cfg, c.vocab_size))
         output = OutputProcessor(c.eos_token_ids, cfg.max_model_len)
         executor = InProcessExecutor(self.runner)

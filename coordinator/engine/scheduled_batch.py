@@ -44,6 +44,9 @@ class ScheduledBatch:
     # Speculating requests as (first row, rows): consecutive decode rows, the request's newest token
     # then one row per proposal. The first row stands for the request; the others follow it.
     spec_groups: tuple[tuple[int, int], ...] = ()
+    # A draft model on the device proposes (and must see every launch's tokens): the proposal rows'
+    # token ids are placeholders it fills.
+    device_proposals: bool = False
 
     def follows(self, row: int) -> bool:
         """The row carries a proposal of a speculating request whose first row is earlier."""

@@ -171,6 +171,7 @@ class Scheduler:
             block_tables=tables, feed_rows=np.asarray(feed, dtype=np.int32),
             samples=tuple(a >= s.length for s, a in zip(seqs, after)),
             computed_to=tuple(reach[id(s)] for s in seqs), draw_steps=tuple(steps), spec_groups=tuple(groups),
+            device_proposals=self.speculation is not None and self.speculation.proposer.on_device,
         )
 
     @staticmethod
@@ -215,19 +216,18 @@ class Scheduler:
     # ------------------------------------------------------------ speculation
 
     def _speculating(self) -> bool:
-        """The batch gate: speculation runs while few enough requests decode."""
+        """The batch gate: speculation runs while the worker holds few enough requests, running or
+        waiting (vLLM's ``disable_by_batch_size``): a batch of arrivals never speculates while its
+        first prompts are done and the rest are still prefilling."""
         sp = self.speculation
-        if sp is None:
-            return False
-        decoding = sum(s.prefilled and not self._length_done(s) for s in self.running)
-        return decoding <= sp.max_batch
+        return sp is not None and self.load <= sp.max_batch
 
     def _speculates(self, seq: Sequence) -> bool:
         """``seq`` proposes in this launch (so it waits for its newest token rather than run ahead)."""
         if not seq.params.speculable or (seq.rules is not None and seq.rules.needs_last_token):
             return False
-        if seq.grammar is not None and not seq.grammar.speculable:
-            return False
+        if seq.grammar is not None and (not seq.grammar.speculable or self.speculation.proposer.on_device):
+            return False  # the masks of proposal rows need the proposals on the host
         if seq.spec is None:
             seq.spec = SpecState()
         return seq.spec.active(self.steps)

@@ -98,10 +98,11 @@ class Qwen3Model:
     # -------------------------------------------------------------------- forward
 
     def forward(self, batch: ForwardBatch, kv: PagedKVCache, ws: Workspace,
-                logits: torch.Tensor) -> torch.Tensor:
+                logits: torch.Tensor | None) -> torch.Tensor:
         """Run the batch's tokens through every layer and write their K/V into the pages;
-        ``logits`` [B, V] float32 gets each row's last token's next-token logits. Returns the
-        residual stream [T, D] (``compute_logits`` reads other tokens' from it)."""
+        ``logits`` [B, V] float32 gets each row's last token's next-token logits (None: none are
+        wanted, as when a draft model only keeps its K/V in step). Returns the residual stream
+        [T, D] (``compute_logits`` reads other tokens' from it)."""
         t, b = batch.num_tokens, batch.num_rows
         x = ws.residual(t)
         self.tp.embed(self.w.embed, batch.token_ids, x)
@@ -115,6 +116,8 @@ class Qwen3Model:
             pending = self._layer(i, lw, x, pending, buf, cos, sin, batch.slot_mapping, kv, ws)
         if pending is not None:
             x.add_(pending)
+        if logits is None:
+            return x
         last = ws.last[:b]
         torch.sub(batch.query_start_loc[1:], ws.one, out=last)
         self.compute_logits(x, last, logits, ws)

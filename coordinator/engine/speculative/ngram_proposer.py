@@ -19,6 +19,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 class NgramProposer:
     max_n: int = 4
     min_n: int = 2
+    on_device: bool = False  # the proposals are made here, on the host
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         """Up to ``k`` proposals to follow ``token_ids``, or none when no suffix recurs."""

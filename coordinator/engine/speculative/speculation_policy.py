@@ -2,9 +2,10 @@
 
 A speculating request cannot run a launch ahead (its proposals need its newest tokens on the host,
 and how many a launch accepts is known only when it is read), so at batch 1 it gives up async
-scheduling's overlap, and each launch carries its k proposal rows. That pays only while the step
-is bound by reading the weights (small batches: ``speculative_max_batch``) and while the proposals
-are accepted. Each request keeps a running mean of the proposals it gained per launch; below
+scheduling's overlap (a launch with speculating rows is read before the next is sent), and each
+launch carries its k proposal rows. That pays only while the step is bound by reading the weights
+(a worker holding at most ``speculative_max_batch`` requests, running or waiting) and while the
+proposals are accepted. Each request keeps a running mean of the proposals it gained per launch; below
 ``MIN_GAIN`` it stops speculating (it runs ahead like any row) for a pause that doubles each time it
 fails again (up to ``MAX_PAUSE`` launches), then probes once more. Free prose, where prompt lookup
 rarely matches, thus runs as without speculation; a code edit keeps it on.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from coordinator.engine.speculative.device_proposer import DeviceProposer
 from coordinator.engine.speculative.ngram_proposer import NgramProposer
 from shared_memory.engine_config import EngineConfig
 
@@ -61,10 +63,11 @@ class SpecStats:
 
 @dataclass
 class Speculation:
-    """One worker's speculation: its proposer, k, the batch gate and its counters."""
+    """One worker's speculation: its proposer (on the host, or rows reserved for the device's), k,
+    the batch gate and its counters."""
 
     method: str
-    proposer: NgramProposer
+    proposer: NgramProposer | DeviceProposer
     k: int
     max_batch: int
     stats: SpecStats = field(default_factory=SpecStats)
@@ -74,5 +77,6 @@ class Speculation:
         sp = cfg.speculative
         if sp.speculative_method == "off":
             return None
-        proposer = NgramProposer(sp.prompt_lookup_max, sp.prompt_lookup_min)
+        proposer = (DeviceProposer() if sp.speculative_method == "draft"
+                    else NgramProposer(sp.prompt_lookup_max, sp.prompt_lookup_min))
         return cls(sp.speculative_method, proposer, sp.num_speculative_tokens, sp.speculative_max_batch)
