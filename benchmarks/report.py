@@ -459,7 +459,32 @@ def long_section(args: argparse.Namespace, t: list) -> list[str]:
     return lines
 
 
+SPEC_HEADING = "## Speculative decoding"
+SPEC_RESULTS = RESULTS / "speculative.json"
+
+
+def spec_lines(res: dict, t: list) -> list[str]:
+    """``benchmarks.speculative``'s stored results as the section, its targets into ``t``."""
+    from benchmarks import speculative
+
+    t.extend(speculative.targets(res))
+    return ["", SPEC_HEADING, "",
+            "`python -m benchmarks.speculative`: speculation off, n-gram prompt lookup and a small draft model "
+            "(the embedded trained model, run inside the launch), k = 4, on a code edit, tool-call JSON and free "
+            "prose. The target runs Qwen3-0.6B's shape in full every launch and its token is then set to the "
+            "workload's text (random weights copy nothing): the figures are fusedserve's for a model that writes "
+            "that text; the proposer never sees it. Batch 16 runs 16 copies of the request (128 tokens each).",
+            "", *speculative.table(res)]
+
+
+def spec_section(args: argparse.Namespace, t: list) -> list[str]:
+    from benchmarks import speculative
+
+    return spec_lines(speculative.main(["--json", str(SPEC_RESULTS)]), t)
+
+
 SECTIONS = {"structured": (STRUCTURED_HEADING, structured_section),
+            "speculative": (SPEC_HEADING, spec_section),
             "parallel": (PARALLEL_HEADING, parallel_section),
             "routing": (ROUTING_HEADING, routing_section),
             "formats": (FORMATS_HEADING, formats_section),
@@ -597,6 +622,7 @@ def main(argv: list[str] | None = None) -> None:
     lines += routing_section(args, t)
     lines += formats_section(args, t)
     lines += long_section(args, t)
+    lines += spec_section(args, t)
     lines += cuda_section(t)
     lines += ["", "## Targets", "", "| target | met | figure |", "|---|---|---|"]
     lines += [f"| {name} | {'yes' if ok else 'no'} | {fig} |" for name, ok, fig in t]

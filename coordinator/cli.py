@@ -323,8 +323,15 @@ def _grammar_flags(p: argparse.ArgumentParser) -> None:
                        dest=f"grammar_{f.name}", help=f"{GRAMMAR_HELP[f.name]} (default {f.default})")
 
 
+# On by default where it pays (docs/ARCHITECTURE.md, "Speculative decoding"): n-gram proposals, k = 4,
+# at a worker holding at most 4 requests; a request whose proposals do not pay pauses them.
+DEFAULT_SPECULATION = '{"method": "ngram"}'
+
+
 def speculative_settings(text: str) -> dict[str, object]:
-    """``--speculative-config``'s JSON as engine settings (``SpeculativeConfig``'s names)."""
+    """``--speculative-config``'s JSON (or ``off``) as engine settings (``SpeculativeConfig``'s names)."""
+    if text.strip().lower() in ("off", "none", "{}"):
+        return {"speculative_method": "off"}
     try:
         spec = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -453,12 +460,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--no-async-scheduling", action="store_true",
                        help="one launch in flight per worker: schedule the next only after reading "
                        "this one's ids (default: two in flight, the next fed on the device)")
-        p.add_argument("--speculative-config", type=speculative_settings, default={},
+        p.add_argument("--speculative-config", type=speculative_settings, default=DEFAULT_SPECULATION,
                        help='speculative decoding, as vLLM spells it: JSON such as {"method": "ngram", '
                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '
                        '"disable_by_batch_size": 4} (the last: speculate only while a worker holds at '
                        'most this many requests), or {"model": DRAFT_DIR, "num_speculative_tokens": 4} '
-                       "for a smaller Qwen3 sharing the tokenizer, run on each worker; default off")
+                       "for a smaller Qwen3 sharing the tokenizer, run on each worker; off to turn it "
+                       f"off. Default {DEFAULT_SPECULATION}: n-gram proposals while a worker holds at "
+                       "most 4 requests, each request pausing them while they do not pay")
         p.add_argument("--threads-per-worker", type=int, default=0,
                        help="per rank, each pinned to cores of its own (default 0: the cores this process "
                        "may use divided among the node's ranks)")

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from coordinator.cli import build_parser
 from coordinator.client import Client
 from coordinator.engine.block_manager import BlockManager
 from coordinator.engine.llm_engine import LLMEngine, load_model
@@ -297,3 +298,17 @@ def test_served_greedy_and_seeded_equal_offline_without_speculation(model, ray_s
         stats = c.stats()["workers"][0]["speculative"]
     assert stats["method"] == "ngram" and stats["accepted"] > 0
     assert 0 < stats["acceptance_rate"] <= 1
+
+
+def test_speculative_config_flag_reads_vllms_json_and_is_on_by_default_for_serve():
+    parse = build_parser().parse_args
+    assert parse(["serve"]).speculative_config == {"speculative_method": "ngram"}
+    assert parse(["serve", "--speculative-config", "off"]).speculative_config == {"speculative_method": "off"}
+    got = parse(["serve", "--speculative-config", '{"model": "d", "num_speculative_tokens": 3, '
+                 '"disable_by_batch_size": 2}']).speculative_config
+    assert got == {"speculative_method": "draft", "speculative_model": "d", "num_speculative_tokens": 3,
+                   "speculative_max_batch": 2}
+    for bad in ('{"method": "eagle"}', '{"num_speculative_tokens": 0}', '{"lookahead": 2}', "[1]", "{",
+                '{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 3}'):
+        with pytest.raises(SystemExit):
+            parse(["serve", "--speculative-config", bad])
