@@ -295,6 +295,13 @@ def test_served_greedy_and_seeded_equal_offline_without_speculation(model, ray_s
     with running_server(**RC, **NGRAM) as coord, Client(coord.address) as c:
         for i, prompt in enumerate(PROMPTS):
             assert c.generate(prompt, **params[i % 2])["token_ids"] == want[i]
+        # Streamed: one frame per token, in order, each with its own index and logprob, although a
+        # launch appends several tokens of a speculating request at once.
+        frames = list(c.stream(PROMPTS[0], max_tokens=32, logprobs=True))
+        tokens, done = frames[:-1], frames[-1]
+        assert [f["index"] for f in tokens] == list(range(32))
+        assert [f["token"] for f in tokens] == done["token_ids"] == want[0]
+        assert len({f["logprob"] for f in tokens}) > 1
         stats = c.stats()["workers"][0]["speculative"]
     assert stats["method"] == "ngram" and stats["accepted"] > 0
     assert 0 < stats["acceptance_rate"] <= 1
