@@ -272,8 +272,12 @@ def test_metrics_count_what_was_served(server, oai):
     assert m1[("fusedserve:num_requests_running", model)] == 0
     assert m1[("fusedserve:kv_cache_usage_perc", model)] == 0
     assert delta("fusedserve:prefix_cache_queries_total") > 0
-    assert delta("fusedserve:d2h_bytes_total", (("worker", "w0"),)) == n * tokens * 4, \
-        "greedy: 4 bytes (the id) come back per generated token"
+    # Greedy: 4 bytes (an id) come back per generated token; speculation (on by default) adds an id
+    # per rejected proposal row and a count per speculating request, and nothing else.
+    rejected = delta("fusedserve:spec_decode_num_draft_tokens_total") - \
+        delta("fusedserve:spec_decode_num_accepted_tokens_total")
+    drafts = delta("fusedserve:spec_decode_num_drafts_total")
+    assert delta("fusedserve:d2h_bytes_total", (("worker", "w0"),)) == (n * tokens + rejected + drafts) * 4
     assert ("fusedserve:faults_total", (("kind", "request_errors"), *model)) in m1
 
 
