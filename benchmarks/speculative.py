@@ -29,6 +29,7 @@ import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -161,52 +162,53 @@ def workloads() -> dict[str, tuple[str, str]]:
 
 # ------------------------------------------------------------------------------------ the target
 
-def target_dir() -> Path:
-    """Qwen3-0.6B's shape (the random-weight preset) with the embedded trained model's tokenizer."""
-    final = cache_root() / f"spec-target-v{TARGET_FORMAT}"
+def _cached_dir(name: str, write: Callable[[Path], None]) -> Path:
+    """``cache_root()/name``, written once by ``write`` into a temp dir (with the trained model's
+    tokenizer) and renamed into place."""
+    final = cache_root() / name
     if (final / "config.json").is_file():
         return final
-    preset = default_model_dir("qwen3-0.6b")
-    tmp = Path(tempfile.mkdtemp(prefix=".spec-target-", dir=cache_root()))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_root()))
     try:
-        (tmp / "model.safetensors").symlink_to(preset / "model.safetensors")
-        config = json.loads((preset / "config.json").read_text())
-        config["eos_token_id"] = json.loads((TRAINED_DIR / "config.json").read_text())["eos_token_id"]
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        write(tmp)
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(TRAINED_DIR / f, tmp / f)
         tmp.rename(final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def target_dir() -> Path:
+    """Qwen3-0.6B's shape (the random-weight preset) with the embedded trained model's tokenizer."""
+    def write(out: Path) -> None:
+        preset = default_model_dir("qwen3-0.6b")
+        (out / "model.safetensors").symlink_to(preset / "model.safetensors")
+        config = json.loads((preset / "config.json").read_text())
+        config["eos_token_id"] = json.loads((TRAINED_DIR / "config.json").read_text())["eos_token_id"]
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+
+    return _cached_dir(f"spec-target-v{TARGET_FORMAT}", write)
 
 
 def draft_dir(layers: int = 4) -> Path:
     """The draft: the embedded trained model's first ``layers`` layers (all 4 by default; hidden
     256), its vocabulary padded to the target's 151,936 (the padded tokens' logits are 0)."""
-    final = cache_root() / f"spec-draft{layers}-v{TARGET_FORMAT}"
-    if (final / "config.json").is_file():
-        return final
-    src = load_file(str(TRAINED_DIR / "model.safetensors"))
-    config = json.loads((TRAINED_DIR / "config.json").read_text())
-    vocab = json.loads((default_model_dir("qwen3-0.6b") / "config.json").read_text())["vocab_size"]
-    keep = {k: v for k, v in src.items()
-            if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
-    embed = keep["model.embed_tokens.weight"]
-    pad = embed.new_zeros(vocab - embed.shape[0], embed.shape[1])
-    keep["model.embed_tokens.weight"] = torch.cat([embed, pad])
-    config.update(num_hidden_layers=layers, vocab_size=vocab, max_position_embeddings=4096)
-    config.pop("layer_types", None)
-    tmp = Path(tempfile.mkdtemp(prefix=".spec-draft-", dir=cache_root()))
-    try:
-        save_file(keep, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        for f in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(TRAINED_DIR / f, tmp / f)
-        tmp.rename(final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    def write(out: Path) -> None:
+        src = load_file(str(TRAINED_DIR / "model.safetensors"))
+        config = json.loads((TRAINED_DIR / "config.json").read_text())
+        vocab = json.loads((default_model_dir("qwen3-0.6b") / "config.json").read_text())["vocab_size"]
+        keep = {k: v for k, v in src.items()
+                if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+        embed = keep["model.embed_tokens.weight"]
+        pad = embed.new_zeros(vocab - embed.shape[0], embed.shape[1])
+        keep["model.embed_tokens.weight"] = torch.cat([embed, pad])
+        config.update(num_hidden_layers=layers, vocab_size=vocab, max_position_embeddings=4096)
+        config.pop("layer_types", None)
+        save_file(keep, str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+
+    return _cached_dir(f"spec-draft{layers}-v{TARGET_FORMAT}", write)
 
 
 def forced(model: Qwen3Model, all_ids: list[int]) -> None:

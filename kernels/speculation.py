@@ -24,14 +24,21 @@ from __future__ import annotations
 import torch
 
 
+def request_rows(spec_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each speculating request's first row [S], and which entries of ``spec_rows`` [S, K1] are its
+    own rows rather than padding (the padding repeats the first row)."""
+    first = spec_rows[:, 0]
+    real = spec_rows != first.unsqueeze(1)
+    real[:, 0] = True
+    return first, real
+
+
 def accept_prefix(sampled_ids: torch.Tensor, token_ids: torch.Tensor, spec_rows: torch.Tensor,
                   accepted: torch.Tensor) -> None:
     """``spec_rows`` [S, K1]: each speculating request's rows, padded with its first row.
     Writes ``accepted`` [S] (tokens gained: 1 + accepted proposals) and sets ``sampled_ids`` of
     the rows past each request's accepted prefix to -1 (their draws saw a rejected proposal)."""
-    first = spec_rows[:, :1]
-    real = spec_rows != first
-    real[:, 0] = True
+    first, real = request_rows(spec_rows)
     drawn = sampled_ids.index_select(0, spec_rows.reshape(-1)).view(spec_rows.shape)
     fed = token_ids.index_select(0, spec_rows.reshape(-1)).view(spec_rows.shape)
     agree = (drawn[:, :-1] == fed[:, 1:]) & real[:, 1:]

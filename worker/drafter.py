@@ -21,6 +21,7 @@ import torch
 
 from kernels.forward_batch import ForwardBatch
 from kernels.model.qwen3 import Qwen3Model
+from kernels.speculation import request_rows
 from shared_memory.contract import LaunchDescriptor
 from shared_memory.engine_config import EngineConfig
 
@@ -75,8 +76,7 @@ class Drafter:
         if not s:
             return
         spec = v["spec_rows"]
-        first = spec[:, 0]
-        real = spec != first.unsqueeze(1)
+        first, real = request_rows(spec)
         last = spec.max(dim=1).values
         logits = self.logits[:s]
         self.model.compute_logits(x, v["draft_leads"], logits, self.ws)

@@ -52,13 +52,6 @@ class ScheduledBatch:
         """The row carries a proposal of a speculating request whose first row is earlier."""
         return any(first < row < first + n for first, n in self.spec_groups)
 
-    def group_rows(self, row: int) -> int:
-        """Rows the request of ``row`` (a first row) takes: 1 unless it speculates."""
-        for first, n in self.spec_groups:
-            if first == row:
-                return n
-        return 1
-
     @property
     def batch_size(self) -> int:
         return len(self.seqs)

@@ -129,19 +129,19 @@ class Scheduler:
                drafts: dict[int, list[int]]) -> ScheduledBatch:
         """``drafts``: each speculating sequence's proposals, by ``id(seq)``."""
         ids, pos, slots, feed = [], [], [], []
-        rows: list[Sequence] = []  # one per row: a speculating sequence's proposals are rows of it
+        seqs: list[Sequence] = []  # one per row: a speculating sequence's proposals are rows of it
         groups, query_lens, after, steps = [], [], [], []
         for seq in decoding:
             token, row = self._input(seq)
             proposed = drafts.get(id(seq), [])
             if proposed:
-                groups.append((len(rows), 1 + len(proposed)))
+                groups.append((len(seqs), 1 + len(proposed)))
             for j, t in enumerate([token, *proposed]):
                 ids.append(t)
                 feed.append(row if j == 0 else -1)
                 pos.append(seq.num_computed + j)
                 slots.append(self.blocks.slot(seq.seq_id, seq.num_computed + j))
-                rows.append(seq)
+                seqs.append(seq)
                 query_lens.append(1)
                 after.append(seq.num_computed + 1 + j)
                 steps.append(len(seq.output_ids) + seq.num_pending + j)
@@ -151,12 +151,11 @@ class Scheduler:
             pos.extend(range(start, start + take))
             slots.extend(self.blocks.slot(seq.seq_id, p) for p in range(start, start + take))
             feed.append(-1)
-            rows.append(seq)
+            seqs.append(seq)
             query_lens.append(take)
             after.append(seq.num_computed + take)  # each row's K/V reach
             steps.append(len(seq.output_ids) + seq.num_pending)
-        seqs = rows
-        num_decode = len(rows) - len(chunks)
+        num_decode = len(seqs) - len(chunks)
         width = max(len(self.blocks.table(s.seq_id)) for s in seqs)
         tables = np.zeros((len(seqs), width), dtype=np.int32)
         for r, s in enumerate(seqs):
