@@ -17,6 +17,7 @@ select over the whole row (four passes of 256-bin histograms), never by sorting 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -207,6 +208,13 @@ def allowed_tokens(bitmask: torch.Tensor, vocab: int, table: torch.Tensor) -> to
     x86, Arm and CUDA store them, so token v is bit v % 8 of byte v // 8)."""
     b = bitmask.shape[0]
     return table[bitmask.view(torch.uint8).long()].view(b, -1)[:, :vocab]
+
+
+class Sampler(Protocol):
+    """``sample``'s signature: each backend's sampler takes it (``kernels/backends``)."""
+
+    def __call__(self, logits: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, out: torch.Tensor,
+                 plan: SamplingPlan, candidates: int) -> torch.Tensor: ...
 
 
 def sample(logits: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, out: torch.Tensor,

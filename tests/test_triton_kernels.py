@@ -228,7 +228,8 @@ def test_kernels_compile_ahead_of_time_for_sm90():
     names = [ln.split(":")[0] for ln in lines]
     assert [f"decode_attention_split_gqa{g}" for g in range(1, 17)] == [n for n in names if "split" in n]
     assert {"prompt_attention_16x16_bf16", "prompt_attention_16x16_fp32_ieee"} <= set(names)
-    assert len(names) == 23 and all(ln.endswith(", 0 spill bytes") for ln in lines), out
+    assert {"sampler_row", "sampler_draw", "sampler_search_cut", "sampler_search_kth"} <= set(names)
+    assert len(names) == 30 and all(ln.endswith(", 0 spill bytes") for ln in lines), out
 
 
 def test_float32_products_are_ieee_and_per_launch_integers_are_not_specialised():
@@ -318,6 +319,46 @@ def test_cache_addresses_are_64_bit_in_the_compiled_kernels():
         assert int(found) >= 2 and found == wide, line  # K and V at least, every one 64-bit
 
 
+def test_the_triton_sampler_draws_atens_tokens():
+    """The every-stage sampler in Triton draws ``kernels.sampler``'s token on every row: greedy,
+    the candidate path, the whole vocabulary with a top-k beyond the candidates, top-p placed
+    among the candidates and top-p that needs the whole row, min-p; under the batch's plan and
+    under each row's own (a row draws the same whatever its batch runs)."""
+    from kernels.triton import sampler as triton_sampler
+    from kernels.triton.self_check import sampler_batch
+
+    rows, vocab, n = 40, 3000, 16
+    logits, params, seeds = sampler_batch(rows, vocab, torch.Generator().manual_seed(5), CPU)
+    t, top_p, _, k = params.T
+    cand, full = sampler.row_paths(t, k, n)
+    mass = torch.softmax(logits / torch.where(t > 0, t, 1)[:, None], -1).topk(n, -1).values.sum(-1)
+    topp = full & (top_p < 1)
+    # Both ways of placing the top-p cut, and a top-k beyond the candidates, are exercised.
+    assert (topp & (mass >= top_p)).sum() >= 2 and (topp & (mass < top_p)).sum() >= 5
+    assert (full & (k > n) & (k < vocab)).sum() >= 4 and cand.sum() >= 10 and (t == 0).sum() >= 4
+
+    def draw(fn, rows_of, plan) -> torch.Tensor:
+        out = torch.zeros(len(rows_of), dtype=torch.int32, device=DEV)
+        fn(logits[rows_of].to(DEV), params[rows_of].to(DEV), seeds[rows_of].to(DEV), out, plan, n)
+        return out.cpu()
+
+    everything = list(range(rows))
+    plan = sampler.SamplingPlan.for_rows(params.numpy(), n, vocab)
+    assert plan.stages() == ["candidates", "full", "wide_top_k", "top_p", "min_p"]
+    want = sampler.sample(logits, params, seeds, torch.zeros(rows, dtype=torch.int32), plan, n)
+    got = draw(triton_sampler.sample, everything, plan)
+    assert torch.equal(got, want), (got, want)
+    assert torch.equal(got[t == 0], logits[t == 0].argmax(-1).int())
+    assert len(set(got[t > 0].tolist())) > 20  # draws, not a constant
+    for r in range(0, rows, 3):  # alone, under the row's own plan
+        own = sampler.SamplingPlan.for_rows(params[r:r + 1].numpy(), n, vocab)
+        assert draw(triton_sampler.sample, [r], own).item() == want[r].item(), (r, own)
+    seeds[:, 1] += 1  # the next step draws anew, and still as ATen does
+    again = draw(triton_sampler.sample, everything, plan)
+    assert torch.equal(again, sampler.sample(logits, params, seeds, torch.zeros(rows, dtype=torch.int32), plan, n))
+    assert (again != got).sum() >= 10
+
+
 def test_the_self_check_passes_here_and_a_wrong_kernel_falls_back_to_aten(monkeypatch, caplog):
     """On CUDA the Triton backend is the default only once its kernels agree with torch on the
     device: here (the interpreter, or the GPU) they pass; a kernel that writes wrong values, or
@@ -332,8 +373,13 @@ def test_the_self_check_passes_here_and_a_wrong_kernel_falls_back_to_aten(monkey
     def broken(*a, **k):
         raise RuntimeError("PTX JIT failed")
 
-    monkeypatch.setattr(self_check, "prompt_attention", broken)
     monkeypatch.setattr(self_check, "decode_attention", decode_attention)
+    greedy = self_check.triton_sampler.sample
+    monkeypatch.setattr(self_check.triton_sampler, "sample",
+                        lambda lg, p, s, out, plan, n: greedy(lg, p, s, out, sampler.SamplingPlan(), n))
+    assert "the sampler drew" in self_check.check(DEV)
+    monkeypatch.setattr(self_check.triton_sampler, "sample", greedy)
+    monkeypatch.setattr(self_check, "prompt_attention", broken)
     with caplog.at_level("WARNING"):
         assert backend.passes_self_check.__wrapped__(str(DEV)) is False
     assert "RuntimeError: PTX JIT failed" in caplog.text and "using ATen" in caplog.text

@@ -135,7 +135,7 @@ class ModelRunner:
             self.model.kernels.ops.apply_token_bitmask(sampled, v["token_bitmask"])
         if dims["PB"]:
             self.penalties.apply(sampled, v["penalty_rows"], v["penalty_slots"], v["penalty_params"])
-        sampler.sample(sampled, v["sampling_params"], v["sampling_seeds"], v["sampled_ids"], plan,
+        self.model.kernels.sample(sampled, v["sampling_params"], v["sampling_seeds"], v["sampled_ids"], plan,
                        self.candidates)
         if dims["PB"]:
             picked = v["sampled_ids"].index_select(0, v["penalty_rows"])
@@ -158,8 +158,9 @@ class ModelRunner:
     def _sample_rows(self, n: int, plan: SamplingPlan) -> None:
         """The sampler over the first ``n`` rows of the pool (what a decode graph captures)."""
         pool = self.pool
-        sampler.sample(self.logits[:n], pool.full("sampling_params")[:n], pool.full("sampling_seeds")[:n],
-                       pool.full("sampled_ids")[:n], plan, self.candidates)
+        self.model.kernels.sample(self.logits[:n], pool.full("sampling_params")[:n],
+                                  pool.full("sampling_seeds")[:n], pool.full("sampled_ids")[:n], plan,
+                                  self.candidates)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, v: dict[str, torch.Tensor]) -> None:
         """The next prompt token's logprob at each asked token, ``max_batch`` tokens at a time."""

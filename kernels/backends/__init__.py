@@ -2,8 +2,9 @@
 
 One module per backend (``native``, ``aten``, ``triton``, ``ascend``), each exporting its
 ``NAME``, whether a device graph may capture it (``CAPTURABLE``), ``usable(device)``, its layer
-ops (``LayerOps``), its attention (``AttentionBackend``, built per workspace) and the name stats
-report for it. The linear (``kernels/linear.py``) is chosen per weight kind beside it.
+ops (``LayerOps``), its attention (``AttentionBackend``, built per workspace), its sampler
+(``token_sampler()``) and the name stats report for it. The linear (``kernels/linear.py``) is
+chosen per weight kind beside it.
 
 The choice: on the CPU, ``native`` where the native build runs; on CUDA, ``triton`` where its
 kernels pass a self-check on the device (``FUSEDSERVE_TRITON=1`` forces it, ``=0`` keeps ATen);
@@ -24,6 +25,7 @@ from kernels.backends import ascend, aten, native, triton
 from kernels.layer_ops import LayerOps
 from kernels.linear import LinearOp
 from kernels.model.config import Qwen3Config
+from kernels.sampler import Sampler
 
 BACKENDS: dict[str, ModuleType] = {m.NAME: m for m in (native, aten, triton, ascend)}
 PREFERRED = {"cpu": native, "cuda": triton, "npu": ascend}  # where usable; aten otherwise
@@ -42,6 +44,7 @@ class Kernels:
     backend: ModuleType  # one of BACKENDS
     linear: LinearOp
     ops: LayerOps
+    sample: Sampler  # logits -> token ids (``kernels.sampler.sample``'s contract)
     # A MoE layer's experts as two grouped GEMMs (torch._grouped_mm) over tokens sorted by expert on
     # the device, where this device and dtype run it (CUDA, bf16); else one GEMM per expert.
     grouped_moe: bool = False
@@ -73,7 +76,7 @@ def select_kernels(config: Qwen3Config, dtype: torch.dtype, device: torch.device
     build = native_build.kernels() if device.type == "cpu" else None
     linear = LinearOp(device, build, dtype, int8_activations, gemm)
     return Kernels(config, dtype, device, backend, linear, backend.layer_ops(config, device),
-                   grouped_moe=_grouped_mm_runs(config, device, dtype))
+                   backend.token_sampler(), grouped_moe=_grouped_mm_runs(config, device, dtype))
 
 
 def _grouped_mm_runs(c: Qwen3Config, device: torch.device, dtype: torch.dtype) -> bool:

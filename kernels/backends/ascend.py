@@ -11,6 +11,7 @@ import torch
 
 from kernels import ascend as ascend_kernels
 from kernels.model.config import Qwen3Config
+from kernels.sampler import Sampler, sample
 
 NAME = "ascend"
 CAPTURABLE = False
@@ -19,6 +20,10 @@ CAPTURABLE = False
 def usable(device: torch.device) -> bool:
     return (device.type == "npu" and os.environ.get("FUSEDSERVE_ASCEND_FUSED") == "1"
             and ascend_kernels.available())
+
+
+def token_sampler() -> Sampler:
+    return sample
 
 
 def attention_name() -> str:

@@ -13,6 +13,7 @@ from kernels.attention.prompt_rows import PromptChunk, attend_chunks, plan_chunk
 from kernels.forward_batch import ForwardBatch
 from kernels.layer_ops import NormScratch, rms_norm, rotary
 from kernels.model.config import Qwen3Config
+from kernels.sampler import Sampler, sample
 
 NAME = "aten"
 CAPTURABLE = True
@@ -20,6 +21,10 @@ CAPTURABLE = True
 
 def usable(device: torch.device) -> bool:
     return True
+
+
+def token_sampler() -> Sampler:
+    return sample
 
 
 def attention_name() -> str:

@@ -15,6 +15,7 @@ from kernels.attention.prompt_rows import PromptChunk, attend_chunks, plan_chunk
 from kernels.forward_batch import ForwardBatch
 from kernels.layer_ops import NormScratch
 from kernels.model.config import Qwen3Config
+from kernels.sampler import Sampler, sample
 
 NAME = "native"
 CAPTURABLE = True
@@ -22,6 +23,10 @@ CAPTURABLE = True
 
 def usable(device: torch.device) -> bool:
     return device.type == "cpu" and native_build.kernels() is not None
+
+
+def token_sampler() -> Sampler:
+    return sample
 
 
 def attention_name() -> str:

@@ -44,6 +44,14 @@ def passes_self_check(device: str) -> bool:
     return failed is None
 
 
+def token_sampler():
+    """The every-stage sampler in a few Triton kernels (``kernels/triton/sampler.py``): ATen's
+    takes ~290 ops, which would double a sampled decode step."""
+    from kernels.triton.sampler import sample
+
+    return sample
+
+
 def attention_name() -> str:
     return "triton-paged"
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from kernels.triton import decode_attention as attn
 from kernels.triton import layer_kernels as k
 from kernels.triton import prompt_attention as prompt
+from kernels.triton import sampler as samp
 
 P16, I32, F32 = "*bf16", "i32", "fp32"
 C = "constexpr"
@@ -83,6 +84,37 @@ def jobs() -> dict[str, tuple]:
         out[f"decode_attention_split_gqa{group}"] = _split(group)
     out["prompt_attention_16x16_bf16"] = _prompt(16, False)  # the runtime's tiles
     out["prompt_attention_16x16_fp32_ieee"] = _prompt(16, True)
+    out.update(_sampler())
+    return out
+
+
+def _sampler() -> dict[str, tuple]:
+    """The sampler's kernels at Qwen3's vocabulary (151,936: 149 tiles) and 64 candidates."""
+    f32, i64 = "*fp32", "*i64"
+    common = dict(logits_ptr=f32, params_ptr=f32, topv_ptr=f32, kth_ptr="*i32")
+    ints = dict(V=I32, stride_l=I32, n=I32, NC=I32)
+    tiles = {"NC_P": 256, "BLOCK": samp.BLOCK}
+    out = {}
+    for weights in (False, True):
+        out[f"sampler_sum_{'weights' if weights else 'exp'}"] = (
+            samp._sum_kernel, dict(**common, sums_ptr=f32, part_ptr=i64 if weights else f32, **ints,
+                                   WEIGHTS=C, NC_P=C, BLOCK=C), {"WEIGHTS": weights, **tiles})
+    for cut in (False, True):
+        out[f"sampler_search_{'cut' if cut else 'kth'}"] = (
+            samp._search_kernel, dict(**common, cut_ptr="*i32", target_ptr=i64, sums_ptr=f32, **ints, CUT=C,
+                                      NC_P=C, BLOCK=C), {"CUT": cut, **tiles})
+    out["sampler_row"] = (
+        samp._row_kernel, dict(params_ptr=f32, seeds_ptr=i64, topv_ptr=f32, topi_ptr=i64, kth_ptr="*i32",
+                               cut_ptr="*i32", target_ptr=i64, sums_ptr=f32, weights_ptr=i64, out_ptr="*i32",
+                               V=I32, n=I32, NC=I32, TOP_P=C, N_P=C, NC_P=C),
+        {"TOP_P": True, "N_P": 64, "NC_P": 256})
+    out["sampler_draw_mass"] = (
+        samp._draw_mass_kernel, dict(**common, cut_ptr="*i32", sums_ptr=f32, mass_ptr="*fp64", **ints, NC_P=C,
+                                     BLOCK=C), tiles)
+    out["sampler_draw"] = (
+        samp._draw_kernel, dict(logits_ptr=f32, params_ptr=f32, seeds_ptr=i64, topv_ptr=f32, kth_ptr="*i32",
+                                cut_ptr="*i32", sums_ptr=f32, mass_ptr="*fp64", out_ptr="*i32", **ints,
+                                NC_P=C, BLOCK=C), tiles)
     return out
 
 

@@ -4,13 +4,16 @@ falls back to ATen with a warning instead of serving wrong tokens.
 
 Small shapes (a few ms once compiled): paged decode attention over scattered pages with GQA,
 rows of 1 to 70 tokens (several splits); prompt attention over a cached prefix and a whole
-prompt; ``silu_mul``; in float32 and bf16.
+prompt; ``silu_mul``; in float32 and bf16. The sampler: rows on every path (greedy, candidates,
+whole vocabulary with top-k beyond the candidates, top-p, min-p) draw ATen's tokens.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels import sampler as aten_sampler
+from kernels.triton import sampler as triton_sampler
 from kernels.triton.decode_attention import DecodeAttentionScratch, decode_attention
 from kernels.triton.layer_ops import TritonLayerOps
 from kernels.triton.prompt_attention import prompt_attention
@@ -77,6 +80,33 @@ def _silu_mul(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> f
     return (out.double() - torch.nn.functional.silu(gate) * up).abs().max().item()
 
 
+# (temperature, top_p, min_p, top_k) per row kind: every path and stage of the sampler.
+SAMPLER_ROWS = ((0.0, 1.0, 0.0, 0), (0.7, 1.0, 0.0, 5), (1.0, 0.9, 0.0, 0), (1.3, 0.5, 0.05, 0),
+                (0.9, 1.0, 0.1, 0), (1.1, 0.95, 0.0, 100), (0.8, 0.999, 0.0, 16), (2.0, 0.3, 0.0, 1),
+                (1.0, 0.9, 0.0, 3000), (0.5, 0.8, 0.02, 12))
+
+
+def sampler_batch(rows: int, vocab: int, g: torch.Generator, device: torch.device) -> tuple:
+    """(logits, params, seeds) of ``rows`` rows cycling through ``SAMPLER_ROWS``: logits at three
+    scales (peaked to flat, so top-p is placed among the candidates or needs the whole row)."""
+    scale = torch.tensor([4.0, 1.0, 0.3])[torch.arange(rows) % 3][:, None]
+    logits = torch.randn(rows, vocab, generator=g) * scale
+    params = torch.tensor([SAMPLER_ROWS[r % len(SAMPLER_ROWS)] for r in range(rows)], dtype=torch.float32)
+    seeds = torch.stack([torch.arange(rows) * 7919 + 1, torch.arange(rows) + 11], 1)
+    return logits.to(device), params.to(device), seeds.to(device)
+
+
+def sampler_mismatches(device: torch.device, rows: int = 40, vocab: int = 3000, candidates: int = 16) -> int:
+    """Rows whose Triton draw differs from ATen's on ``device`` (a probability can differ in its
+    last bit, so a draw right at a boundary may; on these rows none does on the CPU)."""
+    logits, params, seeds = sampler_batch(rows, vocab, torch.Generator().manual_seed(3), device)
+    plan = aten_sampler.SamplingPlan.for_rows(params.cpu().numpy(), candidates, vocab)
+    out = [torch.zeros(rows, dtype=torch.int32, device=device) for _ in range(2)]
+    aten_sampler.sample(logits, params, seeds, out[0], plan, candidates)
+    triton_sampler.sample(logits, params, seeds, out[1], plan, candidates)
+    return int((out[0] != out[1]).sum())
+
+
 def check(device: torch.device) -> str | None:
     """None where every kernel agrees with torch on ``device``; else what disagreed, or the
     exception a kernel raised."""
@@ -89,4 +119,10 @@ def check(device: torch.device) -> str | None:
                 return f"{name} ({dtype}) raised {type(exc).__name__}: {exc}"
             if not err <= tol:  # NaN included
                 return f"{name} ({dtype}) is off by {err:.3g} (tolerance {tol})"
+    try:
+        wrong = sampler_mismatches(device)
+    except Exception as exc:  # noqa: BLE001
+        return f"the sampler raised {type(exc).__name__}: {exc}"
+    if wrong > 1:
+        return f"the sampler drew {wrong} of 40 rows differently from ATen's"
     return None

@@ -1,0 +1,302 @@
+"""The every-stage sampler as a few Triton kernels (CUDA): the draws of ``kernels.sampler``
+without its ~290 ATen ops.
+
+The same rules, the same hash, the same thresholds, found the same way: top-k (beyond the
+candidates) and top-p keep every token whose order key is at least the largest key ``c`` with
+``sum(weight[key >= c]) >= target``; the draw is the inverse CDF over the kept tokens in id
+order at the (seed, step) uniform. What changes is how the work is laid out:
+
+- ``torch.topk`` once per launch gives every row its ``n`` candidates and its max logit;
+- ``_row_kernel`` (a program per row) draws a candidate-path row entirely in registers, and
+  for a full-path row finds the top-p cut among the candidates, which holds whenever their
+  mass reaches the target (almost always); only a row where it does not, or with a top-k
+  beyond the candidates, runs a 32-step search over its whole row (``_search_kernel``: the
+  radix select's answer by bisection, one program per such row, the others exit at once);
+- full-path rows' softmax sums, top-p weights and draw mass are per-tile partials over
+  ``(row, vocabulary tile)`` programs, added in tile order (deterministic).
+
+Every kernel has a shape fixed by the batch and reads nothing back to the host, so a CUDA
+graph captures it. Greedy rows and rows off a kernel's path are left alone by it, so a row
+draws the same under any ``SamplingPlan``. Probabilities can differ from ATen's softmax in
+the last bit (``exp`` and summation order), so a draw within ~1e-7 of a boundary may differ
+between the two samplers; within this one, the same inputs give the same token.
+Tested under ``TRITON_INTERPRET=1`` against ``kernels.sampler`` (tests/test_triton_kernels.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import sampler as reference
+from kernels.sampler import SamplingPlan
+
+BLOCK = 1024  # vocabulary tile of the per-(row, tile) kernels
+_M1 = tl.constexpr(reference._M1)
+_M2 = tl.constexpr(reference._M2)
+_GOLDEN = tl.constexpr(reference._GOLDEN)
+_FIXED = tl.constexpr(reference._FIXED)
+_NO_CUT = tl.constexpr(-1)  # a top-p row whose cut the candidates could not place
+
+
+@triton.jit
+def _lsr(z, s: tl.constexpr):
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+@triton.jit
+def _mix(z):
+    z = (z ^ _lsr(z, 30)) * _M1
+    z = (z ^ _lsr(z, 27)) * _M2
+    return z ^ _lsr(z, 31)
+
+
+@triton.jit
+def _uniform(seed, step):
+    """``kernels.sampler.uniform``: int64 wrap-around arithmetic, the same bits."""
+    z = _mix(_mix(seed * _GOLDEN + 1) + step * _GOLDEN)
+    return (_lsr(z, 11).to(tl.float64) + 0.5) / 9007199254740992.0
+
+
+@triton.jit
+def _order_key(x):
+    """float32 -> int32 keys that sort (signed) as the values do."""
+    bits = x.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _row(params_ptr, b, n, V):
+    """A row's settings and path (``kernels.sampler.row_paths``)."""
+    t = tl.load(params_ptr + b * 4 + 0)
+    top_p = tl.load(params_ptr + b * 4 + 1)
+    min_p = tl.load(params_ptr + b * 4 + 2)
+    k = tl.load(params_ptr + b * 4 + 3)
+    random = t > 0
+    cand = random & (k >= 1) & (k <= n)
+    full = random & (k < 1) | random & (k > n)
+    wide = full & (k > n) & (k < V)
+    return t, top_p, min_p, k, cand, full, wide
+
+
+@triton.jit
+def _probs(x, M, t, S, kth, mask):
+    """A full-path row's probabilities over a tile of its logits ``x``: 0 outside its top-k."""
+    keep = mask & (_order_key(x) >= kth)
+    return tl.where(keep, tl.exp((x - M) / t) / S, 0.0)
+
+
+@triton.jit
+def _total(part_ptr, b, NC, NC_P: tl.constexpr):
+    """The sum of a row's per-tile partials, in one fixed order (every kernel gets the same S)."""
+    c = tl.arange(0, NC_P)
+    return tl.sum(tl.load(part_ptr + b * NC + c, mask=c < NC, other=0), axis=0)
+
+
+@triton.jit
+def _sum_kernel(logits_ptr, params_ptr, topv_ptr, kth_ptr, sums_ptr, part_ptr, V, stride_l, n, NC,
+                WEIGHTS: tl.constexpr, NC_P: tl.constexpr, BLOCK: tl.constexpr):
+    """Per (row, tile) of a full-path row: the softmax sum's partial into ``part_ptr`` (``WEIGHTS``
+    False), or, for a top-p row, the partial of its top-p weights ``floor(p * 2^40)`` (True)."""
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    t, top_p, min_p, k, cand, full, wide = _row(params_ptr, b, n, V)
+    need = full
+    if WEIGHTS:
+        need = full & (top_p < 1.0)
+    if need:
+        M = tl.load(topv_ptr + b * n)
+        kth = tl.load(kth_ptr + b)
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < V
+        x = tl.load(logits_ptr + b * stride_l + offs, mask=mask, other=float("-inf"))
+        if WEIGHTS:
+            p = _probs(x, M, t, _total(sums_ptr, b, NC, NC_P), kth, mask)
+            tl.store(part_ptr + b * NC + c, tl.sum((p * _FIXED).to(tl.int64), axis=0))
+        else:
+            e = tl.where(mask & (_order_key(x) >= kth), tl.exp((x - M) / t), 0.0)
+            tl.store(part_ptr + b * NC + c, tl.sum(e, axis=0))
+
+
+@triton.jit
+def _search_kernel(logits_ptr, params_ptr, topv_ptr, kth_ptr, cut_ptr, target_ptr, sums_ptr, V, stride_l,
+                   n, NC, CUT: tl.constexpr, NC_P: tl.constexpr, BLOCK: tl.constexpr):
+    """The radix select's answer by bisection over the whole row, for the rows that need it
+    (the others exit at once): ``CUT`` False, the k-th largest logit's key of a top-k beyond the
+    candidates (weight 1, target k); True, the top-p cut of a row whose candidates did not reach
+    its target (weights ``floor(p * 2^40)`` over probability keys)."""
+    b = tl.program_id(0)
+    t, top_p, min_p, k, cand, full, wide = _row(params_ptr, b, n, V)
+    if CUT:
+        need = full & (top_p < 1.0) & (tl.load(cut_ptr + b) == _NO_CUT)
+    else:
+        need = wide
+    if need:
+        M = tl.load(topv_ptr + b * n)
+        kth = tl.load(kth_ptr + b)
+        S = _total(sums_ptr, b, NC, NC_P)
+        if CUT:
+            target = tl.load(target_ptr + b)
+            bits = 31  # probabilities are >= 0: their keys have 31 bits
+        else:
+            target = k.to(tl.int64)
+            bits = 32
+        answer = tl.zeros((), tl.int64)  # the key (cut), or the key + 2^31 (k-th)
+        for i in range(bits):
+            trial = answer | (tl.full((), 1, tl.int64) << (bits - 1 - i).to(tl.int64))
+            reach = tl.zeros((), tl.int64)
+            for s in range(0, V, BLOCK):
+                offs = s + tl.arange(0, BLOCK)
+                mask = offs < V
+                x = tl.load(logits_ptr + b * stride_l + offs, mask=mask, other=float("-inf"))
+                if CUT:
+                    p = _probs(x, M, t, S, kth, mask)
+                    key = p.to(tl.int32, bitcast=True).to(tl.int64)
+                    reach += tl.sum(tl.where(key >= trial, (p * _FIXED).to(tl.int64), 0), axis=0)
+                else:
+                    key = _order_key(x).to(tl.int64) + 2147483648
+                    reach += tl.sum((mask & (key >= trial)).to(tl.int64), axis=0)
+            answer = tl.where(reach >= target, trial, answer)
+        if CUT:
+            tl.store(cut_ptr + b, answer.to(tl.int32))
+        else:
+            tl.store(kth_ptr + b, (answer - 2147483648).to(tl.int32))
+
+
+@triton.jit
+def _row_kernel(params_ptr, seeds_ptr, topv_ptr, topi_ptr, kth_ptr, cut_ptr, target_ptr, sums_ptr,
+                weights_ptr, out_ptr, V, n, NC, TOP_P: tl.constexpr, N_P: tl.constexpr, NC_P: tl.constexpr):
+    """A program per row. Candidate path: top-k, temperature, top-p, min-p and the draw over the
+    ``n`` candidates, the token into ``out``. Full path with ``TOP_P``: the target and, where the
+    candidates reach it, the cut (else ``_NO_CUT``)."""
+    b = tl.program_id(0)
+    t, top_p, min_p, k, cand, full, wide = _row(params_ptr, b, n, V)
+    j = tl.arange(0, N_P)
+    m = j < n
+    v = tl.load(topv_ptr + b * n + j, mask=m, other=float("-inf"))  # descending
+    if cand:
+        ids = tl.load(topi_ptr + b * n + j, mask=m, other=2147483647)
+        kk = tl.minimum(tl.maximum(k.to(tl.int32), 1), n)
+        kth = tl.max(tl.where(j == kk - 1, v, float("-inf")), axis=0)
+        v = tl.where(m & (v >= kth), v, float("-inf"))
+        e = tl.exp((v - tl.max(v, axis=0)) / t)
+        p = e / tl.sum(e, axis=0)
+        p64 = p.to(tl.float64)
+        cum = tl.cumsum(p64, axis=0)
+        keep = m & (((cum - p64) < top_p.to(tl.float64)) | (j == 0))
+        keep = tl.where(top_p >= 1.0, m, keep)
+        cut = tl.min(tl.where(keep, p, float("inf")), axis=0)
+        p = tl.where(p >= cut, p, 0.0)
+        first = tl.max(tl.where(j == 0, p, 0.0), axis=0)
+        p = tl.where(p >= min_p * first, p, 0.0)
+        # The draw runs over token ids in ascending order: sort (id, probability) pairs by id.
+        low = tl.full((), 0xFFFFFFFF, tl.int64)
+        pair = tl.sort((ids << 32) | (p.to(tl.int32, bitcast=True).to(tl.int64) & low), 0)
+        cum = tl.cumsum((pair & low).to(tl.int32).to(tl.float32, bitcast=True).to(tl.float64), axis=0)
+        u = _uniform(tl.load(seeds_ptr + b * 2), tl.load(seeds_ptr + b * 2 + 1))
+        pick = tl.minimum(tl.sum((cum <= u * tl.max(cum, axis=0)).to(tl.int32), axis=0), n - 1)
+        token = tl.sum(tl.where(j == pick, pair >> 32, 0), axis=0)
+        tl.store(out_ptr + b, token.to(tl.int32))
+    if TOP_P:
+        if full & (top_p < 1.0):
+            W = _total(weights_ptr, b, NC, NC_P)
+            target = tl.maximum(tl.math.ceil(top_p.to(tl.float64) * W.to(tl.float64)).to(tl.int64), 1)
+            p = _probs(v, tl.max(v, axis=0), t, _total(sums_ptr, b, NC, NC_P), tl.load(kth_ptr + b), m)
+            cum = tl.cumsum((p * _FIXED).to(tl.int64), axis=0)
+            first = tl.sum((cum < target).to(tl.int32), axis=0)  # the first candidate reaching it
+            cut = tl.sum(tl.where(j == first, p.to(tl.int32, bitcast=True), 0), axis=0)
+            tl.store(cut_ptr + b, tl.where(tl.max(cum, axis=0) >= target, cut, _NO_CUT))
+            tl.store(target_ptr + b, target)
+
+
+@triton.jit
+def _kept(x, mask, b, n, t, min_p, topv_ptr, kth_ptr, cut_ptr, sums_ptr, NC, NC_P: tl.constexpr):
+    """A full-path row's probabilities after top-k, top-p and min-p (0 where cut)."""
+    S = _total(sums_ptr, b, NC, NC_P)
+    p = _probs(x, tl.load(topv_ptr + b * n), t, S, tl.load(kth_ptr + b), mask)
+    keep = (p.to(tl.int32, bitcast=True) >= tl.load(cut_ptr + b)) & (p >= min_p * (1.0 / S))
+    return tl.where(keep, p, 0.0)
+
+
+@triton.jit
+def _draw_mass_kernel(logits_ptr, params_ptr, topv_ptr, kth_ptr, cut_ptr, sums_ptr, mass_ptr, V, stride_l,
+                      n, NC, NC_P: tl.constexpr, BLOCK: tl.constexpr):
+    """Per (row, tile) of a full-path row: the mass of its kept tokens (float64)."""
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    t, top_p, min_p, k, cand, full, wide = _row(params_ptr, b, n, V)
+    if full:
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < V
+        x = tl.load(logits_ptr + b * stride_l + offs, mask=mask, other=float("-inf"))
+        p = _kept(x, mask, b, n, t, min_p, topv_ptr, kth_ptr, cut_ptr, sums_ptr, NC, NC_P)
+        tl.store(mass_ptr + b * NC + c, tl.sum(p.to(tl.float64), axis=0))
+
+
+@triton.jit
+def _draw_kernel(logits_ptr, params_ptr, seeds_ptr, topv_ptr, kth_ptr, cut_ptr, sums_ptr, mass_ptr, out_ptr,
+                 V, stride_l, n, NC, NC_P: tl.constexpr, BLOCK: tl.constexpr):
+    """A program per full-path row: the tile where the running mass passes u * total, then the
+    token inside it (the inverse CDF in id order, as ``kernels.sampler._draw``)."""
+    b = tl.program_id(0)
+    t, top_p, min_p, k, cand, full, wide = _row(params_ptr, b, n, V)
+    if full:
+        ci = tl.arange(0, NC_P)
+        mass = tl.load(mass_ptr + b * NC + ci, mask=ci < NC, other=0.0)
+        run = tl.cumsum(mass, axis=0)
+        u = _uniform(tl.load(seeds_ptr + b * 2), tl.load(seeds_ptr + b * 2 + 1))
+        target = u * tl.max(run, axis=0)
+        tile = tl.minimum(tl.sum((run <= target).to(tl.int32), axis=0), NC - 1)
+        before = tl.sum(tl.where(ci < tile, mass, 0.0), axis=0)
+        offs = tile * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < V
+        x = tl.load(logits_ptr + b * stride_l + offs, mask=mask, other=float("-inf"))
+        p = _kept(x, mask, b, n, t, min_p, topv_ptr, kth_ptr, cut_ptr, sums_ptr, NC, NC_P)
+        cum = before + tl.cumsum(p.to(tl.float64), axis=0)
+        token = tile * BLOCK + tl.sum((cum <= target).to(tl.int32), axis=0)
+        tl.store(out_ptr + b, tl.minimum(token, V - 1))
+
+
+def sample(logits: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, out: torch.Tensor,
+           plan: SamplingPlan, candidates: int) -> torch.Tensor:
+    """``kernels.sampler.sample``'s contract: the same arguments and draws (up to the last bit of
+    a probability). ``logits`` rows must be contiguous (any row stride)."""
+    b, vocab = logits.shape
+    out.copy_(torch.argmax(logits, dim=-1))  # greedy rows; the kernels overwrite sampled ones
+    if not plan.random or b == 0:
+        return out
+    if logits.stride(1) != 1 or not (params.is_contiguous() and seeds.is_contiguous()):
+        raise ValueError("the Triton sampler takes rows of contiguous logits and contiguous params/seeds")
+    dev = logits.device
+    n = min(candidates, vocab)
+    topv, topi = torch.topk(logits, n, dim=-1)  # descending: the candidates and each row's max
+    nc = triton.cdiv(vocab, BLOCK)
+    nc_p = triton.next_power_of_2(nc)
+    kth = torch.full((b,), -(2 ** 31), dtype=torch.int32, device=dev)  # keeps every key
+    cut = torch.zeros(b, dtype=torch.int32, device=dev)  # keeps every probability
+    target = torch.zeros(b, dtype=torch.int64, device=dev)
+    sums = torch.zeros(b, nc, dtype=torch.float32, device=dev)
+    weights = torch.zeros(b, nc, dtype=torch.int64, device=dev)
+    rows, tiles, stride = (b,), (b, nc), logits.stride(0)
+    if plan.wide_top_k:
+        _search_kernel[rows](logits, params, topv, kth, cut, target, sums, vocab, stride, n, nc, CUT=False,
+                             NC_P=nc_p, BLOCK=BLOCK)
+    if plan.full:
+        _sum_kernel[tiles](logits, params, topv, kth, sums, sums, vocab, stride, n, nc, WEIGHTS=False,
+                           NC_P=nc_p, BLOCK=BLOCK)
+        if plan.top_p:
+            _sum_kernel[tiles](logits, params, topv, kth, sums, weights, vocab, stride, n, nc, WEIGHTS=True,
+                               NC_P=nc_p, BLOCK=BLOCK)
+    _row_kernel[rows](params, seeds, topv, topi, kth, cut, target, sums, weights, out, vocab, n, nc,
+                      TOP_P=plan.full and plan.top_p, N_P=triton.next_power_of_2(n), NC_P=nc_p)
+    if plan.full:
+        if plan.top_p:
+            _search_kernel[rows](logits, params, topv, kth, cut, target, sums, vocab, stride, n, nc, CUT=True,
+                                 NC_P=nc_p, BLOCK=BLOCK)
+        mass = torch.empty(b, nc, dtype=torch.float64, device=dev)
+        _draw_mass_kernel[tiles](logits, params, topv, kth, cut, sums, mass, vocab, stride, n, nc, NC_P=nc_p,
+                                 BLOCK=BLOCK)
+        _draw_kernel[rows](logits, params, seeds, topv, kth, cut, sums, mass, out, vocab, stride, n, nc,
+                           NC_P=nc_p, BLOCK=BLOCK)
+    return out
