@@ -202,6 +202,11 @@ class HostArena:
         except KeyError:
             raise SlotError(f"arena {self.name} has no HOST_SHARED slot {name!r}") from None
 
+    def span(self) -> tuple[int, int]:
+        """(address, bytes) of the whole mapped segment (a worker page-locks it for DMA)."""
+        name, lay = min(((n, lay) for n, lay in self.layout.items() if lay.nbytes), key=lambda x: x[1].offset)
+        return self._tensors[name].data_ptr() - lay.offset, self._shm.size
+
     def view(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The slot's first ``prod(shape)`` elements, shaped ``shape`` (contiguous, no copy)."""
         return front_view(self.full(name), shape, name)

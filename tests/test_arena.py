@@ -143,3 +143,21 @@ def test_a_live_owner_in_another_pid_namespace_keeps_its_segment():
         holder.kill()
         holder.wait(timeout=30)
     assert path.name in remove_stale() and not path.exists()
+
+
+def test_the_span_covers_every_slot_and_pinning_is_cuda_only():
+    """``span`` is the whole mapping a CUDA worker page-locks: every slot's bytes lie inside it.
+    Off CUDA nothing is registered (and releasing is a no-op)."""
+    from worker.host_pinning import HostPinning
+
+    with HostArena.create(TABLE, DIMS, tag="t") as arena:
+        address, size = arena.span()
+        assert size >= max(lay.offset + lay.nbytes for lay in arena.layout.values())
+        for name, lay in arena.layout.items():
+            if lay.nbytes:
+                t = arena.full(name)
+                assert address <= t.data_ptr() and t.data_ptr() + lay.nbytes <= address + size, name
+                assert t.data_ptr() - address == lay.offset
+        pinning = HostPinning([arena], torch.device("cpu"))
+        assert pinning.pinned == 0 and pinning.unpinned == []
+        pinning.release()

@@ -110,8 +110,19 @@ def _sampler_inputs(b: int = 8, vocab: int = 4096):
     return logits, params, seeds
 
 
+def _samplers() -> list:
+    """ATen's sampler, and the Triton one where triton is installed."""
+    out = [pytest.param(sample, id="aten")]
+    try:
+        from kernels.triton.sampler import sample as triton_sample
+    except ImportError:
+        return out
+    return out + [pytest.param(triton_sample, id="triton")]
+
+
+@pytest.mark.parametrize("sample", _samplers())
 @pytest.mark.parametrize("plan", PLANS, ids=["greedy", "candidates", "everything"])
-def test_the_sampler_never_synchronizes_with_the_host(plan):
+def test_the_sampler_never_synchronizes_with_the_host(plan, sample):
     logits, params, seeds = _sampler_inputs()
     out = torch.empty(8, dtype=torch.int32, device="cuda")
     lp, ids, vals = (torch.empty(8, device="cuda"), torch.empty(8, 5, dtype=torch.int32, device="cuda"),
@@ -132,7 +143,8 @@ def test_the_sampler_never_synchronizes_with_the_host(plan):
             torch.cuda.set_sync_debug_mode("default")
 
 
-def test_the_sampler_is_captured_in_a_cuda_graph_and_replays_exactly():
+@pytest.mark.parametrize("sample", _samplers())
+def test_the_sampler_is_captured_in_a_cuda_graph_and_replays_exactly(sample):
     logits, params, seeds = _sampler_inputs()
     plan = PLANS[-1]
     eager = torch.empty(8, dtype=torch.int32, device="cuda")
@@ -199,6 +211,35 @@ def test_a_decode_step_is_one_replay_with_the_sampler_and_no_host_sync(monkeypat
         assert launches["sampled"] == launches["greedy"], launches
     finally:
         arena.close()
+
+
+def test_the_triton_sampler_draws_atens_tokens_on_the_gpu():
+    """The Triton sampler against ATen's on the device, rows on every path (a probability may
+    differ in its last bit between the two, so one boundary draw in 40 is allowed)."""
+    pytest.importorskip("triton")
+    from kernels.triton.self_check import sampler_mismatches
+
+    assert sampler_mismatches(torch.device("cuda"), rows=40, vocab=151_936, candidates=64) <= 1
+
+
+def test_the_arena_banks_are_page_locked_and_a_launch_waits_on_its_own_event(model_and_tokenizer,
+                                                                             monkeypatch):
+    """Every bank is registered with CUDA (its copies are DMA, non-blocking on the launch's
+    stream) and no launch calls ``torch.cuda.synchronize``; the tokens are the same."""
+    want, _ = _run(model_and_tokenizer)
+    model, tok = model_and_tokenizer
+
+    def forbidden(*a, **k):
+        raise AssertionError("a launch synchronized the whole device")
+
+    runner = dict(max_batch=4, block_size=8, num_blocks=64, sampler_candidates=16)
+    with LLMEngine(model, **runner, tokenizer=tok) as eng:
+        assert eng.runner.runtime.pinning.pinned == len(eng.arenas) >= 2
+        monkeypatch.setattr(torch.cuda, "synchronize", forbidden)
+        got = eng.generate(PROMPTS * 2, [_params(i) for i in range(len(PROMPTS) * 2)])
+        monkeypatch.undo()
+    assert [(o.token_ids, o.text, o.finish_reason) for o in got] == want
+    assert eng.runner.runtime.pinning.pinned == 0  # released at close, before the banks unmap
 
 
 def test_the_triton_kernels_run_the_engine_as_aten_does(monkeypatch):

@@ -355,7 +355,8 @@ def test_the_triton_sampler_draws_atens_tokens():
         assert draw(triton_sampler.sample, [r], own).item() == want[r].item(), (r, own)
     seeds[:, 1] += 1  # the next step draws anew, and still as ATen does
     again = draw(triton_sampler.sample, everything, plan)
-    assert torch.equal(again, sampler.sample(logits, params, seeds, torch.zeros(rows, dtype=torch.int32), plan, n))
+    want = sampler.sample(logits, params, seeds, torch.zeros(rows, dtype=torch.int32), plan, n)
+    assert torch.equal(again, want)
     assert (again != got).sum() >= 10
 
 

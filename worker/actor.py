@@ -183,6 +183,8 @@ class WorkerActor:
         if self.group is not None:
             self.group.close()
             self.group = None
+        if self.runner is not None:
+            self.runner.close()
         self.runner = None
         for arena in self.arenas:
             arena.close()

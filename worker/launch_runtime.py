@@ -4,6 +4,10 @@ A launch copies its HOST_SHARED inputs from the arena bank the coordinator wrote
 scratch pool's device twins, runs the step on pool views, then copies back exactly the
 HOST_SHARED outputs into the same bank, counting bytes each way. Nothing else crosses: the
 DEVICE_RESIDENT slots never leave the device.
+
+On CUDA the banks are page-locked in place (``HostPinning``): every copy is issued
+non-blocking on the launch's stream, and the launch ends by waiting on one event recorded
+after its last copy (not ``torch.cuda.synchronize``, which would wait for every stream).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 from shared_memory.arena import HostArena
 from shared_memory.contract import LaunchReply, launch_kind
 from shared_memory.slots import SlotError, SlotTable
+from worker.host_pinning import HostPinning
 from worker.scratch_pool import DeviceScratchPool
 
 
@@ -89,6 +94,8 @@ class LaunchRuntime:
         self.history: list[LaunchRecord] = []
         self.keep_history = 0  # > 0 keeps the latest N records (tests, benchmarks)
         self._last_end: float | None = None
+        self.pinning = HostPinning(self.arenas, pool.device)
+        self._done = torch.cuda.Event() if pool.device.type == "cuda" else None
         for slot in table:  # declarations vs. what was allocated, before any launch
             slot.check(pool.full(slot.name), pool.max_dims)
             for arena in self.arenas:
@@ -124,9 +131,9 @@ class LaunchRuntime:
         d2h = 0
         for slot in table.host_outputs() if self.writes_outputs else ():
             shape = slot.concrete(dims)
-            arena.view(slot.name, shape).copy_(views[slot.name])
+            arena.view(slot.name, shape).copy_(views[slot.name], non_blocking=True)
             d2h += slot.nbytes(dims)
-        _synchronize(self.pool.device)
+        self._wait()
         self._last_end = time.perf_counter()
         rec = LaunchRecord(dict(dims), num_decode, h2d, d2h, self._last_end - t0, idle)
         self.counters.record(rec)
@@ -135,9 +142,14 @@ class LaunchRuntime:
             del self.history[: -self.keep_history]
         return rec
 
+    def _wait(self) -> None:
+        """Until the launch's copies into the bank have landed: one event on its stream (CUDA)."""
+        if self._done is not None:
+            self._done.record()
+            self._done.synchronize()
+        elif self.pool.device.type == "npu":  # pragma: no cover - needs Ascend hardware
+            torch.npu.synchronize(self.pool.device)  # type: ignore[attr-defined]
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "npu":  # pragma: no cover - needs Ascend hardware
-        torch.npu.synchronize(device)  # type: ignore[attr-defined]
+    def close(self) -> None:
+        """Unpin the banks (before they unmap)."""
+        self.pinning.release()

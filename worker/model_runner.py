@@ -84,6 +84,10 @@ class ModelRunner:
                              torch.ones(1, dtype=torch.int32, device=dev), zero.view(1, 1), num_decode=1)
         self.model.forward(batch, self.kv, self.ws, self.logits[:1])
 
+    def close(self) -> None:
+        """Hand back what outlives the runner otherwise: the arena banks' page-locking."""
+        self.runtime.close()
+
     def execute(self, desc: LaunchDescriptor) -> LaunchReply:
         rec = self.runtime.launch(desc.dims, lambda v: self._step(v, desc), desc.bank, desc.num_decode)
         return rec.reply()

@@ -149,6 +149,8 @@ class LLMEngine:
                                 s.num_preemptions, error)
 
     def close(self) -> None:
+        if getattr(self, "runner", None) is not None:
+            self.runner.close()
         for arena in self.arenas:
             arena.close()
 
