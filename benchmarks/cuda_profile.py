@@ -8,11 +8,17 @@ shape with random weights made on the device: 36 layers, hidden 4096, 32/8 heads
 intermediate 12288, vocabulary 151936), at batch 1/16/64 with context 128 and batch 32 with
 context 4096, greedy:
 - the step: the whole launch path (wall: arena copies, id feed, one graph replay with the sampler
-  inside, counted copy-back) and the replay alone (CUDA events);
-- kernels per replay and per layer (torch.profiler);
+  inside, counted copy-back), the replay alone (CUDA events), and launch minus replay (the
+  host side of a step);
+- the sampled step: the same launch and replay with every row sampling (temperature 0.8, top-p
+  0.9 over the whole vocabulary: the every-stage graph), and its ratio to the greedy replay;
+- kernels per replay and per layer (torch.profiler), and per layer by kernel name;
 - bytes the step reads (weights once, plus every row's K/V) against the measured read bandwidth;
 - on the Triton path, the attention kernels' own GPU time and the bandwidth they reach on the K/V
   bytes they read (the paged decode kernels are named, so the profiler can sum them).
+
+- ``max_model_len`` 40,960 (Qwen3's own) against 4,128 at the same context (batch 32 at 4,096,
+  the 0.6B shape): what a row costs must follow its own length, not the longest allowed.
 
 A replay far above the weights' read time with thousands of kernels means the step is bound by
 kernel count, not bandwidth. Needs a CUDA GPU.
@@ -34,12 +40,15 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.common import machine, read_bandwidth
 from benchmarks.decode_step import bench_runner, greedy_batch, launch, weight_bytes
 from coordinator.model_files.default_model import default_model_dir
+from coordinator.sampling_params import SamplingParams
 from kernels.model.config import Qwen3Config
 from kernels.model.loader import LayerWeights, Qwen3Weights
 from kernels.model.qwen3 import Qwen3Model
-from worker.graphs import GREEDY
+from worker.graphs import EVERY_STAGE, GREEDY
 
 CASES = [(1, 128), (16, 128), (64, 128), (32, 4096)]  # (batch, context)
+LONG_CASE, LONG_MAX_LEN = (32, 4096), 40960  # Qwen3's max_model_len, against CASES' context + 32
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=1 << 30)
 QWEN3_8B = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                        num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                        max_position_embeddings=40960, tie_word_embeddings=False, eos_token_ids=(151645,))
@@ -60,14 +69,36 @@ def _gpu_ms(fn, n: int) -> float:
     return start.elapsed_time(end) / n
 
 
-def _kernels(fn) -> tuple[int, float]:
-    """CUDA kernels one call of ``fn`` runs, and the GPU ms of the paged attention kernels among them."""
+def _kernels(fn) -> tuple[int, float, dict[str, int]]:
+    """CUDA kernels one call of ``fn`` runs, the GPU ms of the paged attention kernels among them,
+    and how many of each kernel name ran."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     events = [e for e in prof.events() if "cuda" in str(e.device_type).lower()]
     attention_us = sum(e.device_time for e in events if any(k in e.name for k in ATTENTION_KERNELS))
-    return len(events), attention_us / 1e3
+    names: dict[str, int] = {}
+    for e in events:
+        names[e.name[:80]] = names.get(e.name[:80], 0) + 1
+    return len(events), attention_us / 1e3, dict(sorted(names.items(), key=lambda kv: -kv[1]))
+
+
+def _launch_ms(runner, desc, calls: int) -> float:
+    """Wall milliseconds of the whole launch path, after a warm-up."""
+    for _ in range(3):
+        runner.execute(desc)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        runner.execute(desc)
+    return (time.perf_counter() - t0) / calls * 1e3
+
+
+def sampled_batch(tables: np.ndarray, ctx: int, bs: int):
+    """``greedy_batch`` with every row sampling over the whole vocabulary (top-p 0.9)."""
+    batch = greedy_batch(tables, ctx, bs)
+    for seq in batch.seqs:
+        seq.params = SAMPLED
+    return batch
 
 
 def random_model(config: Qwen3Config, max_model_len: int, device: str = "cuda") -> Qwen3Model:
@@ -110,25 +141,31 @@ def profile_model(model: Qwen3Model, cases: list[tuple[int, int]], calls: int, r
             tables = np.arange(b * per_seq, dtype=np.int32).reshape(b, per_seq)
             desc = launch(arena, greedy_batch(tables, ctx, bs), 0, cfg, c.vocab_size)
             replay = graphs.graphs[graphs.bucket(b), GREEDY].replay
-            for _ in range(3):
-                runner.execute(desc)
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                runner.execute(desc)
-            launch_ms = (time.perf_counter() - t0) / calls * 1e3
+            launch_ms = _launch_ms(runner, desc, calls)
             replay_ms = _gpu_ms(replay, calls)
-            kernels, attention_ms = _kernels(replay)
+            kernels, attention_ms, names = _kernels(replay)
+            # The sampled step: its launch leaves the rows' sampling settings in the pool, where
+            # the every-stage graph reads them.
+            sampled = launch(arena, sampled_batch(tables, ctx, bs), 0, cfg, c.vocab_size)
+            sampled_launch_ms = _launch_ms(runner, sampled, calls)
+            sampled_replay_ms = _gpu_ms(graphs.graphs[graphs.bucket(b), EVERY_STAGE].replay, calls)
             kv_bytes = b * (ctx + 1) * kv_per_token
             read = wbytes + kv_bytes
             row = {"batch": b, "context": ctx, "launch_ms": launch_ms, "replay_ms": replay_ms,
+                   "launch_minus_replay_ms": launch_ms - replay_ms, "sampled_launch_ms": sampled_launch_ms,
+                   "sampled_replay_ms": sampled_replay_ms,
+                   "sampled_over_greedy": sampled_replay_ms / replay_ms,
                    "kernels_per_replay": kernels, "kernels_per_layer": kernels / c.num_hidden_layers,
+                   "kernels_per_layer_by_name": {k: n / c.num_hidden_layers for k, n in names.items()},
                    "bytes_read": read, "fraction_of_read_bw": read / (replay_ms / 1e3) / read_bw}
             if attention_ms > 0:
                 row |= {"attention_ms": attention_ms,
                         "attention_fraction_of_read_bw": kv_bytes / (attention_ms / 1e3) / read_bw}
             rows.append(row)
-            print(f"  batch {b:>3} context {ctx:>5}: launch {launch_ms:.3f} ms, replay {replay_ms:.3f} ms, "
-                  f"{kernels} kernels ({kernels / c.num_hidden_layers:.1f} a layer), "
+            print(f"  batch {b:>3} context {ctx:>5}: launch {launch_ms:.3f} ms, replay {replay_ms:.3f} ms "
+                  f"(host side {launch_ms - replay_ms:.3f} ms), sampled replay {sampled_replay_ms:.3f} ms "
+                  f"({sampled_replay_ms / replay_ms:.2f}x), {kernels} kernels "
+                  f"({kernels / c.num_hidden_layers:.1f} a layer), "
                   f"{100 * row['fraction_of_read_bw']:.0f}% of read bw", flush=True)
         return rows
     finally:
@@ -148,27 +185,31 @@ def main(argv: list[str] | None = None) -> dict:
     res: dict = {"machine": machine(), "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
                  "read_bw_gbps": read_bw / 1e9, "cases": CASES, "results": {}, "errors": {}}
     max_len = max(ctx for _, ctx in CASES) + 32
-    for path in args.paths.split(","):
+    runs = [(f"{name}/{path}", name, path, max_len, CASES) for path in args.paths.split(",")
+            for name in args.models.split(",")]
+    if "0.6b" in args.models.split(","):  # the same context under Qwen3's own max_model_len
+        runs += [(f"0.6b/{path}/max_model_len_{LONG_MAX_LEN}", "0.6b", path, LONG_MAX_LEN, [LONG_CASE])
+                 for path in args.paths.split(",")]
+    for key, name, path, model_len, cases in runs:
         os.environ["FUSEDSERVE_TRITON"] = "1" if path == "triton" else "0"  # read when a model loads
-        for name in args.models.split(","):
-            key = f"{name}/{path}"
-            print(f"{key}:", flush=True)
-            try:
-                if name == "0.6b":
-                    path_06b = default_model_dir("qwen3-0.6b")
-                    model = Qwen3Model.from_pretrained(path_06b, "bfloat16", "cuda", max_len)
-                else:
-                    model = random_model(QWEN3_8B, max_len)
-                res["results"][key] = {"weights_bytes": weight_bytes(model), "kernels": model.kernel_info(),
-                                       "rows": profile_model(model, CASES, args.calls, read_bw)}
-            except Exception as exc:  # noqa: BLE001 - one configuration's failure is a figure, not the end
-                res["errors"][key] = f"{type(exc).__name__}: {exc}"
-                print(f"  failed: {res['errors'][key]}", flush=True)
-            model = None
-            gc.collect()
-            torch.cuda.empty_cache()
-            if args.json:  # as each case ends: a run cut short keeps what it measured
-                Path(args.json).write_text(json.dumps(res, indent=2))
+        print(f"{key}:", flush=True)
+        try:
+            if name == "0.6b":
+                path_06b = default_model_dir("qwen3-0.6b")
+                model = Qwen3Model.from_pretrained(path_06b, "bfloat16", "cuda", model_len)
+            else:
+                model = random_model(QWEN3_8B, model_len)
+            res["results"][key] = {"weights_bytes": weight_bytes(model), "kernels": model.kernel_info(),
+                                   "max_model_len": model_len,
+                                   "rows": profile_model(model, cases, args.calls, read_bw)}
+        except Exception as exc:  # noqa: BLE001 - one configuration's failure is a figure, not the end
+            res["errors"][key] = f"{type(exc).__name__}: {exc}"
+            print(f"  failed: {res['errors'][key]}", flush=True)
+        model = None
+        gc.collect()
+        torch.cuda.empty_cache()
+        if args.json:  # as each case ends: a run cut short keeps what it measured
+            Path(args.json).write_text(json.dumps(res, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     return res

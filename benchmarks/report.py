@@ -516,18 +516,24 @@ def cuda_profile_section(t: list) -> list[str]:
     res = json.loads(PROFILE_RESULTS.read_text())
     lines = ["", f"Where a decode step spends its time (`python -m benchmarks.cuda_profile`, {res['gpu']}, "
              f"{res['date']}; read bandwidth {res['read_bw_gbps']:.0f} GB/s): the launch path (wall) and the graph "
-             "replay alone (CUDA events), kernels per replay and per layer, the step's bytes (weights once, every "
-             "row's K/V) against the read bandwidth, and on the Triton path the paged attention kernels' share:", "",
-             "| model / path | batch | context | launch ms | replay ms | kernels (per layer) | % read bw "
-             "| attention % of read bw on K/V |", "|---|---|---|---|---|---|---|---|"]
+             "replay alone (CUDA events), the host side (launch minus replay), the sampled replay (every row "
+             "temperature 0.8, top-p 0.9) over the greedy one, kernels per replay and per layer, the step's bytes "
+             "(weights once, every row's K/V) against the read bandwidth, and on the Triton path the paged "
+             "attention kernels' share:", "",
+             "| model / path | batch | context | launch ms | replay ms | host ms | sampled / greedy "
+             "| kernels (per layer) | % read bw | attention % of read bw on K/V |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for key, r in res["results"].items():
         for row in r["rows"]:
             att = f"{100 * row['attention_fraction_of_read_bw']:.0f}%" if "attention_ms" in row else "-"
+            host = row.get("launch_minus_replay_ms", row["launch_ms"] - row["replay_ms"])
+            sampled = f"{row['sampled_over_greedy']:.2f}x" if "sampled_over_greedy" in row else "-"
             lines.append(f"| {key} | {row['batch']} | {row['context']} | {row['launch_ms']:.3f} "
-                         f"| {row['replay_ms']:.3f} | {row['kernels_per_replay']} ({row['kernels_per_layer']:.1f}) "
+                         f"| {row['replay_ms']:.3f} | {host:.3f} | {sampled} "
+                         f"| {row['kernels_per_replay']} ({row['kernels_per_layer']:.1f}) "
                          f"| {100 * row['fraction_of_read_bw']:.0f}% | {att} |")
     for key, err in res.get("errors", {}).items():
-        lines.append(f"| {key} | failed: {err[:120]} | | | | | | |")
+        lines.append(f"| {key} | failed: {err[:120]} | | | | | | | | |")
     rows = {key: {(x["batch"], x["context"]): x for x in r["rows"]} for key, r in res["results"].items()}
     best = {key: r for key, r in rows.items() if key.endswith("/triton")} or rows
     for key, r in best.items():
@@ -537,6 +543,16 @@ def cuda_profile_section(t: list) -> list[str]:
         if key.startswith("0.6b"):
             t.append((f"0.6B decode step at batch 1 <= 0.8 ms ({key})", one["launch_ms"] <= 0.8,
                       f"{one['launch_ms']:.3f} ms"))
+            host = one["launch_ms"] - one["replay_ms"]
+            t.append((f"0.6B launch minus replay at batch 1 <= 0.1 ms ({key})", host <= 0.1, f"{host:.3f} ms"))
+            long = rows.get(f"{key}/max_model_len_40960", {}).get((32, 4096))
+            if long is not None and (32, 4096) in r:
+                ratio = long["replay_ms"] / r[32, 4096]["replay_ms"]
+                t.append((f"max_model_len 40,960 <= 1.05x of 4,128 at context 4,096, batch 32 ({key})",
+                          ratio <= 1.05, f"{ratio:.2f}x"))
+        if "sampled_over_greedy" in one:
+            worst = max(x["sampled_over_greedy"] for x in r.values() if "sampled_over_greedy" in x)
+            t.append((f"a sampled step <= 1.2x a greedy one, every batch ({key})", worst <= 1.2, f"{worst:.2f}x"))
         if key.startswith("8b"):
             t.append((f"8B shape at batch 1 >= 75% of read bandwidth ({key})", one["fraction_of_read_bw"] >= 0.75,
                       f"{100 * one['fraction_of_read_bw']:.0f}%"))
