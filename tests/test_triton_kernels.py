@@ -9,6 +9,7 @@ On a GPU machine, ``FUSEDSERVE_TRITON_COMPILED=1`` runs the same tests compiled,
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -178,6 +179,49 @@ def test_paged_decode_attention_reads_the_pages_in_place(dtype, heads, kv_heads,
     want = _reference_attention(q, k_cache, v_cache, tables, lens, bs)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(COMPILED, reason="counts the interpreter's loads; on a GPU, benchmarks.cuda_profile "
+                    "times max_model_len 40,960 against 4,128")
+def test_a_rows_attention_cost_follows_its_own_length_not_max_model_len(monkeypatch):
+    """The K tiles each program of a decode row's attention loads, counted under the interpreter.
+    A row's cost is its keys read and its critical path (the most any one split reads: the splits
+    run in parallel). For rows of 37 and 300 tokens both are the same whether the block table is
+    4,128 or 40,960 tokens wide (Qwen3's max_model_len; 16 splits both): the keys within one tile
+    per split of the row's own length, the path one split of it (length / 16, in whole tiles)."""
+    from triton.runtime import interpreter
+
+    hd, bs, splits, block_n = 32, 16, 16, 16
+    k_cache = torch.randn(32 * bs, 1, hd)  # one KV head (a program per row, KV head and split)
+    v_cache = torch.randn(32 * bs, 1, hd)
+    lo, hi = k_cache.data_ptr(), k_cache.data_ptr() + k_cache.nbytes
+    keys: dict[tuple, int] = {}  # per program (row, KV head, split)
+    load = interpreter.InterpreterBuilder.create_masked_load
+
+    def counting(self, ptrs, mask, other, *args):
+        if ((ptrs.data >= lo) & (ptrs.data < hi)).any():  # a K tile: block_n keys x head_dim
+            keys[self.grid_idx] = keys.get(self.grid_idx, 0) + ptrs.data.size // hd
+        return load(self, ptrs, mask, other, *args)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", counting)
+
+    def cost(length: int, max_model_len: int) -> tuple[int, int]:
+        tables = torch.zeros(1, max_model_len // bs, dtype=torch.int32)
+        tables[0, :32] = torch.randperm(32, generator=torch.Generator().manual_seed(length)).int()
+        q = torch.randn(1, 4, hd)
+        scratch = DecodeAttentionScratch(1, 4, hd, splits, CPU)
+        keys.clear()
+        decode_attention(q, k_cache, v_cache, tables, torch.tensor([length], dtype=torch.int32), bs,
+                         hd**-0.5, torch.empty_like(q), scratch, block_n)
+        return sum(keys.values()), max(keys.values())
+
+    for length in (37, 300):
+        narrow, wide = cost(length, 4128), cost(length, 40960)
+        assert narrow == wide, (length, narrow, wide)
+        total, path = wide
+        assert length <= total < length + splits * block_n, (length, wide)
+        assert path == math.ceil(math.ceil(length / splits) / block_n) * block_n, (length, wide)
+    assert cost(300, 40960)[1] > cost(37, 40960)[1]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
