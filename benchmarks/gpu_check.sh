@@ -53,6 +53,9 @@ GPU_TESTS=(tests/test_cuda.py tests/test_graphs.py tests/test_quantization.py)
 if [ "$mode" = dry ]; then
   "$py" -m pytest --collect-only -q -p no:cacheprovider "${GPU_TESTS[@]}" tests/test_triton_kernels.py \
     2>&1 | tee "$out/collect.log"
+  for f in "${GPU_TESTS[@]}" tests/test_triton_kernels.py; do  # a module skipped at collection lists nothing
+    grep -q "^$f::" "$out/collect.log" || { echo "gpu_check --dry-run: no test of $f was collected" >&2; exit 1; }
+  done
   "$py" -c "import benchmarks.cuda_peers, benchmarks.cuda_profile"
   env -u TRITON_INTERPRET "$py" -m kernels.triton.aot_check --arch 90 2>&1 | tee "$out/aot.log"
   echo "gpu_check --dry-run: preflight, collection, imports and the sm_90 compile passed"
