@@ -100,9 +100,17 @@ def _sampler() -> dict[str, tuple]:
             samp._sum_kernel, dict(**common, sums_ptr=f32, part_ptr=i64 if weights else f32, **ints,
                                    WEIGHTS=C, NC_P=C, BLOCK=C), {"WEIGHTS": weights, **tiles})
     for cut in (False, True):
-        out[f"sampler_search_{'cut' if cut else 'kth'}"] = (
-            samp._search_kernel, dict(**common, cut_ptr="*i32", target_ptr=i64, sums_ptr=f32, **ints, CUT=C,
-                                      NC_P=C, BLOCK=C), {"CUT": cut, **tiles})
+        name = "cut" if cut else "kth"
+        for rnd in (0, 3):  # the first round, and the last (three earlier rounds re-derived)
+            out[f"sampler_select_{name}_round{rnd}"] = (
+                samp._select_hist_kernel,
+                dict(**common, cut_ptr="*i32", target_ptr=i64, sums_ptr=f32, hist_ptr=i64, **ints, B=I32,
+                     ROUND=C, CUT=C, NC_P=C, BLOCK=C, SUB=C),
+                {"ROUND": rnd, "CUT": cut, "SUB": 32, **tiles})
+        out[f"sampler_select_{name}_done"] = (
+            samp._select_done_kernel,
+            dict(params_ptr=f32, kth_ptr="*i32", cut_ptr="*i32", target_ptr=i64, hist_ptr=i64, V=I32, n=I32,
+                 B=I32, CUT=C), {"CUT": cut})
     out["sampler_row"] = (
         samp._row_kernel, dict(params_ptr=f32, seeds_ptr=i64, topv_ptr=f32, topi_ptr=i64, kth_ptr="*i32",
                                cut_ptr="*i32", target_ptr=i64, sums_ptr=f32, weights_ptr=i64, out_ptr="*i32",

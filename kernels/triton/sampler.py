@@ -9,9 +9,11 @@ order at the (seed, step) uniform. What changes is how the work is laid out:
 - ``torch.topk`` once per launch gives every row its ``n`` candidates and its max logit;
 - ``_row_kernel`` (a program per row) draws a candidate-path row entirely in registers, and
   for a full-path row finds the top-p cut among the candidates, which holds whenever their
-  mass reaches the target (almost always); only a row where it does not, or with a top-k
-  beyond the candidates, runs a 32-step search over its whole row (``_search_kernel``: the
-  radix select's answer by bisection, one program per such row, the others exit at once);
+  mass reaches the target; only a row where it does not, or with a top-k beyond the
+  candidates, runs the radix select over its whole row (``_select_hist_kernel``: four rounds
+  of 256-bin histograms, each (row, tile) program adding its tile's into the row's with
+  integer atomics; ``_select_done_kernel`` reads the answer), the other rows' programs exit
+  at once;
 - full-path rows' softmax sums, top-p weights and draw mass are per-tile partials over
   ``(row, vocabulary tile)`` programs, added in tile order (deterministic).
 
@@ -25,6 +27,8 @@ Tested under ``TRITON_INTERPRET=1`` against ``kernels.sampler`` (tests/test_trit
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -33,6 +37,9 @@ from kernels import sampler as reference
 from kernels.sampler import SamplingPlan
 
 BLOCK = 1024  # vocabulary tile of the per-(row, tile) kernels
+# Keys per one-hot histogram step: a [SUB, 256] tile in registers on a GPU; the interpreter runs
+# numpy per step, so it takes 256 (four steps a tile, the loop still exercised).
+SUB = 256 if os.environ.get("TRITON_INTERPRET") == "1" else 32
 _M1 = tl.constexpr(reference._M1)
 _M2 = tl.constexpr(reference._M2)
 _GOLDEN = tl.constexpr(reference._GOLDEN)
@@ -120,48 +127,93 @@ def _sum_kernel(logits_ptr, params_ptr, topv_ptr, kth_ptr, sums_ptr, part_ptr, V
 
 
 @triton.jit
-def _search_kernel(logits_ptr, params_ptr, topv_ptr, kth_ptr, cut_ptr, target_ptr, sums_ptr, V, stride_l,
-                   n, NC, CUT: tl.constexpr, NC_P: tl.constexpr, BLOCK: tl.constexpr):
-    """The radix select's answer by bisection over the whole row, for the rows that need it
-    (the others exit at once): ``CUT`` False, the k-th largest logit's key of a top-k beyond the
-    candidates (weight 1, target k); True, the top-p cut of a row whose candidates did not reach
-    its target (weights ``floor(p * 2^40)`` over probability keys)."""
-    b = tl.program_id(0)
+def _select_need(params_ptr, cut_ptr, b, n, V, CUT: tl.constexpr):
+    """Whether row ``b`` takes part in a select: a top-k beyond the candidates (``CUT`` False), or
+    a top-p row whose cut the candidates could not place (True)."""
     t, top_p, min_p, k, cand, full, wide = _row(params_ptr, b, n, V)
     if CUT:
         need = full & (top_p < 1.0) & (tl.load(cut_ptr + b) == _NO_CUT)
     else:
         need = wide
+    return need, t, k
+
+
+@triton.jit
+def _select_state(hist_ptr, b, B, target, ROUNDS: tl.constexpr):
+    """The radix select after ``ROUNDS`` of its four rounds (``kernels.sampler._radix_select``):
+    the digits chosen so far as a prefix, and the weight of the keys above the prefix's range."""
+    d = tl.arange(0, 256)
+    prefix = tl.zeros((), tl.int64)
+    above = tl.zeros((), tl.int64)
+    for r in tl.static_range(ROUNDS):
+        h = tl.load(hist_ptr + (r * B + b) * 256 + d)
+        at_least = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h + above  # weight of digits >= d
+        digit = tl.maximum(tl.sum((at_least >= target).to(tl.int32), axis=0) - 1, 0)
+        after = tl.sum(tl.where(d == digit + 1, at_least, 0), axis=0)
+        above = tl.where(digit == 255, above, after)
+        prefix = prefix | (digit.to(tl.int64) << (24 - 8 * r))
+    return prefix, above
+
+
+@triton.jit
+def _select_target(target_ptr, b, k, CUT: tl.constexpr):
+    if CUT:
+        target = tl.load(target_ptr + b)
+    else:
+        target = k.to(tl.int64)
+    return target
+
+
+@triton.jit
+def _select_hist_kernel(logits_ptr, params_ptr, topv_ptr, kth_ptr, cut_ptr, target_ptr, sums_ptr, hist_ptr,
+                        V, stride_l, n, NC, B, ROUND: tl.constexpr, CUT: tl.constexpr, NC_P: tl.constexpr,
+                        BLOCK: tl.constexpr, SUB: tl.constexpr):
+    """Round ``ROUND`` of the radix select, per (row, tile): the 256-bin histogram of the key's
+    digit at bit 24 - 8 * ROUND among the keys that share the digits chosen so far (re-derived
+    from the earlier rounds' histograms), added into the row's histogram (int64: any order
+    gives the same sums). Keys: the logits' order keys + 2^31, weight 1 (``CUT`` False: the k-th
+    largest of a top-k beyond the candidates); the probabilities' bits, weight floor(p * 2^40)
+    (True: a top-p cut). Rows outside the select exit at once."""
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    need, t, k = _select_need(params_ptr, cut_ptr, b, n, V, CUT)
     if need:
+        prefix, above = _select_state(hist_ptr, b, B, _select_target(target_ptr, b, k, CUT), ROUND)
+        shift: tl.constexpr = 24 - 8 * ROUND
+        d = tl.arange(0, 256)
         M = tl.load(topv_ptr + b * n)
         kth = tl.load(kth_ptr + b)
         S = _total(sums_ptr, b, NC, NC_P)
+        hist = tl.zeros([256], tl.int64)
+        for sub in range(0, BLOCK, SUB):
+            offs = c * BLOCK + sub + tl.arange(0, SUB)
+            mask = offs < V
+            x = tl.load(logits_ptr + b * stride_l + offs, mask=mask, other=float("-inf"))
+            if CUT:
+                p = _probs(x, M, t, S, kth, mask)
+                key = p.to(tl.int32, bitcast=True).to(tl.int64)
+                w = (p * _FIXED).to(tl.int64)
+            else:
+                key = _order_key(x).to(tl.int64) + 2147483648
+                w = mask.to(tl.int64)
+            w = tl.where((key >> (shift + 8)) == (prefix >> (shift + 8)), w, 0)
+            digit = (key >> shift) & 255
+            hist += tl.sum(tl.where(digit[:, None] == d[None, :], w[:, None], 0), axis=0)
+        tl.atomic_add(hist_ptr + (ROUND * B + b) * 256 + d, hist)
+
+
+@triton.jit
+def _select_done_kernel(params_ptr, kth_ptr, cut_ptr, target_ptr, hist_ptr, V, n, B, CUT: tl.constexpr):
+    """The select's answer from its four histograms, a program per row: the cut's key, or the
+    k-th key."""
+    b = tl.program_id(0)
+    need, t, k = _select_need(params_ptr, cut_ptr, b, n, V, CUT)
+    if need:
+        key, above = _select_state(hist_ptr, b, B, _select_target(target_ptr, b, k, CUT), 4)
         if CUT:
-            target = tl.load(target_ptr + b)
-            bits = 31  # probabilities are >= 0: their keys have 31 bits
+            tl.store(cut_ptr + b, key.to(tl.int32))
         else:
-            target = k.to(tl.int64)
-            bits = 32
-        answer = tl.zeros((), tl.int64)  # the key (cut), or the key + 2^31 (k-th)
-        for i in range(bits):
-            trial = answer | (tl.full((), 1, tl.int64) << (bits - 1 - i).to(tl.int64))
-            reach = tl.zeros((), tl.int64)
-            for s in range(0, V, BLOCK):
-                offs = s + tl.arange(0, BLOCK)
-                mask = offs < V
-                x = tl.load(logits_ptr + b * stride_l + offs, mask=mask, other=float("-inf"))
-                if CUT:
-                    p = _probs(x, M, t, S, kth, mask)
-                    key = p.to(tl.int32, bitcast=True).to(tl.int64)
-                    reach += tl.sum(tl.where(key >= trial, (p * _FIXED).to(tl.int64), 0), axis=0)
-                else:
-                    key = _order_key(x).to(tl.int64) + 2147483648
-                    reach += tl.sum((mask & (key >= trial)).to(tl.int64), axis=0)
-            answer = tl.where(reach >= target, trial, answer)
-        if CUT:
-            tl.store(cut_ptr + b, answer.to(tl.int32))
-        else:
-            tl.store(kth_ptr + b, (answer - 2147483648).to(tl.int32))
+            tl.store(kth_ptr + b, (key - 2147483648).to(tl.int32))
 
 
 @triton.jit
@@ -258,6 +310,18 @@ def _draw_kernel(logits_ptr, params_ptr, seeds_ptr, topv_ptr, kth_ptr, cut_ptr, 
         tl.store(out_ptr + b, tl.minimum(token, V - 1))
 
 
+def _select(logits: torch.Tensor, params: torch.Tensor, topv: torch.Tensor, kth: torch.Tensor,
+            cut: torch.Tensor, target: torch.Tensor, sums: torch.Tensor, vocab: int, stride: int, n: int,
+            nc: int, b: int, nc_p: int, top_p: bool) -> None:
+    """A radix select over whole rows, for the rows that need it (``top_p``: the cut, else the
+    k-th key): four histogram rounds over (row, tile) programs, then each row's answer."""
+    hist = torch.zeros(4, b, 256, dtype=torch.int64, device=logits.device)
+    for r in range(4):
+        _select_hist_kernel[(b, nc)](logits, params, topv, kth, cut, target, sums, hist, vocab, stride, n, nc,
+                                     b, ROUND=r, CUT=top_p, NC_P=nc_p, BLOCK=BLOCK, SUB=SUB)
+    _select_done_kernel[(b,)](params, kth, cut, target, hist, vocab, n, b, CUT=top_p)
+
+
 def sample(logits: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, out: torch.Tensor,
            plan: SamplingPlan, candidates: int) -> torch.Tensor:
     """``kernels.sampler.sample``'s contract: the same arguments and draws (up to the last bit of
@@ -279,9 +343,9 @@ def sample(logits: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, out:
     sums = torch.zeros(b, nc, dtype=torch.float32, device=dev)
     weights = torch.zeros(b, nc, dtype=torch.int64, device=dev)
     rows, tiles, stride = (b,), (b, nc), logits.stride(0)
+    select = (logits, params, topv, kth, cut, target, sums, vocab, stride, n, nc, b, nc_p)
     if plan.wide_top_k:
-        _search_kernel[rows](logits, params, topv, kth, cut, target, sums, vocab, stride, n, nc, CUT=False,
-                             NC_P=nc_p, BLOCK=BLOCK)
+        _select(*select, top_p=False)
     if plan.full:
         _sum_kernel[tiles](logits, params, topv, kth, sums, sums, vocab, stride, n, nc, WEIGHTS=False,
                            NC_P=nc_p, BLOCK=BLOCK)
@@ -292,8 +356,7 @@ def sample(logits: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, out:
                       TOP_P=plan.full and plan.top_p, N_P=triton.next_power_of_2(n), NC_P=nc_p)
     if plan.full:
         if plan.top_p:
-            _search_kernel[rows](logits, params, topv, kth, cut, target, sums, vocab, stride, n, nc, CUT=True,
-                                 NC_P=nc_p, BLOCK=BLOCK)
+            _select(*select, top_p=True)
         mass = torch.empty(b, nc, dtype=torch.float64, device=dev)
         _draw_mass_kernel[tiles](logits, params, topv, kth, cut, sums, mass, vocab, stride, n, nc, NC_P=nc_p,
                                  BLOCK=BLOCK)
