@@ -91,7 +91,7 @@ def jobs() -> dict[str, tuple]:
 def _sampler() -> dict[str, tuple]:
     """The sampler's kernels at Qwen3's vocabulary (151,936: 149 tiles) and 64 candidates."""
     f32, i64 = "*fp32", "*i64"
-    common = dict(logits_ptr=f32, params_ptr=f32, topv_ptr=f32, kth_ptr="*i32")
+    common = dict(logits_ptr=f32, params_ptr=f32, topv_ptr=f32, kth_ptr=i64)
     ints = dict(V=I32, stride_l=I32, n=I32, NC=I32)
     tiles = {"NC_P": 256, "BLOCK": samp.BLOCK}
     out = {}
@@ -104,24 +104,24 @@ def _sampler() -> dict[str, tuple]:
         for rnd in (0, 3):  # the first round, and the last (three earlier rounds re-derived)
             out[f"sampler_select_{name}_round{rnd}"] = (
                 samp._select_hist_kernel,
-                dict(**common, cut_ptr="*i32", target_ptr=i64, sums_ptr=f32, hist_ptr=i64, **ints, B=I32,
+                dict(**common, cut_ptr=i64, target_ptr=i64, sums_ptr=f32, hist_ptr=i64, **ints, B=I32,
                      ROUND=C, CUT=C, NC_P=C, BLOCK=C, SUB=C),
                 {"ROUND": rnd, "CUT": cut, "SUB": 32, **tiles})
         out[f"sampler_select_{name}_done"] = (
             samp._select_done_kernel,
-            dict(params_ptr=f32, kth_ptr="*i32", cut_ptr="*i32", target_ptr=i64, hist_ptr=i64, V=I32, n=I32,
+            dict(params_ptr=f32, kth_ptr=i64, cut_ptr=i64, target_ptr=i64, hist_ptr=i64, V=I32, n=I32,
                  B=I32, CUT=C), {"CUT": cut})
     out["sampler_row"] = (
-        samp._row_kernel, dict(params_ptr=f32, seeds_ptr=i64, topv_ptr=f32, topi_ptr=i64, kth_ptr="*i32",
-                               cut_ptr="*i32", target_ptr=i64, sums_ptr=f32, weights_ptr=i64, out_ptr="*i32",
+        samp._row_kernel, dict(params_ptr=f32, seeds_ptr=i64, topv_ptr=f32, topi_ptr=i64, kth_ptr=i64,
+                               cut_ptr=i64, target_ptr=i64, sums_ptr=f32, weights_ptr=i64, out_ptr="*i32",
                                V=I32, n=I32, NC=I32, TOP_P=C, N_P=C, NC_P=C),
         {"TOP_P": True, "N_P": 64, "NC_P": 256})
     out["sampler_draw_mass"] = (
-        samp._draw_mass_kernel, dict(**common, cut_ptr="*i32", sums_ptr=f32, mass_ptr="*fp64", **ints, NC_P=C,
+        samp._draw_mass_kernel, dict(**common, cut_ptr=i64, sums_ptr=f32, mass_ptr="*fp64", **ints, NC_P=C,
                                      BLOCK=C), tiles)
     out["sampler_draw"] = (
-        samp._draw_kernel, dict(logits_ptr=f32, params_ptr=f32, seeds_ptr=i64, topv_ptr=f32, kth_ptr="*i32",
-                                cut_ptr="*i32", sums_ptr=f32, mass_ptr="*fp64", out_ptr="*i32", **ints,
+        samp._draw_kernel, dict(logits_ptr=f32, params_ptr=f32, seeds_ptr=i64, topv_ptr=f32, kth_ptr=i64,
+                                cut_ptr=i64, sums_ptr=f32, mass_ptr="*fp64", out_ptr="*i32", **ints,
                                 NC_P=C, BLOCK=C), tiles)
     return out
 

@@ -74,6 +74,12 @@ def _order_key(x):
 
 
 @triton.jit
+def _key(x):
+    """float32 -> int64 keys in [0, 2^32) that sort as the values do (0: below every value)."""
+    return _order_key(x).to(tl.int64) + 2147483648
+
+
+@triton.jit
 def _row(params_ptr, b, n, V):
     """A row's settings and path (``kernels.sampler.row_paths``)."""
     t = tl.load(params_ptr + b * 4 + 0)
@@ -90,7 +96,7 @@ def _row(params_ptr, b, n, V):
 @triton.jit
 def _probs(x, M, t, S, kth, mask):
     """A full-path row's probabilities over a tile of its logits ``x``: 0 outside its top-k."""
-    keep = mask & (_order_key(x) >= kth)
+    keep = mask & (_key(x) >= kth)
     return tl.where(keep, tl.exp((x - M) / t) / S, 0.0)
 
 
@@ -122,7 +128,7 @@ def _sum_kernel(logits_ptr, params_ptr, topv_ptr, kth_ptr, sums_ptr, part_ptr, V
             p = _probs(x, M, t, _total(sums_ptr, b, NC, NC_P), kth, mask)
             tl.store(part_ptr + b * NC + c, tl.sum((p * _FIXED).to(tl.int64), axis=0))
         else:
-            e = tl.where(mask & (_order_key(x) >= kth), tl.exp((x - M) / t), 0.0)
+            e = tl.where(mask & (_key(x) >= kth), tl.exp((x - M) / t), 0.0)
             tl.store(part_ptr + b * NC + c, tl.sum(e, axis=0))
 
 
@@ -181,9 +187,10 @@ def _select_hist_kernel(logits_ptr, params_ptr, topv_ptr, kth_ptr, cut_ptr, targ
         prefix, above = _select_state(hist_ptr, b, B, _select_target(target_ptr, b, k, CUT), ROUND)
         shift: tl.constexpr = 24 - 8 * ROUND
         d = tl.arange(0, 256)
-        M = tl.load(topv_ptr + b * n)
-        kth = tl.load(kth_ptr + b)
-        S = _total(sums_ptr, b, NC, NC_P)
+        if CUT:  # the row's probabilities (the k-th select runs before they exist)
+            M = tl.load(topv_ptr + b * n)
+            S = _total(sums_ptr, b, NC, NC_P)
+            kth = tl.load(kth_ptr + b)
         hist = tl.zeros([256], tl.int64)
         for sub in range(0, BLOCK, SUB):
             offs = c * BLOCK + sub + tl.arange(0, SUB)
@@ -194,7 +201,7 @@ def _select_hist_kernel(logits_ptr, params_ptr, topv_ptr, kth_ptr, cut_ptr, targ
                 key = p.to(tl.int32, bitcast=True).to(tl.int64)
                 w = (p * _FIXED).to(tl.int64)
             else:
-                key = _order_key(x).to(tl.int64) + 2147483648
+                key = _key(x)
                 w = mask.to(tl.int64)
             w = tl.where((key >> (shift + 8)) == (prefix >> (shift + 8)), w, 0)
             digit = (key >> shift) & 255
@@ -211,9 +218,9 @@ def _select_done_kernel(params_ptr, kth_ptr, cut_ptr, target_ptr, hist_ptr, V, n
     if need:
         key, above = _select_state(hist_ptr, b, B, _select_target(target_ptr, b, k, CUT), 4)
         if CUT:
-            tl.store(cut_ptr + b, key.to(tl.int32))
+            tl.store(cut_ptr + b, key)
         else:
-            tl.store(kth_ptr + b, (key - 2147483648).to(tl.int32))
+            tl.store(kth_ptr + b, key)
 
 
 @triton.jit
@@ -267,7 +274,7 @@ def _kept(x, mask, b, n, t, min_p, topv_ptr, kth_ptr, cut_ptr, sums_ptr, NC, NC_
     """A full-path row's probabilities after top-k, top-p and min-p (0 where cut)."""
     S = _total(sums_ptr, b, NC, NC_P)
     p = _probs(x, tl.load(topv_ptr + b * n), t, S, tl.load(kth_ptr + b), mask)
-    keep = (p.to(tl.int32, bitcast=True) >= tl.load(cut_ptr + b)) & (p >= min_p * (1.0 / S))
+    keep = (p.to(tl.int32, bitcast=True).to(tl.int64) >= tl.load(cut_ptr + b)) & (p >= min_p * (1.0 / S))
     return tl.where(keep, p, 0.0)
 
 
@@ -312,10 +319,10 @@ def _draw_kernel(logits_ptr, params_ptr, seeds_ptr, topv_ptr, kth_ptr, cut_ptr, 
 
 def _select(logits: torch.Tensor, params: torch.Tensor, topv: torch.Tensor, kth: torch.Tensor,
             cut: torch.Tensor, target: torch.Tensor, sums: torch.Tensor, vocab: int, stride: int, n: int,
-            nc: int, b: int, nc_p: int, top_p: bool) -> None:
+            nc: int, b: int, nc_p: int, hist: torch.Tensor, top_p: bool) -> None:
     """A radix select over whole rows, for the rows that need it (``top_p``: the cut, else the
-    k-th key): four histogram rounds over (row, tile) programs, then each row's answer."""
-    hist = torch.zeros(4, b, 256, dtype=torch.int64, device=logits.device)
+    k-th key): four histogram rounds over (row, tile) programs into ``hist`` [4, b, 256] (zeros),
+    then each row's answer."""
     for r in range(4):
         _select_hist_kernel[(b, nc)](logits, params, topv, kth, cut, target, sums, hist, vocab, stride, n, nc,
                                      b, ROUND=r, CUT=top_p, NC_P=nc_p, BLOCK=BLOCK, SUB=SUB)
@@ -337,15 +344,18 @@ def sample(logits: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, out:
     topv, topi = torch.topk(logits, n, dim=-1)  # descending: the candidates and each row's max
     nc = triton.cdiv(vocab, BLOCK)
     nc_p = triton.next_power_of_2(nc)
-    kth = torch.full((b,), -(2 ** 31), dtype=torch.int32, device=dev)  # keeps every key
-    cut = torch.zeros(b, dtype=torch.int32, device=dev)  # keeps every probability
-    target = torch.zeros(b, dtype=torch.int64, device=dev)
-    sums = torch.zeros(b, nc, dtype=torch.float32, device=dev)
-    weights = torch.zeros(b, nc, dtype=torch.int64, device=dev)
+    # One zeroed int64 scratch: per row the top-k key (0 keeps every key) and the top-p cut
+    # (0 keeps every probability), the top-p target, and each select's four histograms.
+    scratch = torch.zeros(b * (3 + 2 * 4 * 256), dtype=torch.int64, device=dev)
+    kth, cut, target = scratch[:b], scratch[b:2 * b], scratch[2 * b:3 * b]
+    hist_kth, hist_cut = scratch[3 * b:].view(2, 4, b, 256)
+    # Written before they are read, for the rows that read them.
+    sums = torch.empty(b, nc, dtype=torch.float32, device=dev)
+    weights = torch.empty(b, nc, dtype=torch.int64, device=dev)
     rows, tiles, stride = (b,), (b, nc), logits.stride(0)
     select = (logits, params, topv, kth, cut, target, sums, vocab, stride, n, nc, b, nc_p)
     if plan.wide_top_k:
-        _select(*select, top_p=False)
+        _select(*select, hist_kth, top_p=False)
     if plan.full:
         _sum_kernel[tiles](logits, params, topv, kth, sums, sums, vocab, stride, n, nc, WEIGHTS=False,
                            NC_P=nc_p, BLOCK=BLOCK)
@@ -356,7 +366,7 @@ def sample(logits: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, out:
                       TOP_P=plan.full and plan.top_p, N_P=triton.next_power_of_2(n), NC_P=nc_p)
     if plan.full:
         if plan.top_p:
-            _select(*select, top_p=True)
+            _select(*select, hist_cut, top_p=True)
         mass = torch.empty(b, nc, dtype=torch.float64, device=dev)
         _draw_mass_kernel[tiles](logits, params, topv, kth, cut, sums, mass, vocab, stride, n, nc, NC_P=nc_p,
                                  BLOCK=BLOCK)
