@@ -126,3 +126,25 @@ def test_mismatched_tensors_are_refused_before_any_launch(engine):
     with pytest.raises(SlotError, match="outside the allocated"):
         runner.runtime.launch(dims, lambda v: called.append(1))
     assert called == []
+
+
+def test_a_launch_reuses_its_copy_plan_and_moves_only_nonempty_slots(engine):
+    """Launches of the same dims and bank share one copy plan (the views and checks are built
+    once); a new bank or new dims gets its own; empty slots are never copied, and the counted
+    bytes are the declared ones."""
+    runtime = engine.runner.runtime
+    dims = {k: 0 for k in engine.runner.max_dims}
+    dims.update(B=2, B1=3, T=2, W=1, V=engine.runner.max_dims["V"], N=2)
+    seen = []
+    first = runtime.launch(dims, seen.append)
+    second = runtime.launch(dict(dims), seen.append)
+    assert seen[0] is seen[1] and runtime.plan(dims, 0) is runtime.plan(dict(dims), 0)
+    assert runtime.plan(dims, 1) is not runtime.plan(dims, 0)
+    assert runtime.plan(dict(dims, W=2), 0).views["block_tables"].shape == (2, 2)
+    plan = runtime.plan(dims, 0)
+    table = engine.runner.table
+    moved = {id(dst) for dst, _ in plan.inputs}
+    for slot in table.host_inputs():
+        assert (id(plan.views[slot.name]) in moved) == (slot.nbytes(dims) > 0), slot.name
+    assert first.h2d_bytes == second.h2d_bytes == sum(s.nbytes(dims) for s in table.host_inputs())
+    assert first.d2h_bytes == sum(s.nbytes(dims) for s in table.host_outputs())
