@@ -45,14 +45,17 @@ def _save(res: dict, path: str | None) -> None:
         Path(path).write_text(json.dumps(res, indent=2))
 
 
-def measure(batches: list[int], input_len: int, new: int, json_path: str | None = None) -> dict:
-    model_dir = default_model_dir(PRESET)
+def measure(batches: list[int], input_len: int, new: int, json_path: str | None = None, device: str = "cuda",
+            model_dir: Path | None = None) -> dict:
+    """Every figure, on ``device`` (the CPU only to check the code runs: tests/test_decode_step.py)."""
+    label = str(model_dir) if model_dir else f"default:{PRESET}"
+    model_dir = model_dir or default_model_dir(PRESET)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    res: dict = {"machine": machine(), "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
-                 "model": f"default:{PRESET}",
+    gpu = torch.cuda.get_device_name() if device == "cuda" else device
+    res: dict = {"machine": machine(), "gpu": gpu, "date": time.strftime("%Y-%m-%d"), "model": label,
                  "input_len": input_len, "new_tokens": new, "results": {}, "errors": {}}
-    engines = {"fusedserve-bf16": lambda b: fusedserve_generate(model_dir, b, new, None, "cuda"),
-               "transformers-bf16": lambda b: transformers_generate(b, new, "bfloat16", 1, model_dir, "cuda")}
+    engines = {"fusedserve-bf16": lambda b: fusedserve_generate(model_dir, b, new, None, device),
+               "transformers-bf16": lambda b: transformers_generate(b, new, "bfloat16", 1, model_dir, device)}
     for name, run in engines.items():
         res["results"][name] = {}
         for b in batches:
@@ -68,7 +71,7 @@ def measure(batches: list[int], input_len: int, new: int, json_path: str | None 
     for graphs in ("auto", "off"):
         try:
             res["steps"][graphs] = decode_step.run(batches, context=128, steps=20, dtype="bfloat16",
-                                                   model_dir=str(model_dir), device="cuda", graphs=graphs)
+                                                   model_dir=str(model_dir), device=device, graphs=graphs)
         except Exception:  # noqa: BLE001
             res["errors"][f"decode step graphs={graphs}"] = traceback.format_exc()[-3000:]
             print(res["errors"][f"decode step graphs={graphs}"], flush=True)

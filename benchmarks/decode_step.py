@@ -104,8 +104,8 @@ def run(batches: list[int], context: int, steps: int, dtype: str, quantization: 
         step_s = step["median"] / 1e3
         read = wbytes + b * (context + steps // 2) * kv_per_token
         rows.append({"batch": b, "step_ms": step["median"], "step_ms_spread": step,
-                     "tokens_per_s": b / step_s, "bytes_read": read, "h2d_bytes": rec.h2d_bytes,
-                     "d2h_bytes": rec.d2h_bytes, "anchor_logits_d2h": b * c.vocab_size * 4})
+                     "tokens_per_s": b / step_s, "bytes_read": read, "h2d_bytes": rec.h2d,
+                     "d2h_bytes": rec.d2h, "anchor_logits_d2h": b * c.vocab_size * 4})
     arena.close()
     kernels = model.kernel_info()
     del runner, model  # the bandwidth probe's buffers need the memory back (a GPU's too)

@@ -93,3 +93,38 @@ def test_decode_step_allocates_nothing_after_warmup(hf_checkpoints):
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             torch.empty(1000)
         assert any(e.cpu_memory_usage > 0 for e in prof.events())
+
+
+def test_the_decode_step_benchmark_runs_and_counts_ids_only(monkeypatch):
+    """``benchmarks.decode_step.run`` (which cuda_peers, tp_decode and moe_decode call) runs the
+    real launch path end to end on the embedded model; its byte counts are the launch reply's:
+    4 bytes of ids back per row."""
+    from benchmarks import decode_step
+    from coordinator.model_files.default_model import resolve_model
+
+    for probe in ("read_bandwidth", "copy_bandwidth"):  # seconds each: not what this checks
+        monkeypatch.setattr(decode_step, probe, lambda *a, **k: 1e10)
+    model = str(resolve_model("default"))
+    res = decode_step.run([1, 3], context=8, steps=3, dtype="float32", model_dir=model)
+    assert [r["batch"] for r in res["rows"]] == [1, 3]
+    assert [r["d2h_bytes"] for r in res["rows"]] == [4, 12] and all(r["h2d_bytes"] > 0 for r in res["rows"])
+
+
+def test_the_gpu_peers_benchmark_runs_end_to_end_on_the_cpu(monkeypatch, tmp_path):
+    """``benchmarks.cuda_peers.measure`` on the CPU with the embedded model: every engine and both
+    decode-step settings give figures and no error, and the JSON is written as cases end (what a
+    lent GPU's first run must not lose to an API drift)."""
+    import json
+
+    from benchmarks import cuda_peers, decode_step
+    from coordinator.model_files.default_model import resolve_model
+
+    for probe in ("read_bandwidth", "copy_bandwidth"):
+        monkeypatch.setattr(decode_step, probe, lambda *a, **k: 1e10)
+    out = tmp_path / "peers.json"
+    res = cuda_peers.measure([2], 8, 4, str(out), device="cpu", model_dir=resolve_model("default"))
+    assert res["errors"] == {}, res["errors"]
+    assert set(res["results"]) == {"fusedserve-bf16", "transformers-bf16"}
+    assert all(row[2]["median"] > 0 for row in res["results"].values())
+    assert set(res["steps"]) == {"auto", "off"} and json.loads(out.read_text())["results"]
+    assert any("fusedserve / transformers" in line for line in cuda_peers.table(res))
