@@ -56,9 +56,15 @@ ATTENTION_KERNELS = ("_split_kernel", "_merge_kernel")  # kernels/triton/decode_
 
 
 def _gpu_ms(fn, n: int) -> float:
-    """Mean GPU milliseconds of ``fn`` over ``n`` calls (CUDA events, after a warm-up)."""
+    """Mean GPU milliseconds of ``fn`` over ``n`` calls (CUDA events, after a warm-up; wall time
+    off CUDA, where this runs only to check the code: tests/test_decode_step.py)."""
     for _ in range(3):
         fn()
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t0) / n * 1e3
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
@@ -72,10 +78,14 @@ def _gpu_ms(fn, n: int) -> float:
 def _kernels(fn) -> tuple[int, float, dict[str, int]]:
     """CUDA kernels one call of ``fn`` runs, the GPU ms of the paged attention kernels among them,
     and how many of each kernel name ran."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         fn()
-        torch.cuda.synchronize()
-    events = [e for e in prof.events() if "cuda" in str(e.device_type).lower()]
+        if cuda:
+            torch.cuda.synchronize()
+    kind = "cuda" if cuda else "cpu"  # off CUDA: the ATen ops, to check the code runs
+    events = [e for e in prof.events()
+              if kind in str(e.device_type).lower() and (cuda or e.name.startswith("aten"))]
     attention_us = sum(e.device_time for e in events if any(k in e.name for k in ATTENTION_KERNELS))
     names: dict[str, int] = {}
     for e in events:
@@ -125,14 +135,22 @@ def random_model(config: Qwen3Config, max_model_len: int, device: str = "cuda") 
     return Qwen3Model(config, weights, torch.bfloat16, device, max_model_len)
 
 
+def _replay(graphs, b: int, plan):
+    """The captured graph of ``b`` rows and ``plan`` (off CUDA, its padded eager twin)."""
+    captured = graphs.graphs.get((graphs.bucket(b), plan))
+    return captured.replay if captured is not None else lambda: graphs.run(b, plan)
+
+
 def profile_model(model: Qwen3Model, cases: list[tuple[int, int]], calls: int, read_bw: float) -> list[dict]:
-    """Every case's figures on one model (a runner sized for the largest case)."""
+    """Every case's figures on one model (a runner sized for the largest case; CUDA graphs where
+    the model is on CUDA, their padded eager twins elsewhere)."""
     c, bs = model.config, 16
     max_b = max(b for b, _ in cases)
     per_seq = max(-(-(ctx + 2) // bs) for _, ctx in cases)
     blocks = max(b * -(-(ctx + 2) // bs) for b, ctx in cases)
     cfg, arena, runner = bench_runner(model, "profile", max_batch=max_b, block_size=bs, num_blocks=blocks,
-                                      sampler_candidates=64)
+                                      sampler_candidates=64,
+                                      graphs="auto" if model.device.type == "cuda" else "padded")
     wbytes = weight_bytes(model)
     kv_per_token = c.num_hidden_layers * 2 * c.kv_size * model.dtype.itemsize
     try:
@@ -140,7 +158,7 @@ def profile_model(model: Qwen3Model, cases: list[tuple[int, int]], calls: int, r
         for b, ctx in cases:
             tables = np.arange(b * per_seq, dtype=np.int32).reshape(b, per_seq)
             desc = launch(arena, greedy_batch(tables, ctx, bs), 0, cfg, c.vocab_size)
-            replay = graphs.graphs[graphs.bucket(b), GREEDY].replay
+            replay = _replay(graphs, b, GREEDY)
             launch_ms = _launch_ms(runner, desc, calls)
             replay_ms = _gpu_ms(replay, calls)
             kernels, attention_ms, names = _kernels(replay)
@@ -148,7 +166,7 @@ def profile_model(model: Qwen3Model, cases: list[tuple[int, int]], calls: int, r
             # the every-stage graph reads them.
             sampled = launch(arena, sampled_batch(tables, ctx, bs), 0, cfg, c.vocab_size)
             sampled_launch_ms = _launch_ms(runner, sampled, calls)
-            sampled_replay_ms = _gpu_ms(graphs.graphs[graphs.bucket(b), EVERY_STAGE].replay, calls)
+            sampled_replay_ms = _gpu_ms(_replay(graphs, b, EVERY_STAGE), calls)
             kv_bytes = b * (ctx + 1) * kv_per_token
             read = wbytes + kv_bytes
             row = {"batch": b, "context": ctx, "launch_ms": launch_ms, "replay_ms": replay_ms,

@@ -128,3 +128,22 @@ def test_the_gpu_peers_benchmark_runs_end_to_end_on_the_cpu(monkeypatch, tmp_pat
     assert all(row[2]["median"] > 0 for row in res["results"].values())
     assert set(res["steps"]) == {"auto", "off"} and json.loads(out.read_text())["results"]
     assert any("fusedserve / transformers" in line for line in cuda_peers.table(res))
+
+
+def test_the_gpu_profile_runs_its_cases_on_the_cpu(monkeypatch):
+    """``benchmarks.cuda_profile.profile_model`` on the embedded model on the CPU (graphs' padded
+    eager twins, wall time, ATen ops counted): every figure of every case, greedy and sampled, is
+    there; the profiler's op names are what per-layer counts come from."""
+    from benchmarks import cuda_profile
+    from coordinator.model_files.default_model import resolve_model
+    from kernels.model.qwen3 import Qwen3Model
+
+    model = Qwen3Model.from_pretrained(resolve_model("default"), "float32", "cpu", max_model_len=80)
+    rows = cuda_profile.profile_model(model, [(1, 16), (3, 40)], calls=2, read_bw=1e10)
+    assert [(r["batch"], r["context"]) for r in rows] == [(1, 16), (3, 40)]
+    for r in rows:
+        assert r["replay_ms"] > 0 and r["sampled_replay_ms"] > 0 and r["launch_ms"] > 0
+        assert r["launch_minus_replay_ms"] == r["launch_ms"] - r["replay_ms"]
+        layers = model.config.num_hidden_layers
+        assert abs(sum(r["kernels_per_layer_by_name"].values()) * layers - r["kernels_per_replay"]) < 1e-9
+        assert r["kernels_per_replay"] > 0
