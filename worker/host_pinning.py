@@ -31,11 +31,12 @@ class HostPinning:
         with torch.cuda.device(device):
             for arena in arenas:
                 address, size = arena.span()
-                err = cudart.cudaHostRegister(address, size, 0)
-                if err != cudart.cudaError.success:
-                    log.warning("arena %s (%d bytes) could not be page-locked (%s): its copies are "
-                                "staged by the driver", arena.name, size, err)
+                err = int(cudart.cudaHostRegister(address, size, 1))  # 1: cudaHostRegisterPortable
+                if err:
+                    log.warning("arena %s (%d bytes) could not be page-locked (cudaError %d): its "
+                                "copies are staged by the driver", arena.name, size, err)
                     self.unpinned.append(arena.name)
+                    _absorb_last_error(device)
                     continue
                 self._addresses.append(address)
 
@@ -51,3 +52,12 @@ class HostPinning:
             for address in self._addresses:
                 cudart.cudaHostUnregister(address)
             self._addresses = []
+
+
+def _absorb_last_error(device: torch.device) -> None:
+    """A failed ``cudaHostRegister`` leaves its code as the runtime's last error, which torch's
+    next kernel-launch check would raise as that kernel's: one throwaway kernel takes it here."""
+    try:
+        torch.zeros(1, device=device).add_(1)
+    except RuntimeError as exc:
+        log.debug("cleared the registration's error: %s", exc)
