@@ -173,7 +173,7 @@ class LaunchRuntime:
     def _wait(self) -> None:
         """Until the launch's copies into the bank have landed: one event on its stream (CUDA)."""
         if self._done is not None:
-            self._done.record()
+            self._done.record(torch.cuda.current_stream(self.pool.device))
             self._done.synchronize()
         elif self.pool.device.type == "npu":  # pragma: no cover - needs Ascend hardware
             torch.npu.synchronize(self.pool.device)  # type: ignore[attr-defined]
