@@ -405,6 +405,31 @@ def test_the_triton_sampler_draws_atens_tokens():
     assert (again != got).sum() >= 10
 
 
+@pytest.mark.skipif(COMPILED, reason="on a GPU, tests/test_cuda.py runs the engine on these kernels")
+def test_the_engine_samples_with_the_triton_sampler_as_with_atens():
+    """The whole engine (scheduler, arena, decode-graph padding, seeded steps) with the Triton
+    sampler under the interpreter draws the ATen sampler's tokens for requests on every path."""
+    from dataclasses import replace
+
+    from coordinator.engine.llm_engine import LLMEngine, load_model
+    from coordinator.sampling_params import SamplingParams
+    from kernels.triton import sampler as triton_sampler
+
+    model, tok = load_model("default", "float32", "cpu", 128)
+    kinds = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9), dict(temperature=0.7, top_k=20),
+             dict(temperature=1.0, min_p=0.05), dict(temperature=1.2, top_k=300, top_p=0.95)]
+    params = [SamplingParams(max_tokens=6, seed=100 + i, ignore_eos=True, **kinds[i % 5]) for i in range(5)]
+    prompts = ["The history of", "Once upon a time", "A list of", "Python is", "In the beginning"]
+    outs = {}
+    for name, fn in (("aten", sampler.sample), ("triton", triton_sampler.sample)):
+        model.kernels = replace(model.kernels, sample=fn)
+        engine = dict(max_batch=4, block_size=8, num_blocks=64, sampler_candidates=16, graphs="padded")
+        with LLMEngine(model, **engine, tokenizer=tok) as eng:
+            outs[name] = [o.token_ids for o in eng.generate(prompts, params)]
+    assert outs["triton"] == outs["aten"]
+    assert len({tuple(t) for t in outs["aten"]}) == 5
+
+
 def test_the_self_check_passes_here_and_a_wrong_kernel_falls_back_to_aten(monkeypatch, caplog):
     """On CUDA the Triton backend is the default only once its kernels agree with torch on the
     device: here (the interpreter, or the GPU) they pass; a kernel that writes wrong values, or
