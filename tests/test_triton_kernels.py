@@ -281,7 +281,8 @@ def test_float32_products_are_ieee_and_per_launch_integers_are_not_specialised()
     """On NVIDIA ``tl.dot`` of float32 defaults to TF32 (~1e-3 off, which the interpreter does not
     show): the prompt kernel asks for IEEE products on float32 inputs. Compiled for sm_90 (no
     GPU needed), its float32 PTX has no TF32 MMA and its bf16 PTX has bf16 MMA. Launch-varying
-    integers (first row, table stride) are not specialised on; the split length is the row's own."""
+    integers (first row, table stride; the sampler's batch, vocabulary and strides) are not
+    specialised on; the split length is the row's own."""
     from kernels.triton import decode_attention as attn
     from kernels.triton import prompt_attention as prompt
 
@@ -292,12 +293,13 @@ def test_float32_products_are_ieee_and_per_launch_integers_are_not_specialised()
         "for f32 in (True, False):\n"
         "    ptx = a.compile_job(a._prompt(16, f32)).asm['ptx']\n"
         "    print(f32, 'tf32' in ptx, 'bf16' in ptx and ('mma' in ptx))\n"
-        "from kernels.triton import decode_attention as d, prompt_attention as p\n"
-        "for k in (p._prompt_kernel, d._split_kernel):\n"
+        "from kernels.triton import decode_attention as d, prompt_attention as p, sampler as s\n"
+        "for k in (p._prompt_kernel, d._split_kernel, s._select_hist_kernel, s._draw_kernel):\n"
         "    print(sorted(q.name for q in k.params if q.do_not_specialize))\n")
     out = _compiled(["-c", code])
-    assert out.split("\n")[:4] == ["True False False", "False False True", "['first_row', 'stride_tb']",
-                                   "['stride_tb']"], out
+    assert out.split("\n")[:6] == ["True False False", "False False True", "['first_row', 'stride_tb']",
+                                   "['stride_tb']", "['B', 'NC', 'V', 'n', 'stride_l']",
+                                   "['NC', 'V', 'n', 'stride_l']"], out
 
 
 @pytest.mark.skipif(COMPILED, reason="on a GPU, tests/test_cuda.py runs the engine on these kernels")

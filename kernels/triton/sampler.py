@@ -18,10 +18,13 @@ order at the (seed, step) uniform. What changes is how the work is laid out:
   ``(row, vocabulary tile)`` programs, added in tile order (deterministic).
 
 Every kernel has a shape fixed by the batch and reads nothing back to the host, so a CUDA
-graph captures it. Greedy rows and rows off a kernel's path are left alone by it, so a row
-draws the same under any ``SamplingPlan``. Probabilities can differ from ATen's softmax in
-the last bit (``exp`` and summation order), so a draw within ~1e-7 of a boundary may differ
-between the two samplers; within this one, the same inputs give the same token.
+graph captures it. The integers that vary with the batch and vocabulary are not specialised on
+and a row's partials are read at one width (``NC_P``), so each kernel compiles once per
+constant set, not once per bucket or model. Greedy rows and rows off a kernel's path are left
+alone by it, so a row draws the same under any ``SamplingPlan``. Probabilities can differ from
+ATen's softmax in the last bit (``exp`` and summation order), so a draw within ~1e-7 of a
+boundary may differ between the two samplers; within this one, the same inputs give the same
+token.
 Tested under ``TRITON_INTERPRET=1`` against ``kernels.sampler`` (tests/test_triton_kernels.py).
 """
 
@@ -37,6 +40,7 @@ from kernels import sampler as reference
 from kernels.sampler import SamplingPlan
 
 BLOCK = 1024  # vocabulary tile of the per-(row, tile) kernels
+NC_P = 256  # tiles a row's partials are read as: vocabularies up to 262,144 tokens, one compile for all
 # Keys per one-hot histogram step: a [SUB, 256] tile in registers on a GPU; the interpreter runs
 # numpy per step, so it takes 256 (four steps a tile, the loop still exercised).
 SUB = 256 if os.environ.get("TRITON_INTERPRET") == "1" else 32
@@ -107,7 +111,7 @@ def _total(part_ptr, b, NC, NC_P: tl.constexpr):
     return tl.sum(tl.load(part_ptr + b * NC + c, mask=c < NC, other=0), axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["V", "stride_l", "n", "NC"])
 def _sum_kernel(logits_ptr, params_ptr, topv_ptr, kth_ptr, sums_ptr, part_ptr, V, stride_l, n, NC,
                 WEIGHTS: tl.constexpr, NC_P: tl.constexpr, BLOCK: tl.constexpr):
     """Per (row, tile) of a full-path row: the softmax sum's partial into ``part_ptr`` (``WEIGHTS``
@@ -170,7 +174,7 @@ def _select_target(target_ptr, b, k, CUT: tl.constexpr):
     return target
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["V", "stride_l", "n", "NC", "B"])
 def _select_hist_kernel(logits_ptr, params_ptr, topv_ptr, kth_ptr, cut_ptr, target_ptr, sums_ptr, hist_ptr,
                         V, stride_l, n, NC, B, ROUND: tl.constexpr, CUT: tl.constexpr, NC_P: tl.constexpr,
                         BLOCK: tl.constexpr, SUB: tl.constexpr):
@@ -209,7 +213,7 @@ def _select_hist_kernel(logits_ptr, params_ptr, topv_ptr, kth_ptr, cut_ptr, targ
         tl.atomic_add(hist_ptr + (ROUND * B + b) * 256 + d, hist)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["V", "n", "B"])
 def _select_done_kernel(params_ptr, kth_ptr, cut_ptr, target_ptr, hist_ptr, V, n, B, CUT: tl.constexpr):
     """The select's answer from its four histograms, a program per row: the cut's key, or the
     k-th key."""
@@ -223,7 +227,7 @@ def _select_done_kernel(params_ptr, kth_ptr, cut_ptr, target_ptr, hist_ptr, V, n
             tl.store(kth_ptr + b, key)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["V", "n", "NC"])
 def _row_kernel(params_ptr, seeds_ptr, topv_ptr, topi_ptr, kth_ptr, cut_ptr, target_ptr, sums_ptr,
                 weights_ptr, out_ptr, V, n, NC, TOP_P: tl.constexpr, N_P: tl.constexpr, NC_P: tl.constexpr):
     """A program per row. Candidate path: top-k, temperature, top-p, min-p and the draw over the
@@ -278,7 +282,7 @@ def _kept(x, mask, b, n, t, min_p, topv_ptr, kth_ptr, cut_ptr, sums_ptr, NC, NC_
     return tl.where(keep, p, 0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["V", "stride_l", "n", "NC"])
 def _draw_mass_kernel(logits_ptr, params_ptr, topv_ptr, kth_ptr, cut_ptr, sums_ptr, mass_ptr, V, stride_l,
                       n, NC, NC_P: tl.constexpr, BLOCK: tl.constexpr):
     """Per (row, tile) of a full-path row: the mass of its kept tokens (float64)."""
@@ -293,7 +297,7 @@ def _draw_mass_kernel(logits_ptr, params_ptr, topv_ptr, kth_ptr, cut_ptr, sums_p
         tl.store(mass_ptr + b * NC + c, tl.sum(p.to(tl.float64), axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["V", "stride_l", "n", "NC"])
 def _draw_kernel(logits_ptr, params_ptr, seeds_ptr, topv_ptr, kth_ptr, cut_ptr, sums_ptr, mass_ptr, out_ptr,
                  V, stride_l, n, NC, NC_P: tl.constexpr, BLOCK: tl.constexpr):
     """A program per full-path row: the tile where the running mass passes u * total, then the
@@ -343,12 +347,16 @@ def sample(logits: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, out:
     n = min(candidates, vocab)
     topv, topi = torch.topk(logits, n, dim=-1)  # descending: the candidates and each row's max
     nc = triton.cdiv(vocab, BLOCK)
-    nc_p = triton.next_power_of_2(nc)
+    if nc > NC_P:
+        raise ValueError(f"the Triton sampler takes vocabularies up to {NC_P * BLOCK} tokens, not {vocab}")
+    nc_p = NC_P
     # One zeroed int64 scratch: per row the top-k key (0 keeps every key) and the top-p cut
     # (0 keeps every probability), the top-p target, and each select's four histograms.
-    scratch = torch.zeros(b * (3 + 2 * 4 * 256), dtype=torch.int64, device=dev)
-    kth, cut, target = scratch[:b], scratch[b:2 * b], scratch[2 * b:3 * b]
-    hist_kth, hist_cut = scratch[3 * b:].view(2, 4, b, 256)
+    # Each part starts 16-byte aligned (Triton specialises on pointer alignment: one compile).
+    bp = -(-b // 2) * 2
+    scratch = torch.zeros(3 * bp + 2 * 4 * b * 256, dtype=torch.int64, device=dev)
+    kth, cut, target = scratch[:b], scratch[bp:bp + b], scratch[2 * bp:2 * bp + b]
+    hist_kth, hist_cut = scratch[3 * bp:].view(2, 4, b, 256)
     # Written before they are read, for the rows that read them.
     sums = torch.empty(b, nc, dtype=torch.float32, device=dev)
     weights = torch.empty(b, nc, dtype=torch.int64, device=dev)
