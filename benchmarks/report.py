@@ -93,7 +93,7 @@ def core_section(args, t: list) -> list[str]:
              f"of weights read per decode step in {ds['dtype']}, random weights, fixed seed). Kernels: linear "
              f"`{ds['kernels']['linear']}`, attention `{ds['kernels']['attention']}`. Measured bandwidth: "
              f"{ds['read_bw_gbps']:.1f} GB/s read (sum), {ds['copy_bw_gbps']:.1f} GB/s copy (r+w).", "",
-             "## Decode step (one worker, in-process launch path, greedy, context 128)", "",
+             CORE_HEADING, "",
              "ms/step: median (min-max) of the measured steps; the rest from the median.", "",
              "| batch | ms/step | tokens/s | bytes read/step | GB/s | % of read bw | h2d B/step | d2h B/step "
              "| anchor's logits d2h (B x V x 4) |", "|---|---|---|---|---|---|---|---|---|"]
@@ -180,7 +180,7 @@ def peer_section(args, t: list) -> list[str]:
     png = Path(args.out).with_name("benchmarks_cpu_peers.png")
     plot(peers["results"], "Qwen3-0.6B shape, 32 in / 64 out, 2 CPU threads", png)
     r = cpu_peers.medians(peers)
-    lines = ["", "## CPU peers on a Qwen3-0.6B-shaped checkpoint", "",
+    lines = ["", PEERS_HEADING, "",
              f"`python -m benchmarks.cpu_peers --openvino-python PY --llama-cpp DIR` ({peers['model']}: the real "
              f"config, random weights; 32 prompt / 64 new tokens, greedy, {peers['threads']} threads; every run a "
              f"fresh process per engine and batch, runs round robin, {RUNS} runs). Read bandwidth in this run: "
@@ -483,7 +483,11 @@ def spec_section(args: argparse.Namespace, t: list) -> list[str]:
     return spec_lines(speculative.main(["--json", str(SPEC_RESULTS)]), t)
 
 
-SECTIONS = {"structured": (STRUCTURED_HEADING, structured_section),
+CORE_HEADING = "## Decode step (one worker, in-process launch path, greedy, context 128)"
+PEERS_HEADING = "## CPU peers on a Qwen3-0.6B-shaped checkpoint"
+SECTIONS = {"core": (CORE_HEADING, core_section),
+            "peers": (PEERS_HEADING, peer_section),
+            "structured": (STRUCTURED_HEADING, structured_section),
             "speculative": (SPEC_HEADING, spec_section),
             "parallel": (PARALLEL_HEADING, parallel_section),
             "routing": (ROUTING_HEADING, routing_section),
@@ -492,11 +496,13 @@ SECTIONS = {"structured": (STRUCTURED_HEADING, structured_section),
 
 
 def splice(path: Path, heading: str, section: list[str], targets: list) -> None:
-    """Replace one section of an existing BENCHMARKS.md, and its rows of the targets table."""
+    """Replace one section of an existing BENCHMARKS.md, and its rows of the targets table. A
+    section may hold several headings (``core``), and lines before its first (its preamble)."""
     text = path.read_text().split("\n")
     start = text.index(heading)
-    end = next(i for i in range(start + 1, len(text)) if text[i].startswith("## "))
-    text[start - 1 : end] = [*section, ""]
+    own = {line for line in section if line.startswith("## ")}
+    end = next(i for i in range(start + 1, len(text)) if text[i].startswith("## ") and text[i] not in own)
+    text[start - section.index(heading) : end] = [*section, ""]
     names = {name for name, _, _ in targets}
     table = text.index("## Targets")
     rows = [i for i in range(table, len(text)) if text[i].startswith("| ")]
