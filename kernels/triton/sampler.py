@@ -323,13 +323,13 @@ def _draw_kernel(logits_ptr, params_ptr, seeds_ptr, topv_ptr, kth_ptr, cut_ptr, 
 
 def _select(logits: torch.Tensor, params: torch.Tensor, topv: torch.Tensor, kth: torch.Tensor,
             cut: torch.Tensor, target: torch.Tensor, sums: torch.Tensor, vocab: int, stride: int, n: int,
-            nc: int, b: int, nc_p: int, hist: torch.Tensor, top_p: bool) -> None:
+            nc: int, b: int, hist: torch.Tensor, top_p: bool) -> None:
     """A radix select over whole rows, for the rows that need it (``top_p``: the cut, else the
     k-th key): four histogram rounds over (row, tile) programs into ``hist`` [4, b, 256] (zeros),
     then each row's answer."""
     for r in range(4):
         _select_hist_kernel[(b, nc)](logits, params, topv, kth, cut, target, sums, hist, vocab, stride, n, nc,
-                                     b, ROUND=r, CUT=top_p, NC_P=nc_p, BLOCK=BLOCK, SUB=SUB)
+                                     b, ROUND=r, CUT=top_p, NC_P=NC_P, BLOCK=BLOCK, SUB=SUB)
     _select_done_kernel[(b,)](params, kth, cut, target, hist, vocab, n, b, CUT=top_p)
 
 
@@ -349,7 +349,6 @@ def sample(logits: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, out:
     nc = triton.cdiv(vocab, BLOCK)
     if nc > NC_P:
         raise ValueError(f"the Triton sampler takes vocabularies up to {NC_P * BLOCK} tokens, not {vocab}")
-    nc_p = NC_P
     # One zeroed int64 scratch: per row the top-k key (0 keeps every key) and the top-p cut
     # (0 keeps every probability), the top-p target, and each select's four histograms.
     # Each part starts 16-byte aligned (Triton specialises on pointer alignment: one compile).
@@ -361,23 +360,23 @@ def sample(logits: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, out:
     sums = torch.empty(b, nc, dtype=torch.float32, device=dev)
     weights = torch.empty(b, nc, dtype=torch.int64, device=dev)
     rows, tiles, stride = (b,), (b, nc), logits.stride(0)
-    select = (logits, params, topv, kth, cut, target, sums, vocab, stride, n, nc, b, nc_p)
+    select = (logits, params, topv, kth, cut, target, sums, vocab, stride, n, nc, b)
     if plan.wide_top_k:
         _select(*select, hist_kth, top_p=False)
     if plan.full:
         _sum_kernel[tiles](logits, params, topv, kth, sums, sums, vocab, stride, n, nc, WEIGHTS=False,
-                           NC_P=nc_p, BLOCK=BLOCK)
+                           NC_P=NC_P, BLOCK=BLOCK)
         if plan.top_p:
             _sum_kernel[tiles](logits, params, topv, kth, sums, weights, vocab, stride, n, nc, WEIGHTS=True,
-                               NC_P=nc_p, BLOCK=BLOCK)
+                               NC_P=NC_P, BLOCK=BLOCK)
     _row_kernel[rows](params, seeds, topv, topi, kth, cut, target, sums, weights, out, vocab, n, nc,
-                      TOP_P=plan.full and plan.top_p, N_P=triton.next_power_of_2(n), NC_P=nc_p)
+                      TOP_P=plan.full and plan.top_p, N_P=triton.next_power_of_2(n), NC_P=NC_P)
     if plan.full:
         if plan.top_p:
             _select(*select, hist_cut, top_p=True)
         mass = torch.empty(b, nc, dtype=torch.float64, device=dev)
-        _draw_mass_kernel[tiles](logits, params, topv, kth, cut, sums, mass, vocab, stride, n, nc, NC_P=nc_p,
+        _draw_mass_kernel[tiles](logits, params, topv, kth, cut, sums, mass, vocab, stride, n, nc, NC_P=NC_P,
                                  BLOCK=BLOCK)
         _draw_kernel[rows](logits, params, seeds, topv, kth, cut, sums, mass, out, vocab, stride, n, nc,
-                           NC_P=nc_p, BLOCK=BLOCK)
+                           NC_P=NC_P, BLOCK=BLOCK)
     return out
