@@ -281,6 +281,18 @@ def test_metrics_count_what_was_served(server, oai):
     assert ("fusedserve:faults_total", (("kind", "request_errors"), *model)) in m1
 
 
+def test_bench_serve_takes_the_openai_base_url_as_serve_prints_it(server):
+    """``serve`` prints its API as ``http://host:port/v1`` (what OpenAI clients take): bench serve
+    accepts that as well as the server's root."""
+    import asyncio
+
+    from coordinator.openai.bench_serve import BenchConfig, run
+
+    s = asyncio.run(run(BenchConfig(server.http + "/v1/", api_key=TOKEN, num_prompts=2, input_len=4,
+                                    output_len=3, progress=False)))
+    assert s["completed"] == 2 and s["failed"] == 0
+
+
 def test_bench_serve_loads_the_api_and_reports(server, tmp_path, capsys):
     from coordinator import cli
 

@@ -130,7 +130,9 @@ async def run(cfg: BenchConfig) -> dict:
              _lengths(rng, cfg.output_len, cfg.range_ratio)) for _ in range(cfg.num_prompts)]
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(max_connections=cfg.max_concurrency or cfg.num_prompts)
-    async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=600,
+    # The server's root, or its OpenAI base URL as `serve` prints it and OpenAI clients take it.
+    base_url = cfg.base_url.rstrip("/").removesuffix("/v1")
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=600,
                                  limits=limits) as client:
         model = cfg.model
         if model is None:
