@@ -459,6 +459,21 @@ def long_section(args: argparse.Namespace, t: list) -> list[str]:
     return lines
 
 
+ISA_HEADING = "## CPU: the integer GEMMs on each native build"
+
+
+def isa_section(args: argparse.Namespace, t: list) -> list[str]:
+    """``benchmarks.int_gemm_isa``: W8A8 and W4A8 on every build this CPU runs, VNNI against none."""
+    from benchmarks import int_gemm_isa
+
+    res = int_gemm_isa.main(["--threads", str(args.threads), "--json", str(RESULTS / "int_gemm_isa.json")])
+    return ["", ISA_HEADING, "",
+            "`python -m benchmarks.int_gemm_isa`: Qwen3-0.6B's projections, bf16 activations quantized per row "
+            "in the call, builds interleaved. `avxvnni_evex` is the `avxvnni` build's code with its vpdpbusd "
+            "EVEX-encoded, run where the CPU has AVX-512 VNNI but not AVX-VNNI: this CPU's 256-bit units, not an "
+            "AVX-VNNI CPU's.", "", *int_gemm_isa.table(res)]
+
+
 SPEC_HEADING = "## Speculative decoding"
 SPEC_RESULTS = RESULTS / "speculative.json"
 
@@ -492,7 +507,8 @@ SECTIONS = {"core": (CORE_HEADING, core_section),
             "parallel": (PARALLEL_HEADING, parallel_section),
             "routing": (ROUTING_HEADING, routing_section),
             "formats": (FORMATS_HEADING, formats_section),
-            "long": (LONG_HEADING, long_section)}
+            "long": (LONG_HEADING, long_section),
+            "isa": (ISA_HEADING, isa_section)}
 
 
 def splice(path: Path, heading: str, section: list[str], targets: list) -> None:
@@ -644,6 +660,7 @@ def main(argv: list[str] | None = None) -> None:
     lines += routing_section(args, t)
     lines += formats_section(args, t)
     lines += long_section(args, t)
+    lines += isa_section(args, t)
     lines += spec_section(args, t)
     lines += cuda_section(t)
     lines += ["", "## Targets", "", "| target | met | figure |", "|---|---|---|"]

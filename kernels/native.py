@@ -2,7 +2,8 @@
 
 ``kernels/csrc/*.cpp`` are compiled by ``torch.utils.cpp_extension`` (ninja)
 for the best instruction set this CPU has: ``avx512bf16`` (AVX-512 with bf16 dot
-products), ``avx512``, ``avx2`` (with FMA and F16C), else plain C++. The build lands
+products), ``avx512vnni``, ``avx512``, ``avxvnni`` (AVX2 with 256-bit VNNI), ``avx2`` (with
+FMA and F16C), else plain C++. The build lands
 in torch's extension cache (``TORCH_EXTENSIONS_DIR``), so only the first process
 on a machine pays for it. Where no compiler or ninja is present the model keeps
 ATen's kernels, and says so in one warning. A build that fails with a compiler present
@@ -10,8 +11,8 @@ is a bug in ``csrc/``: the model still falls back (logged as an error), but ``re
 raises, so tests and CI fail on it instead of skipping.
 
 Configuration (environment, read at load): ``FUSEDSERVE_NATIVE=0`` turns the native
-kernels off; ``FUSEDSERVE_CPU_ISA=avx2|avx512|avx512bf16|scalar`` builds a lower
-instruction set than the CPU's best (tests and benchmarks compare them).
+kernels off; ``FUSEDSERVE_CPU_ISA=<a build above>|avxvnni_evex|scalar`` builds a
+lower instruction set than the CPU's best (tests and benchmarks compare them).
 """
 
 from __future__ import annotations
@@ -30,17 +31,28 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 
-# What each build needs from /proc/cpuinfo's flags, and the compiler flags it gets.
+# What each build needs from /proc/cpuinfo's flags, and the compiler flags it gets; the first
+# whose needs the CPU meets is its best build.
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
+_AVX512_NEEDS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"}
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 ISA_FLAGS: dict[str, tuple[set[str], list[str]]] = {
-    "avx512bf16": ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni", "fma",
-                    "f16c"},
-                   ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni",
-                    "-mfma", "-mf16c"]),
-    "avx512": ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"},
-               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]),
-    "avx2": ({"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"]),
+    # Sapphire Rapids and later, Zen 4/5: bf16 dot products and 512-bit VNNI.
+    "avx512bf16": (_AVX512_NEEDS | {"avx512_bf16", "avx512_vnni"},
+                   [*_AVX512, "-mavx512bf16", "-mavx512vnni"]),
+    # Cascade Lake, Ice Lake: 512-bit VNNI for the int8 and int4 GEMMs, FMA for 16-bit.
+    "avx512vnni": (_AVX512_NEEDS | {"avx512_vnni"}, [*_AVX512, "-mavx512vnni"]),
+    "avx512": (_AVX512_NEEDS, _AVX512),
+    # Alder Lake and later clients, Sierra Forest: 256-bit VNNI (VEX) without AVX-512.
+    "avxvnni": ({"avx2", "fma", "f16c", "avx_vnni"}, [*_AVX2, "-mavxvnni"]),
+    "avx2": ({"avx2", "fma", "f16c"}, _AVX2),
     "scalar": (set(), []),
+    # The avxvnni build's code with its vpdpbusd in EVEX encoding (AVX-512 VNNI + VL) instead of
+    # VEX: the same instruction on the same ymm registers, so hosts with AVX-512 VNNI but not
+    # AVX-VNNI (Zen 4, Ice Lake) run and test the 256-bit VNNI kernels. Never a host's best.
+    "avxvnni_evex": ({"avx2", "fma", "f16c", "avx512_vnni", "avx512vl"}, [*_AVX2, "-DFS_VNNI256_EVEX"]),
 }
+TEST_ONLY = frozenset({"avxvnni_evex"})
 
 
 class NativeUnavailable(RuntimeError):
@@ -92,7 +104,7 @@ def best_isa(flags: set[str]) -> str:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return "scalar"
     for isa, (needs, _) in ISA_FLAGS.items():
-        if needs <= flags:
+        if needs <= flags and isa not in TEST_ONLY:
             return isa
     return "scalar"
 

@@ -5,9 +5,12 @@ and the ATen fallback where no compiler exists."""
 from __future__ import annotations
 
 import os
+import platform
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,7 +39,18 @@ def _module(isa: str):
     return native.build(isa)
 
 
+def _integer_isas() -> list[str]:
+    """``_isas()`` and the builds that differ from them only in their int8 dot products (512-bit
+    VNNI without BF16, 256-bit VNNI as AVX-VNNI or in its EVEX twin): for the integer GEMMs' tests."""
+    isas = _isas()
+    for extra in ("avx512vnni", "avxvnni", "avxvnni_evex"):
+        if isas and extra not in isas and native.ISA_FLAGS[extra][0] <= native.cpu_flags():
+            isas.append(extra)
+    return isas
+
+
 ISAS = (_isas() or ["none"]) if native.missing_toolchain() is None else ["none"]
+INT_ISAS = (_integer_isas() or ["none"]) if ISAS != ["none"] else ["none"]
 needs_native = pytest.mark.skipif(ISAS == ["none"], reason=f"no toolchain: {native.missing_toolchain()}")
 
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
@@ -186,6 +200,24 @@ def test_an_isa_the_cpu_lacks_is_refused_clearly(monkeypatch):
     assert native.best_isa({"avx2", "fma", "f16c"}) in ("avx2", "scalar")  # scalar off x86
 
 
+def test_each_cpu_gets_its_best_build_and_never_the_test_twin(monkeypatch):
+    monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
+    avx2 = {"avx2", "fma", "f16c"}
+    avx512 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+    assert native.best_isa(avx2) == "avx2"
+    assert native.best_isa(avx2 | {"avx_vnni"}) == "avxvnni"  # Alder Lake, Sierra Forest
+    assert native.best_isa(avx512) == "avx512"  # Skylake-SP
+    assert native.best_isa(avx512 | {"avx512_vnni"}) == "avx512vnni"  # Cascade Lake, Ice Lake
+    assert native.best_isa(avx512 | {"avx512_vnni", "avx512_bf16"}) == "avx512bf16"  # Zen 4
+    assert native.best_isa(avx512 | {"avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16"}) == "avx512bf16"
+    monkeypatch.setattr(native, "cpu_flags", lambda: avx512 | {"avx512_vnni"})
+    monkeypatch.setenv("FUSEDSERVE_CPU_ISA", "avxvnni_evex")  # asked for by name: allowed
+    assert native.chosen_isa() == "avxvnni_evex"
+    monkeypatch.setenv("FUSEDSERVE_CPU_ISA", "avxvnni")
+    with pytest.raises(native.NativeUnavailable, match="avx_vnni"):
+        native.chosen_isa()
+
+
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_norms_and_rotary_match_the_aten_ops(dtype):
@@ -328,7 +360,7 @@ def test_packed_fma_gemm_matches_float64_and_the_batch(isa, wdtype):
 
 
 @needs_native
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", INT_ISAS)
 def test_w8a8_gemm_is_the_exact_integer_product_whatever_the_batch(isa):
     from kernels.linear import Int8Weight, PackedWeight
 
@@ -349,7 +381,7 @@ def test_w8a8_gemm_is_the_exact_integer_product_whatever_the_batch(isa):
 
 
 @needs_native
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", INT_ISAS)
 def test_w4a8_gemm_matches_the_dequantized_weights_whatever_the_batch(isa):
     from kernels.linear import Int4Weight, PackedWeight
     from kernels.quantize import dequantize_int4
@@ -371,7 +403,7 @@ def test_w4a8_gemm_matches_the_dequantized_weights_whatever_the_batch(isa):
 
 
 @needs_native
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", INT_ISAS)
 def test_w4a8_gemm_with_zero_points_matches_the_dequantized_weights_whatever_the_batch(isa):
     """Asymmetric groups (AWQ, GPTQ): ``(u - z) * d`` with a uint8 zero point per group; z = 8
     everywhere equals the symmetric kernel bit for bit."""
@@ -536,3 +568,50 @@ def test_prompt_attention_rows_do_not_depend_on_chunking_or_neighbours():
     assert torch.equal(first[1:21], whole[1:21]) and torch.equal(second[21:41], whole[21:41])
     both = run([[1, 1, 20, 20], [2, 21, 20, 40]], torch.cat([bt, bt[1:]]))
     assert torch.equal(both[1:41], whole[1:41])
+
+
+def _disassembly(src: str, flags: list[str], out: Path) -> list[tuple[str, str]]:
+    """(first byte, mnemonic) of every instruction of ``csrc/src`` compiled with the native build's
+    own compiler flags plus ``flags``, alignment padding left out."""
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    dirs = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    inc = [a for p in dirs for a in ("-isystem", p)]
+    cmd = [os.environ.get("CXX", "c++"), "-c", str(native.CSRC / src), "-o", str(out), "-fPIC", "-std=c++20",
+           "-O3", "-fopenmp", *inc, *flags]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    text = subprocess.run(["objdump", "-d", str(out)], check=True, capture_output=True, text=True).stdout
+    insns = []
+    for line in text.splitlines():
+        parts = line.split("\t")
+        if len(parts) >= 3 and parts[2].strip():
+            mnemonic = parts[2].split()[0] if not parts[2].startswith("{") else parts[2].split()[1]
+            if not mnemonic.startswith(("nop", "xchg", "data16", "cs")):
+                insns.append((parts[1].split()[0], mnemonic))
+    return insns
+
+
+@pytest.mark.skipif(native.missing_toolchain() is not None or shutil.which("objdump") is None
+                    or platform.machine().lower() not in ("x86_64", "amd64"),
+                    reason="needs an x86 C++ toolchain with objdump")
+def test_the_avx_vnni_build_is_its_tested_evex_twin_with_vex_dot_products(tmp_path):
+    """The avxvnni build (Alder Lake, Sierra Forest) cannot run on a CPU without AVX-VNNI; the
+    integer GEMMs' tests run its code as the avxvnni_evex twin wherever AVX-512 VNNI is. Compiled
+    here side by side, the two are the same instructions in the same order, every vpdpbusd VEX in
+    the one and EVEX in the other, and the avxvnni build holds no EVEX instruction (AVX-512: an
+    illegal instruction on those CPUs)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    base = native.ISA_FLAGS["avx2"][1]
+    jobs = [(src, kind, [*base, *extra]) for src in ("linear_int8.cpp", "linear_int4.cpp")
+            for kind, extra in (("vex", ["-mavxvnni"]), ("evex", ["-DFS_VNNI256_EVEX"]))]
+    with ThreadPoolExecutor(2) as pool:
+        dis = list(pool.map(lambda j: _disassembly(j[0], j[2], tmp_path / f"{j[1]}_{j[0]}.o"), jobs))
+    for (vex, evex), src in zip([(dis[0], dis[1]), (dis[2], dis[3])], ("linear_int8", "linear_int4")):
+        assert [m for _, m in vex] == [m for _, m in evex], f"{src}: the builds differ beyond the encoding"
+        dots = [b for b, m in vex if m == "vpdpbusd"]
+        assert len(dots) >= 16 and set(dots) <= {"c4", "c5"}, f"{src}: vpdpbusd not VEX-encoded: {set(dots)}"
+        assert {b for b, m in evex if m == "vpdpbusd"} == {"62"}, f"{src}: the twin's vpdpbusd is not EVEX"
+        assert not [m for b, m in vex if b == "62"], f"{src}: the avxvnni build holds EVEX (AVX-512) code"

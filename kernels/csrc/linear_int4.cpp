@@ -66,8 +66,14 @@ inline v4 widen4(v4 a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
 inline v4 zeros4(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 inline v4 mul4(v4 a, v4 b) { return _mm256_mullo_epi32(a, b); }
 inline v4 subv4(v4 a, v4 b) { return _mm256_sub_epi32(a, b); }
+#if FS_VNNI256
+inline v4 dot_u4(v4 acc, v4 w, v4 x) {
+  asm(FS_DPBUSD256 : "+v"(acc) : "v"(w), "v"(x));
+  return acc;
+}
 #endif
-#if defined(__AVX512VNNI__)
+#endif
+#if defined(__AVX512VNNI__) || FS_VNNI256
 constexpr bool VNNI4 = true;
 #else
 // Without VNNI a group's pair sums stay in int16 until the group ends, one vpmaddwd a group

@@ -8,8 +8,14 @@ namespace {
 const char* isa_name() {
 #if defined(__AVX512BF16__)
   return "avx512bf16";
+#elif defined(__AVX512VNNI__)
+  return "avx512vnni";
 #elif defined(__AVX512F__)
   return "avx512";
+#elif defined(FS_VNNI256_EVEX)
+  return "avxvnni_evex";
+#elif defined(__AVXVNNI__)
+  return "avxvnni";
 #elif defined(__AVX2__)
   return "avx2";
 #else
