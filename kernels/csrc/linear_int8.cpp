@@ -49,7 +49,8 @@ inline vi vi_bcast(int32_t q) { return _mm256_set1_epi32(q); }
 inline __m256 vi_float(vi a) { return _mm256_cvtepi32_ps(a); }
 #if FS_VNNI256
 constexpr bool OFFSET = true;  // as with AVX-512 VNNI: activations + 128, wsum taken back off
-constexpr int MI = 6, NI = 2, WIDE_ROWS = 1;  // 12 accumulators, 2 weights, 1 broadcast: 15 of 16 ymm
+// 4 x 2 tiles as without VNNI: 6 x 2 (15 of the 16 ymm) ran at 0.55-0.7x of it (16-256 rows, Zen 4).
+constexpr int MI = 4, NI = 2, WIDE_ROWS = 1;
 inline vi dot4(vi acc, vi x, vi w) {
   asm(FS_DPBUSD256 : "+v"(acc) : "v"(x), "v"(w));
   return acc;
@@ -104,7 +105,7 @@ template <int NV>
 inline void int8_rows(int m, const int8_t* xq, int64_t ldx, int64_t K4, const int8_t* const* w, vi* res,
                       const int8_t* pf, int64_t pf_step) {
   switch (m) {
-#if defined(__AVX512VNNI__) || FS_VNNI256
+#if defined(__AVX512VNNI__)
     case 6: int8_tile<6, NV>(xq, ldx, K4, w, res, pf, pf_step); break;
     case 5: int8_tile<5, NV>(xq, ldx, K4, w, res, pf, pf_step); break;
 #endif
