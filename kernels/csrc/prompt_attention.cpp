@@ -11,10 +11,11 @@
 //   V: [ctx/2][D] words: word (t2, d) = (v[2 t2][d], v[2 t2 + 1][d]), so one vector holds 16 dims
 //      of two keys and a row's probabilities of those two keys, broadcast, add 16 dims per op.
 // A work item is up to 64 query rows (tokens x the KV head's query heads) of one chunk and head;
-// it walks the keys in blocks of 32 up to its last token's position, each block scored for 8 rows
-// at a time in registers, then an online softmax in fp32 (the probabilities rounded to bf16 for
-// the value product, as flash attention does on GPUs), then P V into fp32 rows. Keys past a row's
-// position are masked, and blocks past all of a tile's rows are skipped.
+// it walks the keys in blocks of 64 up to its last token's position, each block scored for 8 rows
+// at a time in registers, then an online softmax in fp32 and base 2 (scores times scale x log2 e;
+// the 8 rows' maxima, sums and rescale factors a vector at a time; the probabilities rounded to
+// bf16 for the value product, as flash attention does on GPUs), then P V into fp32 rows. Keys
+// past a row's position are masked, and blocks past all of a tile's rows are skipped.
 #include "kernels.h"
 
 namespace fusedserve {
@@ -22,11 +23,19 @@ namespace fusedserve {
 #if defined(__AVX512BF16__)
 namespace {
 
-constexpr int KB = 32;  // keys per block: two vectors of scores
+constexpr int KB = 64;  // keys per block: four vectors of scores
+constexpr int NV = KB / 16;
 constexpr int RT = 8;  // rows scored and accumulated together in registers
 constexpr int ITEM_ROWS = 64;  // query rows per work item
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
+
+// acc += pairs of a . pairs of b. Inline asm, not _mm512_dpbf16_ps: GCC 12 copies the intrinsic's
+// operands through the stack around each call in these loops (a store and a load per product).
+inline __m512 dpbf16(__m512 acc, __m512bh a, __m512bh b) {
+  asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
 
 struct Chunk {
   int64_t row, q0, n, ctx, kv_off;  // its block-table row, first query, queries, context, repack offset
@@ -48,8 +57,8 @@ inline void score_tile(const uint32_t* const* q, const uint32_t* k0, int64_t D2,
     const __m512bh kv1 = as_bh(_mm512_loadu_si512(k1 + d2 * 16));
     for (int r = 0; r < R; ++r) {
       const __m512bh qb = as_bh(_mm512_set1_epi32(static_cast<int>(q[r][d2])));
-      a0[r] = _mm512_dpbf16_ps(a0[r], qb, kv0);
-      a1[r] = _mm512_dpbf16_ps(a1[r], qb, kv1);
+      a0[r] = dpbf16(a0[r], qb, kv0);
+      a1[r] = dpbf16(a1[r], qb, kv1);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -66,49 +75,93 @@ inline void value_tile(const uint32_t* p, const float* corr, const uint32_t* vp,
     for (int t2 = 0; t2 < KB / 2; ++t2) {
       const __m512bh vv = as_bh(_mm512_loadu_si512(vp + t2 * D + c));
       for (int r = 0; r < R; ++r)
-        a[r] = _mm512_dpbf16_ps(a[r], as_bh(_mm512_set1_epi32(static_cast<int>(p[r * (KB / 2) + t2]))), vv);
+        a[r] = dpbf16(a[r], as_bh(_mm512_set1_epi32(static_cast<int>(p[r * (KB / 2) + t2]))), vv);
     }
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(o + r * D + c, a[r]);
   }
 }
 
+// 2^x for x <= 0 or -inf (0 for x below -149): 2^n * p(x - n), n = round(x), p a degree-5 Taylor
+// polynomial of 2^f on [-1/2, 1/2] (relative error < 3e-6, far below the bf16 rounding of the
+// probabilities). -inf gives NaN: callers mask those lanes.
+inline __m512 exp2_neg(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);
+  for (float c : {9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.f})
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Horizontal max (or sum) of R <= 8 rows' vectors at once: lane r of the result is row r's. A
+// transposing tree (unpack, 64-bit shuffle, 128-bit permute), about 4 ops a row where one row's
+// own reduction takes 8; lanes past R hold junk.
+template <int R, bool MAX>
+inline __m256 rows_reduce(const __m512* v) {
+  auto op = [](__m256 a, __m256 b) { return MAX ? _mm256_max_ps(a, b) : _mm256_add_ps(a, b); };
+  __m256 h[8];
+  for (int r = 0; r < 8; ++r) {
+    const __m512 x = v[r < R ? r : 0];
+    h[r] = op(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+  }
+  __m256 a[4], b[2];
+  for (int i = 0; i < 4; ++i)
+    a[i] = op(_mm256_unpacklo_ps(h[2 * i], h[2 * i + 1]), _mm256_unpackhi_ps(h[2 * i], h[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)
+    b[i] = op(_mm256_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm256_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+  return op(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
+}
+
+// One block of KB keys for R query rows: scores, the online softmax's update, then P V. The rows'
+// maxima, sums and rescale factors are computed 8 rows to a vector.
 template <int R>
 void tile_step(const uint32_t* const* q, const uint32_t* kblk, const uint32_t* vblk, int64_t D, int64_t kb0,
                const int64_t* qpos, float scale, float* m, float* l, float* o) {
-  __m512 s[2 * R];
-  score_tile<R>(q, kblk, D / 2, s);
-  alignas(64) uint32_t p[R * KB / 2];
-  float corr[R];
+  __m512 s[NV / 2][2 * R];
+  for (int h = 0; h < NV / 2; ++h) score_tile<R>(q, kblk + h * 2 * (D / 2) * 16, D / 2, s[h]);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const float scale2 = scale * 1.44269504f;  // scores in base 2: softmax(s) = 2^(s log2 e - max) / sum
+  __mmask16 vis[R][NV];
+  __m512 mx[R];
   for (int r = 0; r < R; ++r) {
-    __m512 s0 = _mm512_mul_ps(s[2 * r], _mm512_set1_ps(scale));
-    __m512 s1 = _mm512_mul_ps(s[2 * r + 1], _mm512_set1_ps(scale));
     const int64_t limit = qpos[r] - kb0;  // keys kb0 + i with i <= limit are visible
-    __mmask16 vis0 = 0xffff, vis1 = 0xffff;
-    if (limit < KB - 1) {
-      const __m512i lim = _mm512_set1_epi32(static_cast<int>(std::max<int64_t>(limit, -1)));
-      const __m512 ninf = _mm512_set1_ps(-INFINITY);
-      vis0 = _mm512_cmple_epi32_mask(lane, lim);
-      vis1 = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), lim);
-      s0 = _mm512_mask_mov_ps(ninf, vis0, s0);
-      s1 = _mm512_mask_mov_ps(ninf, vis1, s1);
+    const __m512i lim = _mm512_set1_epi32(static_cast<int>(std::clamp<int64_t>(limit, -1, KB)));
+    for (int v = 0; v < NV; ++v) {
+      __m512& x = s[v / 2][2 * r + v % 2];
+      x = _mm512_mul_ps(x, _mm512_set1_ps(scale2));
+      const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(16 * v));
+      vis[r][v] = limit < KB - 1 ? _mm512_cmple_epi32_mask(key, lim) : static_cast<__mmask16>(0xffff);
+      x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), vis[r][v], x);
+      mx[r] = v == 0 ? x : _mm512_max_ps(mx[r], x);
     }
-    const float bm = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-    const float mn = std::max(m[r], bm);
-    if (mn == -INFINITY) {  // nothing visible yet (cannot happen: key 0 is always visible)
-      corr[r] = 1.f;
-      std::fill(p + r * KB / 2, p + (r + 1) * KB / 2, 0u);
-      continue;
-    }
-    corr[r] = std::exp(m[r] - mn);
-    // Masked keys weigh exactly 0 (vexp clamps its input at -87).
-    const __m512 e0 = _mm512_maskz_mov_ps(vis0, vexp(_mm512_sub_ps(s0, _mm512_set1_ps(mn))));
-    const __m512 e1 = _mm512_maskz_mov_ps(vis1, vexp(_mm512_sub_ps(s1, _mm512_set1_ps(mn))));
-    l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
-    m[r] = mn;
-    _mm512_store_si512(p + r * KB / 2, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0)));
   }
-  value_tile<R>(p, corr, vblk, D, o);
+  const __mmask8 rows = static_cast<__mmask8>((1u << R) - 1);
+  const __m256 m_old = _mm256_mask_loadu_ps(_mm256_setzero_ps(), rows, m);
+  const __m256 m_new = _mm256_max_ps(m_old, rows_reduce<R, true>(mx));
+  // A row's first block: m_old = -inf, clamped (its l and o are still 0).
+  const __m256 d = _mm256_max_ps(_mm256_sub_ps(m_old, m_new), _mm256_set1_ps(-200.f));
+  const __m256 corr = _mm512_castps512_ps256(exp2_neg(_mm512_castps256_ps512(d)));
+  alignas(32) float mn[8], cr[8];
+  _mm256_store_ps(mn, m_new);
+  _mm256_store_ps(cr, corr);
+  _mm256_mask_storeu_ps(m, rows, m_new);
+  alignas(64) uint32_t p[R * KB / 2];
+  __m512 sum[R];
+  for (int r = 0; r < R; ++r) {
+    const __m512 mr = _mm512_set1_ps(mn[r]);
+    sum[r] = _mm512_setzero_ps();
+    for (int v = 0; v < NV; v += 2) {  // masked keys weigh exactly 0
+      const __m512 e0 = _mm512_maskz_mov_ps(vis[r][v], exp2_neg(_mm512_sub_ps(s[v / 2][2 * r], mr)));
+      const __m512 e1 =
+          _mm512_maskz_mov_ps(vis[r][v + 1], exp2_neg(_mm512_sub_ps(s[v / 2][2 * r + 1], mr)));
+      sum[r] = _mm512_add_ps(sum[r], _mm512_add_ps(e0, e1));
+      _mm512_store_si512(p + r * KB / 2 + v * 8, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0)));
+    }
+  }
+  const __m256 l_new = _mm256_fmadd_ps(_mm256_mask_loadu_ps(_mm256_setzero_ps(), rows, l), corr,
+                                       rows_reduce<R, false>(sum));
+  _mm256_mask_storeu_ps(l, rows, l_new);
+  value_tile<R>(p, cr, vblk, D, o);
 }
 
 void dispatch_tile(int rows, const uint32_t* const* q, const uint32_t* kblk, const uint32_t* vblk, int64_t D,
@@ -176,7 +229,7 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       const Chunk& c = cs[blocks[w].first];
       const int64_t nb = (c.ctx + KB - 1) / KB, h = blocks[w].second / nb, blk = blocks[w].second % nb;
       const int64_t base = c.kv_off + h * nb * KB * D2;
-      uint32_t* kd = kr + base + blk * KB * D2;  // two 16-key groups: [2][D2][16]
+      uint32_t* kd = kr + base + blk * KB * D2;  // KB/16 groups of 16 keys: [KB/16][D2][16]
       uint32_t* vd = vr + base + blk * KB * D2;  // [KB/2][D]
       const uint16_t* krow[KB];
       const uint16_t* vrow[KB];
