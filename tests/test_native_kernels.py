@@ -123,7 +123,8 @@ def test_decode_attention_in_place_equals_dense(isa, dtype):
     m = _module(isa)
     g = torch.Generator().manual_seed(2)
     h, kvh, hd, bs = 8, 2, 32, 4
-    lens = [1, 5, 33, 70, 129]  # one token, block tails, more than one softmax chunk
+    # one token, block tails, more than one softmax chunk, and past one work item's 512 tokens
+    lens = [1, 5, 33, 70, 129, 512, 513, 1100]
     k_cache, v_cache, tables, bt = _paged(lens, bs, kvh, hd, dtype, g)
     q = torch.randn(len(lens), h, hd, generator=g).to(dtype)
     out = torch.empty_like(q)
@@ -135,6 +136,32 @@ def test_decode_attention_in_place_equals_dense(isa, dtype):
         ref = F.scaled_dot_product_attention(q[i].double().unsqueeze(1), k, v, enable_gqa=True).squeeze(1)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[i].double(), ref, atol=tol, rtol=tol)
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS)
+def test_decode_attention_rows_do_not_depend_on_the_batch_or_the_threads(isa):
+    """Long rows are split into work items by their own length only: a row's output is the same
+    bits alone, in a batch, and on one thread or two."""
+    m = _module(isa)
+    g = torch.Generator().manual_seed(4)
+    lens, bs = [1300, 7, 513, 2050], 16
+    k_cache, v_cache, _, bt = _paged(lens, bs, 2, 64, torch.bfloat16, g)
+    q = torch.randn(len(lens), 8, 64, generator=g).bfloat16()
+    sl = torch.tensor(lens, dtype=torch.int32)
+    full = torch.empty_like(q)
+    m.decode_attention(q, k_cache, v_cache, bt, sl, bs, 0.125, full)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for i in range(len(lens)):
+                row = slice(i, i + 1)
+                alone = torch.empty_like(q[row])
+                m.decode_attention(q[row], k_cache, v_cache, bt[row], sl[row], bs, 0.125, alone)
+                assert torch.equal(alone, full[row]), (n, lens[i])
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_native
