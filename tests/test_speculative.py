@@ -188,7 +188,9 @@ def test_greedy_output_equals_greedy_without_speculation(model):
 
 
 def test_seeded_output_equals_output_without_speculation_whatever_the_batch(model):
-    params = [SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=7 + i)
+    # Temperature 0.5: sampled, yet low enough that the repetitive prompts' continuations take
+    # proposals (10-19 accepted for two seed sets; at 0.8 a seed set can see none accepted).
+    params = [SamplingParams(max_tokens=40, temperature=0.5, top_p=0.95, seed=7 + i)
               for i in range(len(PROMPTS))]
     want, _ = _generate(model, PROMPTS, params)
     got, spec = _generate(model, PROMPTS, params, **NGRAM)

@@ -1,8 +1,8 @@
 // fusedserve CPU kernels: what every translation unit shares.
 //
 // The sources are compiled once per instruction set (kernels/native.py picks the flags from
-// the running CPU): AVX-512 (+BF16, +VNNI), AVX2+FMA (+AVX-VNNI), or plain C++. This header is the vector layer
-// they are written in, and the kernels' declarations.
+// the running CPU): AVX-512 (+BF16, +VNNI), AVX2+FMA (+AVX-VNNI), or plain C++. This header is
+// the vector layer they are written in, and the kernels' declarations.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -99,10 +99,10 @@ inline vf _add(vf a, vf b) { return a + b; }
 inline vf _div(vf a, vf b) { return a / b; }
 #endif
 
-// 256-bit VNNI for the int8 and int4 GEMMs without AVX-512: vpdpbusd on ymm registers, in AVX-VNNI's
-// VEX encoding, or in EVEX encoding (AVX-512 VNNI + VL) for the avxvnni_evex build, which runs this
-// same code on hosts that have AVX-512 VNNI but not AVX-VNNI. Inline asm, not the intrinsic (see
-// dot4 in linear_int8.cpp); the assembler takes either encoding whatever the -m flags.
+// 256-bit VNNI for the int8 and int4 GEMMs without AVX-512: vpdpbusd on ymm registers, in
+// AVX-VNNI's VEX encoding, or in EVEX encoding (AVX-512 VNNI + VL) for the avxvnni_evex build,
+// which runs this same code on hosts that have AVX-512 VNNI but not AVX-VNNI. Inline asm, not the
+// intrinsic (see dot4 in linear_int8.cpp); the assembler takes either encoding whatever the flags.
 #if FS_VL == 8 && (defined(__AVXVNNI__) || defined(FS_VNNI256_EVEX))
 #define FS_VNNI256 1
 #if defined(FS_VNNI256_EVEX)

@@ -4,8 +4,8 @@
 // Weights are quantized per output channel at load and packed as [ceil(N/VI), K4, VI, 4]: one
 // vector = VI output channels x 4 consecutive k (VI = 16 with AVX-512, 8 with AVX2), K padded
 // with zeros to K4 * 4. The products are summed in int32, exactly (|sum| <= 127 * 127 * K):
-// - VNNI (AVX-512 VNNI, 256-bit AVX-VNNI): vpdpbusd takes unsigned activations, so they are stored as xq + 128 and
-//   128 * sum_k wq[n, k] (``wsum``, computed at load) is taken back off;
+// - VNNI (AVX-512 VNNI, 256-bit AVX-VNNI): vpdpbusd takes unsigned activations, so they are
+//   stored as xq + 128 and 128 * sum_k wq[n, k] (``wsum``, computed at load) is taken back off;
 // - AVX2, AVX-512BW: vpmaddubsw on |xq| and wq carrying xq's sign (pairs of products fit int16:
 //   2 * 127 * 127 < 32767), then vpmaddwd with ones.
 // Exact integer sums make every output independent of the batch and of the order of k.
@@ -47,17 +47,16 @@ inline vi vi_zero() { return _mm256_setzero_si256(); }
 inline vi vi_load(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline vi vi_bcast(int32_t q) { return _mm256_set1_epi32(q); }
 inline __m256 vi_float(vi a) { return _mm256_cvtepi32_ps(a); }
+// 4 x 2 tiles, with VNNI too: 6 x 2 (15 of the 16 ymm) ran at 0.55-0.7x of them (16-256 rows, Zen 4).
+constexpr int MI = 4, NI = 2, WIDE_ROWS = 1;
 #if FS_VNNI256
 constexpr bool OFFSET = true;  // as with AVX-512 VNNI: activations + 128, wsum taken back off
-// 4 x 2 tiles as without VNNI: 6 x 2 (15 of the 16 ymm) ran at 0.55-0.7x of it (16-256 rows, Zen 4).
-constexpr int MI = 4, NI = 2, WIDE_ROWS = 1;
 inline vi dot4(vi acc, vi x, vi w) {
   asm(FS_DPBUSD256 : "+v"(acc) : "v"(x), "v"(w));
   return acc;
 }
 #else
 constexpr bool OFFSET = false;
-constexpr int MI = 4, NI = 2, WIDE_ROWS = 1;
 inline vi dot4(vi acc, vi x, vi w) {
   const vi p = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x));
   return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
