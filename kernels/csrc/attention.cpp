@@ -5,23 +5,6 @@ namespace fusedserve {
 // -------------------------------------------------------------- decode attention
 
 constexpr int CHUNK = 32;  // context tokens scored before one online-softmax rescale
-template <typename T>
-inline float dot_f32(const float* q, const T* k, int64_t D) {
-  vf acc = vzero();
-  int64_t d = 0;
-  for (; d + VL <= D; d += VL) acc = vfma(vload(q + d), vload(k + d), acc);
-  float s = vsum(acc);
-  for (; d < D; ++d) s += q[d] * to_f(k[d]);
-  return s;
-}
-
-template <typename T>
-inline void axpy_f32(float a, const T* v, float* acc, int64_t D) {
-  vf av = vset(a);
-  int64_t d = 0;
-  for (; d + VL <= D; d += VL) vstore(acc + d, vfma(av, vload(v + d), vload(acc + d)));
-  for (; d < D; ++d) acc[d] += a * to_f(v[d]);
-}
 
 inline void scale_f32(float a, float* acc, int64_t D) {
   vf av = vset(a);
