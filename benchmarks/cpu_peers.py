@@ -6,7 +6,8 @@ prompts as token ids (32 in, 64 out by default, greedy, EOS ignored), at batch
 1/16/64, in a subprocess of its own (so none inherits another's threads or memory):
 
 - fusedserve with bf16, int8 and int4 weights (``LLMEngine``; int8 and int4 multiply with int8
-  activations on the native kernels);
+  activations on the native kernels); ``fusedserve-bf16-kv8``: bf16 weights over an int8 KV cache
+  (``--kv-cache-dtype int8``), as OpenVINO keeps its KV cache in u8 by default on x86 CPUs;
 - transformers ``generate`` (static batch), bf16;
 - OpenVINO GenAI with fp16, int8 and int4 weights (group 32, symmetric), where an interpreter
   with ``openvino-genai`` is given (``--openvino-python``; the ``openvino`` extra), exported once
@@ -54,14 +55,17 @@ PRESET = "qwen3-0.6b"
 ISA_ENV = {"native": {},
            "avx2": {"FUSEDSERVE_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
                     "ONEDNN_MAX_CPU_ISA": "AVX2"}}
-ENGINES = ("fusedserve-bf16", "fusedserve-int8", "fusedserve-int4", "transformers-bf16", "openvino-fp16",
-           "openvino-int8", "openvino-int4", "llamacpp-bf16", "llamacpp-q8_0", "llamacpp-q4_0",
+ENGINES = ("fusedserve-bf16", "fusedserve-bf16-kv8", "fusedserve-int8", "fusedserve-int4",
+           "transformers-bf16", "openvino-fp16", "openvino-int8", "openvino-int4", "llamacpp-bf16",
+           "llamacpp-q8_0", "llamacpp-q4_0",
            "fusedserve-gguf-q8_0", "fusedserve-gguf-q4_0")
 SAME_FILE = {"fusedserve-gguf-q8_0": "llamacpp-q8_0", "fusedserve-gguf-q4_0": "llamacpp-q4_0"}
 # Weight classes: fusedserve's engine first, its peers after.
 CLASSES = {"16-bit": ("fusedserve-bf16", "openvino-fp16", "llamacpp-bf16"),
            "int8": ("fusedserve-int8", "openvino-int8", "llamacpp-q8_0"),
            "int4": ("fusedserve-int4", "openvino-int4", "llamacpp-q4_0")}
+# fusedserve engines that differ from their class's first only in the KV cache, compared with its peers.
+KV_VARIANTS = {"fusedserve-bf16-kv8": "16-bit"}
 
 
 def prompts(n: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -72,7 +76,8 @@ def prompts(n: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
 # ------------------------------------------------------------------ engines (subprocess)
 
 def fusedserve_generate(model_dir: Path, batch: list[list[int]], new: int, quantization: str | None,
-                        device: str = "cpu", runs: int = RUNS, dtype: str = "bfloat16") -> list[float]:
+                        device: str = "cpu", runs: int = RUNS, dtype: str = "bfloat16",
+                        kv_cache_dtype: str = "auto") -> list[float]:
     """Output tokens/s of ``runs`` ``LLMEngine.generate`` calls over ``batch`` (a warm-up first)."""
     from coordinator.engine.llm_engine import LLMEngine
     from coordinator.sampling_params import SamplingParams
@@ -81,8 +86,8 @@ def fusedserve_generate(model_dir: Path, batch: list[list[int]], new: int, quant
     rc = dict(max_batch=len(batch), block_size=16, num_blocks=len(batch) * -(-total // 16) + 4,
               sampler_candidates=8)
     figures = []
-    with LLMEngine(str(model_dir), dtype=dtype, quantization=quantization, **rc,
-                   max_model_len=total + 16, device=device) as eng:
+    with LLMEngine(str(model_dir), dtype=dtype, quantization=quantization, **rc, max_model_len=total + 16,
+                   device=device, kv_cache_dtype=kv_cache_dtype) as eng:
         eng.generate([batch[0][:8]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         for _ in range(runs):
             eng.core.scheduler.blocks.flush()  # every run prefills its prompts
@@ -129,6 +134,8 @@ def run_engine(engine: str, model_dir: Path, ov_root: Path, batch: list[list[int
     quant = {"fusedserve-bf16": None, "fusedserve-int8": "int8", "fusedserve-int4": "int4"}
     if engine in quant:
         return fusedserve_generate(model_dir, batch, new, quant[engine], runs=runs)
+    if engine == "fusedserve-bf16-kv8":
+        return fusedserve_generate(model_dir, batch, new, None, runs=runs, kv_cache_dtype="int8")
     if engine in SAME_FILE:  # llama.cpp's file for its peer, made by measure() before
         path = cache_root() / f"llamacpp-{model_dir.name}" / f"{llama_cpp.WEIGHTS[SAME_FILE[engine]]}.gguf"
         return fusedserve_generate(path, batch, new, None, runs=runs)
@@ -239,8 +246,8 @@ def table(res: dict) -> list[str]:
                      + f" | {bw} |")
     lines += ["", "| ratio of medians | " + " | ".join(f"batch {b}" for b in batches) + " |",
               "|---" * (len(batches) + 1) + "|"]
-    for cls, (ours, *peers) in CLASSES.items():
-        have = [p for p in peers if p in r]
+    for ours, cls in [*((c[0], name) for name, c in CLASSES.items()), *KV_VARIANTS.items()]:
+        have = [p for p in CLASSES[cls][1:] if p in r]
         if ours in r and have:
             lines.append(f"| {ours} / best of {', '.join(have)} ({cls}) | " + " | ".join(
                 f"{r[ours][x] / max(r[p][x] for p in have):.2f}x" for x in batches) + " |")
@@ -288,7 +295,17 @@ def decode_at(engines: list[str], context: int, threads: int, openvino_python: s
         f1, fn = medians(first)[engine][1], medians(full)[engine][1]
         rates[engine] = DECODE_TOKENS / ((DECODE_TOKENS + 1) / fn - 1 / f1)
     return {"machine": full["machine"], "isa": isa, "context": context, "runs": runs, "decode_tok_s": rates,
-            "prefill_s": {e: 1 / medians(first)[e][1] for e in first["results"]}}
+            "prefill_s": {e: 1 / medians(first)[e][1] for e in first["results"]},
+            "openvino_kv_cache_precision": openvino_kv_precision(openvino_python)}
+
+
+def openvino_kv_precision(python: str | None) -> str | None:
+    """The KV cache precision OpenVINO's CPU plugin picks on this host (its default), or None."""
+    if not python:
+        return None
+    code = "import openvino as ov; print(ov.Core().get_property('CPU', 'KV_CACHE_PRECISION'))"
+    r = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
+    return r.stdout.strip() or None if r.returncode == 0 else None
 
 
 def decode_table(res: dict) -> list[str]:
@@ -297,11 +314,14 @@ def decode_table(res: dict) -> list[str]:
     for engine, v in res["decode_tok_s"].items():
         lines.append(f"| {engine} | {v:.1f} | {res['prefill_s'][engine]:.2f} |")
     r = res["decode_tok_s"]
-    for cls, (ours, *peers) in CLASSES.items():
-        have = [p for p in peers if p in r]
+    for ours, cls in [*((c[0], name) for name, c in CLASSES.items()), *KV_VARIANTS.items()]:
+        have = [p for p in CLASSES[cls][1:] if p in r]
         if ours in r and have:
             ratio = r[ours] / max(r[p] for p in have)
             lines.append(f"| {ours} / best of {', '.join(have)} ({cls}) | {ratio:.2f}x | |")
+    if res.get("openvino_kv_cache_precision"):
+        lines += ["", f"OpenVINO's KV cache precision on this CPU (its default): "
+                  f"`{res['openvino_kv_cache_precision']}`; llama.cpp's: f16 (its default)."]
     return lines
 
 

@@ -76,10 +76,10 @@ def launch(arena: HostArena, batch: ScheduledBatch, step: int, cfg: EngineConfig
 
 def run(batches: list[int], context: int, steps: int, dtype: str, quantization: str | None = None,
         model_dir: str | None = None, device: str = "cpu", graphs: str = "off",
-        tp: TensorParallel = SINGLE) -> dict:
+        tp: TensorParallel = SINGLE, kv_cache_dtype: str = "auto") -> dict:
     """``graphs``: the runner's setting ("auto" captures CUDA graphs per batch bucket). ``tp``: run
     one rank of a tensor-parallel group (every rank calls this at once; only rank 0 copies ids
-    back, and no rank probes the bandwidth)."""
+    back, and no rank probes the bandwidth). ``kv_cache_dtype``: auto or int8."""
     model = Qwen3Model.from_pretrained(model_dir or checkpoint(), dtype, device,
                                        max_model_len=context + steps + 16, quantization=quantization, tp=tp)
     c = model.config
@@ -87,9 +87,10 @@ def run(batches: list[int], context: int, steps: int, dtype: str, quantization: 
     max_b = max(batches)
     per_seq = -(-(context + steps + 1) // bs)
     cfg, arena, runner = bench_runner(model, "bench", max_batch=max_b, block_size=bs,
-                                      num_blocks=max_b * per_seq, sampler_candidates=64, graphs=graphs)
+                                      num_blocks=max_b * per_seq, sampler_candidates=64, graphs=graphs,
+                                      kv_cache_dtype=kv_cache_dtype)
     wbytes = weight_bytes(model)
-    kv_per_token = c.num_hidden_layers * 2 * c.kv_size * model.dtype.itemsize
+    kv_per_token = runner.kv.nbytes // runner.kv.data.shape[2] * tp.size  # every layer's K and V, a token
     rows = []
     for b in batches:
         tables = np.arange(b * per_seq, dtype=np.int32).reshape(b, per_seq)
@@ -118,6 +119,7 @@ def run(batches: list[int], context: int, steps: int, dtype: str, quantization: 
         r["fraction_of_read_bw"] = r["achieved_gbps"] * 1e9 / bw_read
     return {"machine": machine(), "device": device, "graphs": graphs, "dtype": dtype, "context": context,
             "weights_bytes": wbytes, "quantization": quantization or "none", "kernels": kernels,
+            "kv_cache_dtype": kv_cache_dtype,
             "read_bw_gbps": bw_read / 1e9, "copy_bw_gbps": bw_copy / 1e9, "rows": rows}
 
 
@@ -129,14 +131,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default=None, choices=["int8", "int8-weight-only", "int4"])
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the benchmark model)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     res = run([int(b) for b in args.batches.split(",")], args.context, args.steps, args.dtype,
-              args.quantization, args.model)
+              args.quantization, args.model, kv_cache_dtype=args.kv_cache_dtype)
     print(f"{res['machine']}; read bw {res['read_bw_gbps']:.1f} GB/s, copy bw {res['copy_bw_gbps']:.1f} GB/s")
     print(f"kernels: {res['kernels']}")
     print(f"weights read per step: {res['weights_bytes'] / 2**20:.0f} MiB ({res['dtype']}, "
-          f"quantization {res['quantization']})")
+          f"quantization {res['quantization']}); KV cache {res['kv_cache_dtype']}")
     head = ("B", "ms/step (min-max)", "tok/s", "GB/s", "%bw", "h2d", "d2h", "anchor d2h")
     print("{:>4} {:>22} {:>8} {:>6} {:>5} {:>6} {:>6} {:>11}".format(*head))
     for r in res["rows"]:

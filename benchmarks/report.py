@@ -427,6 +427,7 @@ def formats_section(args: argparse.Namespace, t: list) -> list[str]:
 LONG_HEADING = "## CPU: the GEMM choice and long prompts"
 LONG_RESULTS = RESULTS / "long_prompts.json"
 LONG_ENGINES = "fusedserve-bf16,openvino-fp16,llamacpp-bf16"
+DECODE_AT_ENGINES = "fusedserve-bf16,fusedserve-bf16-kv8,openvino-fp16,llamacpp-bf16"
 
 
 def long_section(args: argparse.Namespace, t: list) -> list[str]:
@@ -442,7 +443,7 @@ def long_section(args: argparse.Namespace, t: list) -> list[str]:
         if value:
             peers += [flag, value]
     pre = cpu_peers.main([*peers, "--prefill", "4096"])
-    dec = cpu_peers.main([*peers, "--decode-at", "4096"])
+    dec = cpu_peers.main([*peers[2:], "--engines", DECODE_AT_ENGINES, "--decode-at", "4096"])
     LONG_RESULTS.write_text(json.dumps({"prefill": pre, "decode_at": dec}, indent=1))
     lines = ["", LONG_HEADING, "",
              f"`python -m benchmarks.gemm_choice` (build `{g['isa']}`, AMX {'yes' if g['amx'] else 'no'}): the "

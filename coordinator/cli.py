@@ -96,7 +96,8 @@ def _server_config(args: argparse.Namespace, token: str | None = None):
         workers=args.workers, device=args.device, dtype=args.dtype,
         quantization=args.quantization, max_model_len=args.max_model_len, max_batch=args.max_batch,
         block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization, generation_config=args.generation_config,
+        kv_cache_dtype=args.kv_cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization,
+        generation_config=args.generation_config,
         enable_prefix_caching=not args.no_prefix_caching,
         max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=not args.no_async_scheduling,
         threads_per_worker=args.threads_per_worker, cpu_gemm=args.cpu_gemm,
@@ -443,6 +444,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-num-seqs", "--max-batch", dest="max_batch", type=int, default=128,
                        help="sequences a worker runs at once (rows of a launch)")
         p.add_argument("--block-size", type=int, default=16)
+        p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                       help="auto: K/V in the model's dtype; int8: int8 values and a float32 scale per "
+                       "token and head (native CPU kernels): half the bytes a decode step reads from "
+                       "the cache, twice the tokens in the same memory")
         p.add_argument("--num-blocks", type=int, default=None,
                        help="KV blocks per worker (default: sized from memory, see --kv-cache-memory)")
         p.add_argument("--kv-cache-memory", type=_bytes, default=None,

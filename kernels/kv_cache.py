@@ -3,6 +3,11 @@
 A sequence's tokens live in the blocks listed by its block table; token ``p`` of a
 sequence is in slot ``table[p // block_size] * block_size + p % block_size`` of the
 flat cache. Blocks need not be contiguous or ordered.
+
+``kv_cache_dtype="int8"`` halves the bytes a decode step reads from the cache (what bounds it at
+long context): each head's row of a token holds its ``head_dim`` values quantized symmetrically
+to int8 and then their float32 scale in 4 bytes (``x = q * scale``), written by the layer's cache
+write and read by the native kernels (``kernels/csrc/kernels.h``: ``kv8_store``).
 """
 
 from __future__ import annotations
@@ -11,9 +16,31 @@ import torch
 
 from kernels.model.config import Qwen3Config
 
+KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
+KV8_SCALE_BYTES = 4  # an int8 row's float32 scale, after its values
+
+
+def kv_element(dtype: torch.dtype, kv_cache_dtype: str) -> tuple[torch.dtype, int]:
+    """The cache's element type and the extra elements per head row (an int8 row's scale)."""
+    if kv_cache_dtype == "int8":
+        return torch.int8, KV8_SCALE_BYTES
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                         f"got {kv_cache_dtype!r}")
+    return dtype, 0
+
+
+def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 cache rows ``[..., head_dim + 4]`` as ``[..., head_dim]`` values in ``dtype`` (q * scale,
+    rounded once, as the native prompt kernel reads them)."""
+    d = rows.shape[-1] - KV8_SCALE_BYTES
+    scale = rows[..., d:].contiguous().view(torch.float32)
+    return (rows[..., :d].float() * scale).to(dtype)
+
 
 class PagedKVCache:
-    """K and V for every layer: ``[layers, 2, num_blocks * block_size, kv_heads, head_dim]``."""
+    """K and V for every layer: ``[layers, 2, num_blocks * block_size, kv_heads, head_dim]`` in the
+    model's dtype, or int8 with 4 more bytes per row (``kv_cache_dtype="int8"``)."""
 
     def __init__(
         self,
@@ -22,18 +49,21 @@ class PagedKVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        kv_cache_dtype: str = "auto",
     ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.kv_cache_dtype = kv_cache_dtype
+        element, extra = kv_element(dtype, kv_cache_dtype)
         self.data = torch.zeros(
             config.num_hidden_layers,
             2,
             num_blocks * block_size,
             config.num_key_value_heads,
-            config.head_dim,
-            dtype=dtype,
+            config.head_dim + extra,
+            dtype=element,
             device=device,
         )
 

@@ -39,6 +39,9 @@ class CacheConfig:
     # Keep full KV blocks after their sequence ends, content-hashed, and reuse them as prompt
     # prefixes (coordinator/engine/block_manager.py).
     enable_prefix_caching: bool = True
+    # "auto": K/V in the model's dtype; "int8": per token and head, int8 values and a float32 scale
+    # (kernels/kv_cache.py): half the bytes, twice the tokens per byte; native CPU kernels only.
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be an integer >= 2, got {m!r}")
         if c.kv_cache_memory is not None and c.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {c.kv_cache_memory!r}")
+        if c.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be auto or int8, got {c.kv_cache_dtype!r}")
         if not 0 < c.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization}")
         if d.threads_per_worker < 0:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.kv_cache import kv_element
 from kernels.model.checkpoint_format import checkpoint_format
 from kernels.model.config import Qwen3Config
 
@@ -34,6 +35,7 @@ class KVPlan:
     bytes_per_block: int
     max_model_len: int
     source: str  # where the budget came from, for the startup line
+    kv_cache_dtype: str = "auto"
 
     @property
     def tokens(self) -> int:
@@ -46,15 +48,18 @@ class KVPlan:
 
     def describe(self) -> str:
         gib = self.num_blocks * self.bytes_per_block / (1 << 30)
-        return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.tokens} tokens per "
-                f"worker ({gib:.2f} GiB, {self.source}); maximum concurrency for {self.max_model_len} tokens "
-                f"per request: {self.max_concurrency:.2f}x")
+        kind = "" if self.kv_cache_dtype == "auto" else f" ({self.kv_cache_dtype})"
+        return (f"KV cache{kind}: {self.num_blocks} blocks x {self.block_size} tokens = {self.tokens} "
+                f"tokens per worker ({gib:.2f} GiB, {self.source}); maximum concurrency for "
+                f"{self.max_model_len} tokens per request: {self.max_concurrency:.2f}x")
 
 
-def bytes_per_token(model: Qwen3Config, dtype: torch.dtype, tp: int) -> int:
-    """K and V of every layer for one token on one rank (KV heads split, or replicated past them)."""
+def bytes_per_token(model: Qwen3Config, dtype: torch.dtype, tp: int, kv_cache_dtype: str = "auto") -> int:
+    """K and V of every layer for one token on one rank (KV heads split, or replicated past them);
+    an int8 cache's rows hold a byte per value and a 4-byte scale."""
     kv_heads = max(1, math.ceil(model.num_key_value_heads / tp))
-    return model.num_hidden_layers * 2 * kv_heads * model.head_dim * dtype.itemsize
+    element, extra = kv_element(dtype, kv_cache_dtype)
+    return model.num_hidden_layers * 2 * kv_heads * (model.head_dim + extra) * element.itemsize
 
 
 def memory_left() -> int:
@@ -91,9 +96,9 @@ def _budget(kv_memory: int | None, gpu_util: float, device_kind: str, weight_byt
 
 def plan(model: Qwen3Config, dtype: torch.dtype, block_size: int, num_blocks: int | None,
          kv_memory: int | None, gpu_util: float, device_kind: str, max_batch: int, max_model_len: int | None,
-         weight_bytes: int, ranks_on_node: int, tp: int) -> KVPlan:
+         weight_bytes: int, ranks_on_node: int, tp: int, kv_cache_dtype: str = "auto") -> KVPlan:
     """The worker's blocks and the context length, or ValueError naming what does not fit."""
-    per_block = bytes_per_token(model, dtype, tp) * block_size
+    per_block = bytes_per_token(model, dtype, tp, kv_cache_dtype) * block_size
     context = max_model_len or model.max_context
     if num_blocks is not None:
         blocks, source = num_blocks, "--num-blocks"
@@ -111,7 +116,7 @@ def plan(model: Qwen3Config, dtype: torch.dtype, block_size: int, num_blocks: in
                     "(--kv-cache-memory, --gpu-memory-utilization)", context, blocks * block_size, source,
                     blocks * block_size)
         context = blocks * block_size
-    return KVPlan(blocks, block_size, per_block, context, source)
+    return KVPlan(blocks, block_size, per_block, context, source, kv_cache_dtype)
 
 
 def weight_bytes(model_dir: str) -> int:

@@ -83,7 +83,7 @@ class LLMEngine:
                 c = cfg.cache
                 kv = kv_sizing.plan(model.config, model.dtype, c.block_size, None, c.kv_cache_memory,
                                     c.gpu_memory_utilization, model.device.type, cfg.scheduler.max_batch,
-                                    model.max_model_len, 0, 1, model.tp.size)
+                                    model.max_model_len, 0, 1, model.tp.size, c.kv_cache_dtype)
                 cfg = cfg.replace(num_blocks=kv.num_blocks)
         else:
             device = probe(cfg.device.device)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.forward_batch import ForwardBatch
+from kernels.kv_cache import dequantize_rows
 
 
 @dataclass
@@ -39,12 +40,15 @@ def plan_chunks(batch: ForwardBatch, block_size: int) -> list[PromptChunk]:
 
 def attend_chunks(chunks: list[PromptChunk], q: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, out: torch.Tensor, scale: float) -> None:
-    """q/out: [T, heads, hd] for the whole batch; only the chunks' rows are written."""
+    """q/out: [T, heads, hd] for the whole batch; only the chunks' rows are written. int8 caches'
+    rows are dequantized to q's dtype."""
     for c in chunks:
         n, ctx = c.end - c.start, c.slots.shape[0]
         qs = q[c.start : c.end].transpose(0, 1).unsqueeze(0)
-        ks = k_cache.index_select(0, c.slots).transpose(0, 1).unsqueeze(0)
-        vs = v_cache.index_select(0, c.slots).transpose(0, 1).unsqueeze(0)
+        ks, vs = k_cache.index_select(0, c.slots), v_cache.index_select(0, c.slots)
+        if ks.dtype == torch.int8:
+            ks, vs = dequantize_rows(ks, q.dtype), dequantize_rows(vs, q.dtype)
+        ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
         p = ctx - n
         if p:
             mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(diagonal=p)

@@ -41,10 +41,12 @@ inline void values_block(const T* const* vrows, int64_t n, int64_t off, const fl
 // leaves its (max, sum, weighted values) per head; a second pass merges a sequence's items in
 // order. The split depends on the sequence's own length, never on the batch or the threads: a
 // row's output is the same in any batch.
-// GT: query heads per KV head known at compile time (0: not).
+// GT: query heads per KV head known at compile time (0: not). C: the cache's element, T, or int8_t
+// for quantized rows (kv8_store: D values, then their scale), whose K scale multiplies the score
+// and whose V scale the probability (after the softmax's sum took it).
 constexpr int64_t PART = 512;
 
-template <typename T, int GT>
+template <typename T, typename C, int GT>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
                            double scale, at::Tensor& out) {
@@ -52,13 +54,15 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t KVH = k_cache.size(1), G = GT > 0 ? GT : H / KVH;
   const int64_t bt_stride = block_tables.stride(0);  // rows may be a corner of a wider table
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  constexpr bool Q8 = std::is_same_v<C, int8_t>;
+  const C* kp = k_cache.data_ptr<C>();
+  const C* vp = v_cache.data_ptr<C>();
   T* op = out.data_ptr<T>();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
-  const int64_t slot_stride = KVH * D;
+  const int64_t hrow = Q8 ? D + KV8_SCALE_BYTES : D;  // a head's row in the cache, in C elements
+  const int64_t slot_stride = KVH * hrow;
   const int64_t DV = D - D % VL;  // vector part of a head row
   const float sc = static_cast<float>(scale);
   // Items (sequence, first token), a sequence's in order from first[b]; the scratch only grows.
@@ -122,18 +126,18 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
       }
       for (int64_t t0 = tb; t0 < te; t0 += CHUNK) {
         const int64_t n = std::min<int64_t>(CHUNK, te - t0);
-        const T* krows[CHUNK];
-        const T* vrows[CHUNK];
+        const C* krows[CHUNK];
+        const C* vrows[CHUNK];
         for (int64_t t = 0; t < n; ++t) {
           const int64_t pos = t0 + t;
           const int64_t slot = static_cast<int64_t>(bt[b * bt_stride + pos / block_size]) * block_size +
                                pos % block_size;
-          krows[t] = kp + slot * slot_stride + kh0 * D;
-          vrows[t] = vp + slot * slot_stride + kh0 * D;
+          krows[t] = kp + slot * slot_stride + kh0 * hrow;
+          vrows[t] = vp + slot * slot_stride + kh0 * hrow;
         }
         for (int64_t t = 0; t < n; ++t) {  // scores: each K row once for its G query heads
           for (int64_t h = 0; h < hpg; ++h) {
-            const T* krow = krows[t] + h * D;
+            const C* krow = krows[t] + h * hrow;
             const float* qh = qf + h * G * D;
             vf a[GT > 0 ? GT : MAX_GROUP];
             for (int64_t g = 0; g < G; ++g) a[g] = vzero();
@@ -144,6 +148,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
             for (int64_t g = 0; g < G; ++g) {
               float v = vsum(a[g]);
               for (int64_t d = DV; d < D; ++d) v += qh[g * D + d] * to_f(krow[d]);
+              if constexpr (Q8) v *= kv8_scale(krow, D);
               s[(h * G + g) * CHUNK + t] = v;
             }
           }
@@ -167,22 +172,28 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
           l[j] += vsum(sum);
           mx[j] = m;
         }
+        if constexpr (Q8)  // each token's V scale into its probabilities, for the value sums
+          for (int64_t h = 0; h < hpg; ++h)
+            for (int64_t t = 0; t < n; ++t) {
+              const float vs = kv8_scale(vrows[t] + h * hrow, D);
+              for (int64_t g = 0; g < G; ++g) s[(h * G + g) * CHUNK + t] *= vs;
+            }
         if constexpr (GT > 0) {  // values: acc[g] += p[g, t] * v[t], a block of acc in registers
           constexpr int VB = GT <= 2 ? 4 : GT <= 4 ? 2 : 1;
           for (int64_t h = 0; h < hpg; ++h) {
             float* ah = acc + h * G * D;
             const float* sh = s + h * G * CHUNK;
             int64_t d = 0;
-            for (; d + VB * VL <= DV; d += VB * VL) values_block<T, GT, VB>(vrows, n, h * D + d, sh, ah + d, D);
-            for (; d < DV; d += VL) values_block<T, GT, 1>(vrows, n, h * D + d, sh, ah + d, D);
+            for (; d + VB * VL <= DV; d += VB * VL) values_block<C, GT, VB>(vrows, n, h * hrow + d, sh, ah + d, D);
+            for (; d < DV; d += VL) values_block<C, GT, 1>(vrows, n, h * hrow + d, sh, ah + d, D);
             for (int64_t t = 0; t < n; ++t)
               for (d = DV; d < D; ++d)
-                for (int64_t g = 0; g < G; ++g) ah[g * D + d] += sh[g * CHUNK + t] * to_f(vrows[t][h * D + d]);
+                for (int64_t g = 0; g < G; ++g) ah[g * D + d] += sh[g * CHUNK + t] * to_f(vrows[t][h * hrow + d]);
           }
         } else {
           for (int64_t t = 0; t < n; ++t) {  // values, in page order
             for (int64_t h = 0; h < hpg; ++h) {
-              const T* vrow = vrows[t] + h * D;
+              const C* vrow = vrows[t] + h * hrow;
               float* ah = acc + h * G * D;
               const float* sh = s + h * G * CHUNK + t;
               for (int64_t d = 0; d < DV; d += VL) {
@@ -230,38 +241,54 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   });
 }
 
-template <typename T>
+template <typename T, typename C>
 void decode_attention_g(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
                         double scale, at::Tensor& out) {
   switch (q.size(1) / k_cache.size(1)) {
-    case 1: decode_attention_impl<T, 1>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
-    case 2: decode_attention_impl<T, 2>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
-    case 4: decode_attention_impl<T, 4>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
-    case 8: decode_attention_impl<T, 8>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
-    default: decode_attention_impl<T, 0>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
+#define FS_G(GT) decode_attention_impl<T, C, GT>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out)
+    case 1: FS_G(1); break;
+    case 2: FS_G(2); break;
+    case 4: FS_G(4); break;
+    case 8: FS_G(8); break;
+    default: FS_G(0); break;
+#undef FS_G
   }
+}
+
+template <typename T>
+void decode_attention_c(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
+                        double scale, at::Tensor& out) {
+  if (k_cache.scalar_type() == at::kChar)
+    decode_attention_g<T, int8_t>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out);
+  else
+    decode_attention_g<T, T>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out);
 }
 
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
                       double scale, at::Tensor out) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3,
-              "decode_attention: q/out [B, H, D], caches [slots, KVH, D]");
+              "decode_attention: q/out [B, H, D], caches [slots, KVH, D] (int8: D + 4)");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "decode_attention: head rows and caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
               block_tables.stride(1) == 1 && seq_lens.is_contiguous(), "decode_attention: int32 tables");
   const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
+  const bool q8 = k_cache.scalar_type() == at::kChar;
   TORCH_CHECK(H % KVH == 0 && H / KVH <= MAX_GROUP && H <= MAX_GROUP * 64 && D <= MAX_HEAD_DIM &&
-              k_cache.size(2) == D,
+              k_cache.size(2) == D + (q8 ? KV8_SCALE_BYTES : 0) && v_cache.sizes() == k_cache.sizes(),
               "decode_attention: unsupported head layout");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
-              "decode_attention: q, cache and out dtypes differ");
+  TORCH_CHECK((q8 || q.scalar_type() == k_cache.scalar_type()) && v_cache.scalar_type() == k_cache.scalar_type() &&
+              q.scalar_type() == out.scalar_type(),
+              "decode_attention: the caches are q's dtype or int8, out is q's");
   switch (q.scalar_type()) {
-    case at::kFloat: decode_attention_g<float>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
-    case at::kBFloat16: decode_attention_g<bf16>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
-    case at::kHalf: decode_attention_g<f16>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out); break;
+#define FS_T(T) decode_attention_c<T>(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out)
+    case at::kFloat: FS_T(float); break;
+    case at::kBFloat16: FS_T(bf16); break;
+    case at::kHalf: FS_T(f16); break;
+#undef FS_T
     default: TORCH_CHECK(false, "decode_attention: unsupported dtype ", q.scalar_type());
   }
 }

@@ -201,6 +201,20 @@ inline float quantize_row_i8(const T* x, int64_t K, int8_t* q, uint8_t flip) {
   return s;
 }
 
+// An int8 K/V cache row (``--kv-cache-dtype int8``): a head's D values quantized as above
+// (symmetric, round-half-even), then their float32 scale in the row's last 4 bytes: x = q * scale.
+constexpr int64_t KV8_SCALE_BYTES = 4;
+inline float kv8_scale(const int8_t* row, int64_t D) {
+  float s;
+  std::memcpy(&s, row + D, sizeof(s));
+  return s;
+}
+template <typename T>
+inline void kv8_store(const T* x, int64_t D, int8_t* row) {
+  const float s = quantize_row_i8(x, D, row, 0);
+  std::memcpy(row + D, &s, sizeof(s));
+}
+
 // prompt_attention.cpp
 bool has_prompt_attention();
 void prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

@@ -51,12 +51,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("out"), py::arg("zeros") = py::none());
   m.def("linear", &linear, "out = x @ w.T (x scale for int8 w), fp32 accumulation",
         py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("out"));
-  m.def("decode_attention", &decode_attention, "paged decode attention, K/V read in place",
+  m.def("decode_attention", &decode_attention, "paged decode attention, K/V read in place (bf16/fp16/fp32 or int8 rows + scale)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("block_size"), py::arg("scale"), py::arg("out"));
   m.def("has_prompt_attention", &has_prompt_attention, "whether prompt_attention runs in this build");
   m.def("prompt_attention", &prompt_attention,
-        "prompt chunks' causal attention over the paged bf16 cache, flash style (vdpbf16ps)",
+        "prompt chunks' causal attention over the paged bf16 or int8 cache, flash style (vdpbf16ps)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("chunks"),
         py::arg("block_size"), py::arg("scale"), py::arg("out"));
   m.def("add_rms_norm", &add_rms_norm, "x += add; out = rms_norm(x) * w (rows)",

@@ -70,15 +70,18 @@ inline void norm_rope_head(const T* src, const T* w, const T* cos, const T* sin,
   }
 }
 
-template <typename T>
+// C: the caches' element, T or int8_t (rows of D values and their scale, kv8_store).
+template <typename T, typename C>
 void qk_norm_rope_impl(at::Tensor& qkv, const at::Tensor& qw, const at::Tensor& kw, const at::Tensor& cos,
                        const at::Tensor& sin, double eps, at::Tensor& q_out, int64_t H, int64_t KVH,
-                       T* kc, T* vc, const int64_t* slots) {
+                       C* kc, C* vc, const int64_t* slots) {
+  constexpr bool Q8 = std::is_same_v<C, int8_t> && !std::is_same_v<T, int8_t>;
   const int64_t N = qkv.size(0), D = qw.numel(), ld = qkv.stride(0);
+  const int64_t hrow = Q8 ? D + KV8_SCALE_BYTES : D;  // a head's row in the cache, in C elements
   T* base = qkv.data_ptr<T>();
   T* qo = q_out.data_ptr<T>();
   const T *qwp = qw.data_ptr<T>(), *kwp = kw.data_ptr<T>(), *cp = cos.data_ptr<T>(), *sp = sin.data_ptr<T>();
-  const int64_t ldc = cos.stride(0), lds = sin.stride(0), kv_row = KVH * D;
+  const int64_t ldc = cos.stride(0), lds = sin.stride(0), kv_row = KVH * D, slot_row = KVH * hrow;
   const float e = static_cast<float>(eps);
   at::parallel_for(0, N * (H + KVH), 8, [&](int64_t w0, int64_t w1) {
     T tmp[MAX_HEAD_DIM];
@@ -92,9 +95,15 @@ void qk_norm_rope_impl(at::Tensor& qkv, const at::Tensor& qw, const at::Tensor& 
         T* k = base + n * ld + H * D + (h - H) * D;
         norm_rope_head(k, kwp, c, s, e, D, tmp, k);
         if (kc) {  // this token's K and V into its cache slot
-          const int64_t slot = slots[n];
-          std::memcpy(kc + slot * kv_row + (h - H) * D, k, D * sizeof(T));
-          std::memcpy(vc + slot * kv_row + (h - H) * D, k + kv_row, D * sizeof(T));
+          C* kd = kc + slots[n] * slot_row + (h - H) * hrow;
+          C* vd = vc + slots[n] * slot_row + (h - H) * hrow;
+          if constexpr (Q8) {
+            kv8_store(k, D, kd);
+            kv8_store(k + kv_row, D, vd);
+          } else {
+            std::memcpy(kd, k, D * sizeof(T));
+            std::memcpy(vd, k + kv_row, D * sizeof(T));
+          }
         }
       }
     }
@@ -102,7 +111,8 @@ void qk_norm_rope_impl(at::Tensor& qkv, const at::Tensor& qw, const at::Tensor& 
 }
 
 // q_out[n, h] = rotary(RMSNorm(q[n, h]) * qw); k heads of qkv normalised and rotated in place; with
-// caches given, each token's k and v heads also land in row slots[n] of k_cache / v_cache.
+// caches given, each token's k and v heads also land in row slots[n] of k_cache / v_cache: as they
+// are ([slots, KVH, D] in qkv's dtype), or quantized (int8 [slots, KVH, D + 4], kv8_store).
 void qk_norm_rope(at::Tensor qkv, const at::Tensor& qw, const at::Tensor& kw, const at::Tensor& cos,
                   const at::Tensor& sin, double eps, at::Tensor q_out, int64_t H, int64_t KVH,
                   const c10::optional<at::Tensor>& k_cache, const c10::optional<at::Tensor>& v_cache,
@@ -115,20 +125,29 @@ void qk_norm_rope(at::Tensor qkv, const at::Tensor& qw, const at::Tensor& kw, co
   TORCH_CHECK(qkv.scalar_type() == q_out.scalar_type() && qkv.scalar_type() == cos.scalar_type() &&
               qkv.scalar_type() == qw.scalar_type(), "qk_norm_rope: dtypes");
   const bool cache = k_cache.has_value();
+  const bool q8 = cache && k_cache->scalar_type() == at::kChar;
   if (cache) {
+    const bool layout = q8 ? k_cache->size(-2) == KVH && k_cache->size(-1) == D + KV8_SCALE_BYTES
+                           : k_cache->scalar_type() == qkv.scalar_type() &&
+                                 k_cache->size(-1) * k_cache->size(-2) == KVH * D;
     TORCH_CHECK(v_cache.has_value() && slot_mapping.has_value() && k_cache->is_contiguous() &&
-                v_cache->is_contiguous() && k_cache->scalar_type() == qkv.scalar_type() &&
-                v_cache->scalar_type() == qkv.scalar_type() && k_cache->numel() == v_cache->numel() &&
-                k_cache->size(-1) * k_cache->size(-2) == KVH * D && slot_mapping->scalar_type() == at::kLong &&
+                v_cache->is_contiguous() && v_cache->scalar_type() == k_cache->scalar_type() &&
+                k_cache->numel() == v_cache->numel() && layout && slot_mapping->scalar_type() == at::kLong &&
                 slot_mapping->numel() == qkv.size(0) && slot_mapping->is_contiguous(),
-                "qk_norm_rope: caches [slots, KVH, D] in qkv's dtype, slot_mapping [N] int64");
+                "qk_norm_rope: caches [slots, KVH, D] in qkv's dtype or int8 [slots, KVH, D + 4], "
+                "slot_mapping [N] int64");
   }
+  const int64_t* slots = cache ? slot_mapping->data_ptr<int64_t>() : nullptr;
   switch (qkv.scalar_type()) {
 #define FS_QK(T, S)                                                                                        \
   case S:                                                                                                  \
-    qk_norm_rope_impl<T>(qkv, qw, kw, cos, sin, eps, q_out, H, KVH, cache ? k_cache->data_ptr<T>() : nullptr, \
-                         cache ? v_cache->data_ptr<T>() : nullptr,                                        \
-                         cache ? slot_mapping->data_ptr<int64_t>() : nullptr);                            \
+    if (q8)                                                                                                \
+      qk_norm_rope_impl<T, int8_t>(qkv, qw, kw, cos, sin, eps, q_out, H, KVH, k_cache->data_ptr<int8_t>(), \
+                                   v_cache->data_ptr<int8_t>(), slots);                                  \
+    else                                                                                                   \
+      qk_norm_rope_impl<T, T>(qkv, qw, kw, cos, sin, eps, q_out, H, KVH,                                   \
+                              cache ? k_cache->data_ptr<T>() : nullptr,                                  \
+                              cache ? v_cache->data_ptr<T>() : nullptr, slots);                          \
     break;
     FS_QK(float, at::kFloat)
     FS_QK(bf16, at::kBFloat16)

@@ -5,7 +5,7 @@
 // 0 .. p + j. Every chunk of the launch is served by one call.
 //
 // Per chunk and KV head, K and V are first copied out of the pages into the layouts vdpbf16ps
-// takes (each 32-bit word a pair of bf16):
+// takes (each 32-bit word a pair of bf16; an int8 cache's rows dequantized to bf16 on the way):
 //   K: [ctx/16][D/2][16] words: word (b, d2, i) = (k[16b + i][2 d2], k[16b + i][2 d2 + 1]), so one
 //      vector holds 16 keys' pair d2 and a query's pair d2, broadcast, scores 16 keys per op;
 //   V: [ctx/2][D] words: word (t2, d) = (v[2 t2][d], v[2 t2 + 1][d]), so one vector holds 16 dims
@@ -35,6 +35,16 @@ inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
 inline __m512 dpbf16(__m512 acc, __m512bh a, __m512bh b) {
   asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
   return acc;
+}
+
+// An int8 cache row (kv8_store) as bf16 bits: q * scale rounded to nearest even, 16 at a time.
+inline void dequant_row(const int8_t* row, int64_t D, uint16_t* dst) {
+  const __m512 s = _mm512_set1_ps(kv8_scale(row, D));
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d)))), s);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), (__m256i)_mm512_cvtneps_pbh(x));
+  }
 }
 
 struct Chunk {
@@ -187,9 +197,10 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
                       at::Tensor out) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3,
               "prompt_attention: q/out [T, H, D], caches [slots, KVH, D]");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
-              "prompt_attention: bf16 only");
+  const bool q8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && (q8 || k_cache.scalar_type() == at::kBFloat16) &&
+                  v_cache.scalar_type() == k_cache.scalar_type() && out.scalar_type() == at::kBFloat16,
+              "prompt_attention: bf16 q and out, bf16 or int8 caches");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "prompt_attention: head rows and caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1 &&
@@ -197,8 +208,11 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
                   chunks.is_contiguous(),
               "prompt_attention: int32 block tables, chunks [C, 4] int64 (row, first query, queries, ctx)");
   const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(1), G = H / KVH, D2 = D / 2;
-  TORCH_CHECK(H % KVH == 0 && D % 16 == 0 && k_cache.size(2) == D, "prompt_attention: unsupported head layout");
-  const int64_t C = chunks.size(0), bts = block_tables.stride(0), slot_stride = KVH * D;
+  const int64_t hrow = q8 ? D + KV8_SCALE_BYTES : D;  // a head's row in the cache, in elements
+  TORCH_CHECK(H % KVH == 0 && D % 16 == 0 && D <= MAX_HEAD_DIM && k_cache.size(2) == hrow &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "prompt_attention: unsupported head layout");
+  const int64_t C = chunks.size(0), bts = block_tables.stride(0), slot_stride = KVH * hrow;
   const int64_t* ch = chunks.data_ptr<int64_t>();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   std::vector<Chunk> cs(C);
@@ -214,8 +228,10 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     kbuf.resize(words);
     vbuf.resize(words);
   }
-  const uint16_t* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<bf16>());
-  const uint16_t* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<bf16>());
+  const uint16_t* kp = q8 ? nullptr : reinterpret_cast<const uint16_t*>(k_cache.data_ptr<bf16>());
+  const uint16_t* vp = q8 ? nullptr : reinterpret_cast<const uint16_t*>(v_cache.data_ptr<bf16>());
+  const int8_t* kp8 = q8 ? k_cache.data_ptr<int8_t>() : nullptr;
+  const int8_t* vp8 = q8 ? v_cache.data_ptr<int8_t>() : nullptr;
   uint32_t* kr = kbuf.data();
   uint32_t* vr = vbuf.data();
   // Repack: one (chunk, KV head, block of 32 keys) per unit of work.
@@ -225,6 +241,8 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     for (int64_t i = 0; i < KVH * nb; ++i) blocks.emplace_back(c, i);
   }
   at::parallel_for(0, static_cast<int64_t>(blocks.size()), 8, [&](int64_t b0, int64_t b1) {
+    thread_local std::vector<uint16_t> deq;  // an int8 block's K and V rows as bf16
+    if (q8 && deq.size() < static_cast<size_t>(2 * KB * D)) deq.resize(2 * KB * D);
     for (int64_t w = b0; w < b1; ++w) {
       const Chunk& c = cs[blocks[w].first];
       const int64_t nb = (c.ctx + KB - 1) / KB, h = blocks[w].second / nb, blk = blocks[w].second % nb;
@@ -237,8 +255,17 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         const int64_t pos = blk * KB + t;
         if (pos < c.ctx) {
           const int64_t slot = static_cast<int64_t>(bt[c.row * bts + pos / block_size]) * block_size + pos % block_size;
-          krow[t] = kp + slot * slot_stride + h * D;
-          vrow[t] = vp + slot * slot_stride + h * D;
+          if (q8) {
+            uint16_t* kd16 = deq.data() + t * D;
+            uint16_t* vd16 = deq.data() + (KB + t) * D;
+            dequant_row(kp8 + slot * slot_stride + h * hrow, D, kd16);
+            dequant_row(vp8 + slot * slot_stride + h * hrow, D, vd16);
+            krow[t] = kd16;
+            vrow[t] = vd16;
+          } else {
+            krow[t] = kp + slot * slot_stride + h * D;
+            vrow[t] = vp + slot * slot_stride + h * D;
+          }
         } else {
           krow[t] = vrow[t] = nullptr;
         }

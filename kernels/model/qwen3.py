@@ -86,8 +86,13 @@ class Qwen3Model:
 
     # ----------------------------------------------------------------- allocation
 
-    def new_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
-        return PagedKVCache(self.local, num_blocks, block_size, self.dtype, self.device)
+    def new_kv_cache(self, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto") -> PagedKVCache:
+        """``kv_cache_dtype``: ``auto`` (this model's dtype) or ``int8``, which only the native CPU
+        kernels read and write."""
+        if kv_cache_dtype != "auto" and self.kernels.name != "native":
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype} needs the native CPU kernels; this model "
+                             f"runs the {self.kernels.name} backend on {self.device.type}")
+        return PagedKVCache(self.local, num_blocks, block_size, self.dtype, self.device, kv_cache_dtype)
 
     def new_workspace(self, max_rows: int, block_size: int) -> Workspace:
         """Buffers for launches of up to ``max_rows`` tokens (and rows)."""
