@@ -280,7 +280,7 @@ def prefill_table(res: dict) -> list[str]:
     return lines
 
 
-DECODE_TOKENS = 64
+DECODE_TOKENS = 256  # long enough that the prefill's run-to-run spread is a small share of the difference
 
 
 def decode_at(engines: list[str], context: int, threads: int, openvino_python: str | None,
@@ -303,7 +303,7 @@ def openvino_kv_precision(python: str | None) -> str | None:
     """The KV cache precision OpenVINO's CPU plugin picks on this host (its default), or None."""
     if not python:
         return None
-    code = "import openvino as ov; print(ov.Core().get_property('CPU', 'KV_CACHE_PRECISION'))"
+    code = "import openvino as ov; print(ov.Core().get_property('CPU', 'KV_CACHE_PRECISION').to_string())"
     r = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
     return r.stdout.strip() or None if r.returncode == 0 else None
 

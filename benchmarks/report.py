@@ -451,7 +451,9 @@ def long_section(args: argparse.Namespace, t: list) -> list[str]:
              f"shapes, bf16 and W8A8, {g['measure_s']:.1f} s in all. oneDNN chosen for: "
              f"{', '.join(chosen) if chosen else 'nothing (the native kernels win every bucket here)'}.", "",
              "`python -m benchmarks.cpu_peers --prefill 4096` and `--decode-at 4096` (default:qwen3-0.6b, 2 "
-             "threads, a fresh process per engine and run, 3 runs round robin):", "",
+             "threads, a fresh process per engine and run, 3 runs round robin; decode: "
+             f"{cpu_peers.DECODE_TOKENS} tokens / (the median time to {cpu_peers.DECODE_TOKENS + 1} tokens - "
+             "the median time to 1); `fusedserve-bf16-kv8`: bf16 weights over an int8 KV cache):", "",
              *cpu_peers.prefill_table(pre), "", *cpu_peers.decode_table(dec)]
     r = {e: 1 / cpu_peers.medians(pre)[e][1] for e in pre["results"]}
     if "fusedserve-bf16" in r and "openvino-fp16" in r:

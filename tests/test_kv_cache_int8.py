@@ -186,6 +186,16 @@ def test_an_int8_cache_holds_a_byte_per_value_and_a_scale_per_head_row():
     assert int8.describe().startswith("KV cache (int8): ") and auto.describe().startswith("KV cache: ")
 
 
+def test_the_serve_flag_reaches_the_cache_config():
+    from coordinator.cli import _server_config, build_parser
+
+    assert _server_config(build_parser().parse_args(["serve"])).engine.cache.kv_cache_dtype == "auto"
+    cfg = _server_config(build_parser().parse_args(["serve", "--kv-cache-dtype", "int8"]))
+    assert cfg.engine.cache.kv_cache_dtype == "int8"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"])
+
+
 def test_an_unknown_kv_dtype_and_int8_off_the_cpu_are_refused(hf_checkpoints):
     with pytest.raises(ValueError, match="kv_cache_dtype must be auto or int8"):
         EngineConfig.build(kv_cache_dtype="fp8").check()
