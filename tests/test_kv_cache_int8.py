@@ -21,7 +21,7 @@ from kernels import native
 from kernels.kv_cache import KV8_SCALE_BYTES, dequantize_rows
 from kernels.model.config import Qwen3Config
 from shared_memory.engine_config import EngineConfig
-from tests.test_native_kernels import ISAS, _module, needs_native
+from tests.test_native_kernels import ISAS, _module, _paged, needs_native
 
 
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
@@ -35,20 +35,10 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _pages(lens: list[int], bs: int, kvh: int, hd: int, g: torch.Generator):
-    """int8 caches with each row's blocks scattered; per-head magnitudes vary (scales differ)."""
-    nblocks = sum(-(-n // bs) for n in lens) + 3
-    mag = torch.rand(nblocks * bs, kvh, 1, generator=g) * 4 + 0.1
-    kc = quantize_rows(torch.randn(nblocks * bs, kvh, hd, generator=g) * mag)
-    vc = quantize_rows(torch.randn(nblocks * bs, kvh, hd, generator=g) * mag)
-    perm = torch.randperm(nblocks, generator=g).tolist()
-    bt = torch.zeros(len(lens), max(-(-n // bs) for n in lens) + 1, dtype=torch.int32)
-    tables, at = [], 0
-    for i, n in enumerate(lens):
-        nb = -(-n // bs)
-        tables.append(perm[at : at + nb])
-        bt[i, :nb] = torch.tensor(tables[-1])
-        at += nb
-    return kc, vc, tables, bt
+    """``_paged``'s scattered pages, quantized; per-head magnitudes vary (scales differ)."""
+    kc, vc, tables, bt = _paged(lens, bs, kvh, hd, torch.float32, g)
+    mag = torch.rand(kc.shape[0], kvh, 1, generator=g) * 4 + 0.1
+    return quantize_rows(kc * mag), quantize_rows(vc * mag), tables, bt
 
 
 def _deq64(rows: torch.Tensor) -> torch.Tensor:
