@@ -77,18 +77,32 @@ inline void score_tile(const uint32_t* const* q, const uint32_t* k0, int64_t D2,
   }
 }
 
+// o[r] = o[r] x corr[r] + P V for CV vectors of 16 dims from c: R x CV accumulator chains (16 at
+// R = 8, CV = 2: enough independent vdpbf16ps to cover its latency), each row's probability pair
+// broadcast once for its CV vectors. Every lane sums its t2 terms in order, whatever CV is.
+template <int R, int CV>
+inline void value_cols(const uint32_t* p, const float* corr, const uint32_t* vp, int64_t D, int64_t c, float* o) {
+  __m512 a[R][CV];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < CV; ++j)
+      a[r][j] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + c + 16 * j), _mm512_set1_ps(corr[r]));
+  for (int t2 = 0; t2 < KB / 2; ++t2) {
+    __m512bh vv[CV];
+    for (int j = 0; j < CV; ++j) vv[j] = as_bh(_mm512_loadu_si512(vp + t2 * D + c + 16 * j));
+    for (int r = 0; r < R; ++r) {
+      const __m512bh pb = as_bh(_mm512_set1_epi32(static_cast<int>(p[r * (KB / 2) + t2])));
+      for (int j = 0; j < CV; ++j) a[r][j] = dpbf16(a[r][j], pb, vv[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < CV; ++j) _mm512_storeu_ps(o + r * D + c + 16 * j, a[r][j]);
+}
+
 template <int R>
 inline void value_tile(const uint32_t* p, const float* corr, const uint32_t* vp, int64_t D, float* o) {
-  for (int64_t c = 0; c < D; c += 16) {
-    __m512 a[R];
-    for (int r = 0; r < R; ++r) a[r] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + c), _mm512_set1_ps(corr[r]));
-    for (int t2 = 0; t2 < KB / 2; ++t2) {
-      const __m512bh vv = as_bh(_mm512_loadu_si512(vp + t2 * D + c));
-      for (int r = 0; r < R; ++r)
-        a[r] = dpbf16(a[r], as_bh(_mm512_set1_epi32(static_cast<int>(p[r * (KB / 2) + t2]))), vv);
-    }
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(o + r * D + c, a[r]);
-  }
+  int64_t c = 0;
+  for (; c + 32 <= D; c += 32) value_cols<R, 2>(p, corr, vp, D, c, o);
+  if (c < D) value_cols<R, 1>(p, corr, vp, D, c, o);
 }
 
 // 2^x for x <= 0 or -inf (0 for x below -149): 2^n * p(x - n), n = round(x), p a degree-5 Taylor
