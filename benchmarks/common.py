@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from coordinator.model_files.default_model import default_model_dir
-from kernels.native import cpu_model
+from kernels.native import cpu_generation, cpu_model
 
 PRESET = "benchmark"
 
@@ -23,7 +23,7 @@ def checkpoint() -> Path:
 
 
 def machine() -> str:
-    return (f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+    return (f"{cpu_model()} ({cpu_generation()}), {os.cpu_count()} cores, torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads, Python {platform.python_version()}")
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.native import cpu_model
+from kernels.native import cpu_flags, cpu_generation, cpu_model
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +67,11 @@ class GemmTiming:
 
 
 def host_key(isa: str, threads: int) -> str:
-    """What makes a timing valid elsewhere: the CPU model, the build's ISA, threads, torch."""
-    raw = f"{cpu_model()}|{isa}|{threads}|{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}"
+    """What makes a timing valid elsewhere: the CPU (its model name, and its family, model and
+    flags, which tell apart CPUs a hypervisor names alike), the build's ISA, threads, torch."""
+    flags = ",".join(sorted(cpu_flags()))
+    raw = (f"{cpu_model()}|{cpu_generation()}|{flags}|{isa}|{threads}|{torch.__version__}|"
+           f"{torch.backends.cpu.get_cpu_capability()}")
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
 
 

@@ -89,15 +89,33 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def cpu_model() -> str:
-    """The running CPU's model name (Linux /proc/cpuinfo; ``platform.processor()`` elsewhere)."""
+def _cpuinfo_fields() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (empty off Linux)."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            if not line.strip():
+                break
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or "unknown CPU"
+    return fields
+
+
+def cpu_model() -> str:
+    """The running CPU's model name (Linux /proc/cpuinfo; ``platform.processor()`` elsewhere)."""
+    return _cpuinfo_fields().get("model name") or platform.processor() or "unknown CPU"
+
+
+def cpu_generation() -> str:
+    """Vendor, family, model and stepping: what tells CPUs apart where a hypervisor shows one
+    model name for several (a VM's "AMD EPYC" is Zen 4 at family 25, Zen 5 at family 26)."""
+    f = _cpuinfo_fields()
+    if "cpu family" not in f:
+        return platform.machine() or "unknown"
+    return (f"{f.get('vendor_id', '?')} family {f['cpu family']} model {f.get('model', '?')} "
+            f"stepping {f.get('stepping', '?')}")
 
 
 def best_isa(flags: set[str]) -> str:

@@ -103,6 +103,22 @@ def test_the_faster_path_is_chosen_and_the_timing_cached(tmp_path):
     assert calls == before and again.measured_s == 0.0
 
 
+def test_the_cache_key_tells_apart_cpus_a_hypervisor_names_alike(monkeypatch):
+    """A VM shows Zen 4 and Zen 5 both as "AMD EPYC": their timings must not share a file."""
+    from kernels import gemm_choice
+
+    monkeypatch.setattr(gemm_choice, "cpu_model", lambda: "AMD EPYC")
+    keys = set()
+    for generation, flags in [("AuthenticAMD family 25 model 17 stepping 1", {"avx512f"}),
+                              ("AuthenticAMD family 26 model 2 stepping 1", {"avx512f"}),
+                              ("AuthenticAMD family 26 model 2 stepping 1", {"avx512f", "avx_vnni"})]:
+        monkeypatch.setattr(gemm_choice, "cpu_generation", lambda g=generation: g)
+        monkeypatch.setattr(gemm_choice, "cpu_flags", lambda f=flags: f)
+        keys.add(gemm_choice.host_key("avx512bf16", 2))
+    assert len(keys) == 3
+    assert gemm_choice.host_key("avx512bf16", 2) == gemm_choice.host_key("avx512bf16", 2)
+
+
 def test_a_matrix_gemm_that_raises_leaves_the_native_kernel(tmp_path):
     def broken(x, out):
         raise RuntimeError("no such shape")
