@@ -6,6 +6,12 @@ namespace fusedserve {
 
 constexpr int CHUNK = 32;  // context tokens scored before one online-softmax rescale
 
+// Ask for a row's cache lines ahead of its use (a hint: no effect on any result).
+inline void prefetch_row(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
+}
+
 inline void scale_f32(float a, float* acc, int64_t D) {
   vf av = vset(a);
   int64_t d = 0;
@@ -104,6 +110,19 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t hpg = KVH / groups;  // KV heads per work item
   const int64_t nq = hpg * G;  // query heads per work item
   const bool single = items == B;  // no sequence past PART tokens: nothing to merge
+  // A run's K/V rows (from token t0, at most CHUNK, up to te) of sequence b, from KV head kh.
+  auto rows_at = [&](int64_t b, int64_t t0, int64_t te, int64_t kh, const C** kr, const C** vr) -> int64_t {
+    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(CHUNK, te - t0));
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t pos = t0 + t;
+      const int64_t slot = static_cast<int64_t>(bt[b * bt_stride + pos / block_size]) * block_size +
+                           pos % block_size;
+      kr[t] = kp + slot * slot_stride + kh * hrow;
+      vr[t] = vp + slot * slot_stride + kh * hrow;
+    }
+    return n;
+  };
+  const int64_t row_bytes = hpg * hrow * static_cast<int64_t>(sizeof(C));  // an item's heads of a token
   at::parallel_for(0, items * groups, 1, [&](int64_t w0, int64_t w1) {
     thread_local std::vector<float> qbuf, sbuf;
     if (qbuf.size() < static_cast<size_t>(H * D)) qbuf.resize(H * D);
@@ -124,18 +143,35 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
         mx[j] = -INFINITY;
         l[j] = 0.f;
       }
+      // The chunk's K/V rows (this item's heads of each token: contiguous), and the next chunk's
+      // (this item's, else the next item's first), which the loops below prefetch a token at a
+      // time while this one is scored and summed: pages are scattered, so the hardware's stream
+      // prefetch restarts at every block, and a step over many sequences waits on memory.
+      const C* krows[CHUNK];
+      const C* vrows[CHUNK];
+      const C* knext[CHUNK];
+      const C* vnext[CHUNK];
+      int64_t n_next = rows_at(b, tb, te, kh0, krows, vrows);
       for (int64_t t0 = tb; t0 < te; t0 += CHUNK) {
-        const int64_t n = std::min<int64_t>(CHUNK, te - t0);
-        const C* krows[CHUNK];
-        const C* vrows[CHUNK];
-        for (int64_t t = 0; t < n; ++t) {
-          const int64_t pos = t0 + t;
-          const int64_t slot = static_cast<int64_t>(bt[b * bt_stride + pos / block_size]) * block_size +
-                               pos % block_size;
-          krows[t] = kp + slot * slot_stride + kh0 * hrow;
-          vrows[t] = vp + slot * slot_stride + kh0 * hrow;
+        const int64_t n = n_next;
+        if (t0 + CHUNK < te) {
+          n_next = rows_at(b, t0 + CHUNK, te, kh0, knext, vnext);
+        } else if (work + 1 < w1) {
+          const int64_t np = (work + 1) / groups, nb = irow[np];
+          n_next = rows_at(nb, it0[np], std::min<int64_t>(sl[nb], it0[np] + PART), ((work + 1) % groups) * hpg,
+                           knext, vnext);
+        } else {
+          n_next = 0;
+        }
+        for (int64_t t = n; t < n_next; ++t) {
+          prefetch_row(knext[t], row_bytes);
+          prefetch_row(vnext[t], row_bytes);
         }
         for (int64_t t = 0; t < n; ++t) {  // scores: each K row once for its G query heads
+          if (t < n_next) {
+            prefetch_row(knext[t], row_bytes);
+            prefetch_row(vnext[t], row_bytes);
+          }
           for (int64_t h = 0; h < hpg; ++h) {
             const C* krow = krows[t] + h * hrow;
             const float* qh = qf + h * G * D;
@@ -206,6 +242,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
             }
           }
         }
+        std::copy(knext, knext + n_next, krows);  // the next chunk's rows (unused past the item)
+        std::copy(vnext, vnext + n_next, vrows);
       }
       if (single)  // every sequence one item: its output now, as the merge would write it
         for (int64_t j = 0; j < nq; ++j) {
