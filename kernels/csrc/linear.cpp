@@ -115,13 +115,24 @@ inline __m512i widen_int8(const int8_t* p) {
 inline __m512i load_w(const bf16* p) { return _mm512_loadu_si512(p); }
 inline __m512i load_w(const int8_t* p) { return widen_int8(p); }
 
+// Lines of memory to ask for into L2 while a tile computes, spread evenly over its k pairs: the
+// next block of weights, a share per row tile, so a launch of several tiles streams the next
+// block from memory while its later tiles compute on the current one from cache (hints only).
+struct Prefetch {
+  const char* p = nullptr;
+  int64_t lines = 0;
+};
+
 // W: bf16 (a packed weight, or an int8 block widened ahead) or int8 widened in registers.
 template <int M, int NV, typename W>
-inline void packed_tile(const bf16* x, int64_t ldx, int64_t K2, const W* const* w, __m512* res) {
+inline void packed_tile(const bf16* x, int64_t ldx, int64_t K2, const W* const* w, __m512* res, Prefetch pf) {
   __m512 a[M][NV];
   for (int i = 0; i < M; ++i)
     for (int v = 0; v < NV; ++v) a[i][v] = _mm512_setzero_ps();
+  const char* next = pf.p;
+  int64_t owed = 0;  // lines x k pairs done, less K2 per line asked for: pf.lines over K2 pairs
   for (int64_t kp = 0; kp < K2; ++kp) {
+    for (owed += pf.lines; owed >= K2; owed -= K2, next += 64) __builtin_prefetch(next, 0, 2);
     __m512i wv[NV];
     for (int v = 0; v < NV; ++v) wv[v] = load_w(w[v] + kp * 32);
     for (int i = 0; i < M; ++i) {
@@ -136,24 +147,26 @@ inline void packed_tile(const bf16* x, int64_t ldx, int64_t K2, const W* const* 
 }
 
 template <int NV, typename W>
-inline void packed_rows(int m, const bf16* x, int64_t ldx, int64_t K2, const W* const* w, __m512* res) {
+inline void packed_rows(int m, const bf16* x, int64_t ldx, int64_t K2, const W* const* w, __m512* res,
+                        Prefetch pf) {
   switch (m) {
-    case 6: packed_tile<6, NV>(x, ldx, K2, w, res); break;
-    case 5: packed_tile<5, NV>(x, ldx, K2, w, res); break;
-    case 4: packed_tile<4, NV>(x, ldx, K2, w, res); break;
-    case 3: packed_tile<3, NV>(x, ldx, K2, w, res); break;
-    case 2: packed_tile<2, NV>(x, ldx, K2, w, res); break;
-    default: packed_tile<1, NV>(x, ldx, K2, w, res); break;
+    case 6: packed_tile<6, NV>(x, ldx, K2, w, res, pf); break;
+    case 5: packed_tile<5, NV>(x, ldx, K2, w, res, pf); break;
+    case 4: packed_tile<4, NV>(x, ldx, K2, w, res, pf); break;
+    case 3: packed_tile<3, NV>(x, ldx, K2, w, res, pf); break;
+    case 2: packed_tile<2, NV>(x, ldx, K2, w, res, pf); break;
+    default: packed_tile<1, NV>(x, ldx, K2, w, res, pf); break;
   }
 }
 
 template <typename W>
-inline void packed_nv(int nv, int m, const bf16* x, int64_t ldx, int64_t K2, const W* const* w, __m512* res) {
+inline void packed_nv(int nv, int m, const bf16* x, int64_t ldx, int64_t K2, const W* const* w, __m512* res,
+                      Prefetch pf) {
   switch (nv) {
-    case 4: packed_rows<4>(m, x, ldx, K2, w, res); break;
-    case 3: packed_rows<3>(m, x, ldx, K2, w, res); break;
-    case 2: packed_rows<2>(m, x, ldx, K2, w, res); break;
-    default: packed_rows<1>(m, x, ldx, K2, w, res); break;
+    case 4: packed_rows<4>(m, x, ldx, K2, w, res, pf); break;
+    case 3: packed_rows<3>(m, x, ldx, K2, w, res, pf); break;
+    case 2: packed_rows<2>(m, x, ldx, K2, w, res, pf); break;
+    default: packed_rows<1>(m, x, ldx, K2, w, res, pf); break;
   }
 }
 
@@ -201,12 +214,21 @@ void linear_packed(const at::Tensor& x, const at::Tensor& packed, const c10::opt
       } else {
         for (int v = 0; v < nv; ++v) w[v] = packed.data_ptr<bf16>() + (v0 + v) * K2 * 32;
       }
+      // The next block of this thread's range, a share per row tile, where there are two tiles or
+      // more (a launch of one tile streams its block once: the hardware's prefetch keeps up).
+      const int64_t tiles = (M + MP - 1) / MP;
+      const int64_t elem = int8 ? 1 : 2, block_bytes = NP * K2 * 32 * elem;
+      const int64_t next_lines = blk + 1 < b1 && tiles > 1
+                                     ? std::min<int64_t>(NP, nvec - v0 - NP) * K2 * 32 * elem / 64 : 0;
+      const char* next = static_cast<const char*>(packed.data_ptr()) + (blk + 1) * block_bytes;
       for (int64_t m0 = 0; m0 < M; m0 += MP) {
         const int m = static_cast<int>(std::min<int64_t>(MP, M - m0));
+        const int64_t t = m0 / MP, l0 = t * next_lines / tiles, l1 = (t + 1) * next_lines / tiles;
+        const Prefetch pf{next + l0 * 64, l1 - l0};
         if (int8 && !widen_ahead)
-          packed_nv(nv, m, xp + m0 * ldx, ldx, K2, w8, res);
+          packed_nv(nv, m, xp + m0 * ldx, ldx, K2, w8, res, pf);
         else
-          packed_nv(nv, m, xp + m0 * ldx, ldx, K2, w, res);
+          packed_nv(nv, m, xp + m0 * ldx, ldx, K2, w, res, pf);
         for (int v = 0; v < nv; ++v) {
           const int64_t n0 = (v0 + v) * 16;
           const int valid = static_cast<int>(std::min<int64_t>(16, N - n0));
