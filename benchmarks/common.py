@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from coordinator.model_files.default_model import default_model_dir
-from kernels.native import cpu_generation, cpu_model
+from kernels.native import cpu_flags, cpu_generation, cpu_model
 
 PRESET = "benchmark"
 
@@ -25,6 +25,21 @@ def checkpoint() -> Path:
 def machine() -> str:
     return (f"{cpu_model()} ({cpu_generation()}), {os.cpu_count()} cores, torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads, Python {platform.python_version()}")
+
+
+# The CPU features that decide which kernels win, in the words the report uses.
+ISA_FEATURES = (("AMX-BF16", "amx_bf16"), ("AMX-INT8", "amx_int8"), ("AVX-512 FP16", "avx512_fp16"),
+                ("AVX-512 BF16", "avx512_bf16"), ("AVX-512 VNNI", "avx512_vnni"), ("AVX-512", "avx512f"),
+                ("AVX-VNNI", "avx_vnni"), ("AVX2", "avx2"))
+
+
+def isa_line() -> str:
+    """What this CPU has and lacks of ``ISA_FEATURES`` (AMX named either way): e.g. "AVX-512 BF16,
+    AVX-512 VNNI, AVX-512, AVX-VNNI, AVX2; no AMX"."""
+    flags = cpu_flags()
+    have = [name for name, flag in ISA_FEATURES if flag in flags]
+    amx = "AMX" if "amx_tile" in flags else "no AMX"
+    return f"{', '.join(have) or 'no vector extensions'}; {amx}"
 
 
 def _sync(device: torch.device) -> None:

@@ -180,7 +180,7 @@ def peer_section(args, t: list) -> list[str]:
     png = Path(args.out).with_name("benchmarks_cpu_peers.png")
     plot(peers["results"], "Qwen3-0.6B shape, 32 in / 64 out, 2 CPU threads", png)
     r = cpu_peers.medians(peers)
-    lines = ["", PEERS_HEADING, "",
+    lines = ["", PEERS_HEADING, "", host_line(), "",
              f"`python -m benchmarks.cpu_peers --openvino-python PY --llama-cpp DIR` ({peers['model']}: the real "
              f"config, random weights; 32 prompt / 64 new tokens, greedy, {peers['threads']} threads; every run a "
              f"fresh process per engine and batch, runs round robin, {RUNS} runs). Read bandwidth in this run: "
@@ -445,7 +445,7 @@ def long_section(args: argparse.Namespace, t: list) -> list[str]:
     pre = cpu_peers.main([*peers, "--prefill", "4096"])
     dec = cpu_peers.main([*peers[2:], "--engines", DECODE_AT_ENGINES, "--decode-at", "4096"])
     LONG_RESULTS.write_text(json.dumps({"prefill": pre, "decode_at": dec}, indent=1))
-    lines = ["", LONG_HEADING, "",
+    lines = ["", LONG_HEADING, "", host_line(), "",
              f"`python -m benchmarks.gemm_choice` (build `{g['isa']}`, AMX {'yes' if g['amx'] else 'no'}): the "
              "load-time measurement of the native GEMMs against oneDNN's at row buckets 1-512, Qwen3-0.6B's "
              f"shapes, bf16 and W8A8, {g['measure_s']:.1f} s in all. oneDNN chosen for: "
@@ -470,7 +470,7 @@ def isa_section(args: argparse.Namespace, t: list) -> list[str]:
     from benchmarks import int_gemm_isa
 
     res = int_gemm_isa.main(["--threads", str(args.threads), "--json", str(RESULTS / "int_gemm_isa.json")])
-    return ["", ISA_HEADING, "",
+    return ["", ISA_HEADING, "", host_line(), "",
             "`python -m benchmarks.int_gemm_isa`: Qwen3-0.6B's projections, bf16 activations quantized per row "
             "in the call, builds interleaved. `avxvnni_evex` is the `avxvnni` build's code with its vpdpbusd "
             "EVEX-encoded, run where the CPU has AVX-512 VNNI but not AVX-VNNI: this CPU's 256-bit units, not an "
@@ -499,6 +499,14 @@ def spec_section(args: argparse.Namespace, t: list) -> list[str]:
     from benchmarks import speculative
 
     return spec_lines(speculative.main(["--json", str(SPEC_RESULTS)]), t)
+
+
+def host_line() -> str:
+    """The machine a section was measured on: sections re-run alone (``--only``) may come from
+    another host than the rest of the file."""
+    from benchmarks.common import isa_line, machine
+
+    return f"Host of this section: {machine()}; {isa_line()}."
 
 
 CORE_HEADING = "## Decode step (one worker, in-process launch path, greedy, context 128)"

@@ -147,3 +147,13 @@ def test_the_gpu_profile_runs_its_cases_on_the_cpu(monkeypatch):
         layers = model.config.num_hidden_layers
         assert abs(sum(r["kernels_per_layer_by_name"].values()) * layers - r["kernels_per_replay"]) < 1e-9
         assert r["kernels_per_replay"] > 0
+
+
+def test_the_report_names_the_host_isa_and_amx(monkeypatch):
+    """Sections re-run alone carry their host: its vector extensions, and AMX present or not."""
+    from benchmarks import common
+
+    monkeypatch.setattr(common, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16", "avx_vnni"})
+    assert common.isa_line() == "AVX-512 BF16, AVX-512, AVX-VNNI, AVX2; no AMX"
+    monkeypatch.setattr(common, "cpu_flags", lambda: {"avx2", "amx_tile", "amx_bf16", "amx_int8"})
+    assert common.isa_line() == "AMX-BF16, AMX-INT8, AVX2; AMX"
