@@ -472,9 +472,18 @@ def isa_section(args: argparse.Namespace, t: list) -> list[str]:
     res = int_gemm_isa.main(["--threads", str(args.threads), "--json", str(RESULTS / "int_gemm_isa.json")])
     return ["", ISA_HEADING, "", host_line(), "",
             "`python -m benchmarks.int_gemm_isa`: Qwen3-0.6B's projections, bf16 activations quantized per row "
-            "in the call, builds interleaved. `avxvnni_evex` is the `avxvnni` build's code with its vpdpbusd "
-            "EVEX-encoded, run where the CPU has AVX-512 VNNI but not AVX-VNNI: this CPU's 256-bit units, not an "
-            "AVX-VNNI CPU's.", "", *int_gemm_isa.table(res)]
+            f"in the call, builds interleaved. {evex_note(res['builds'])}", "", *int_gemm_isa.table(res)]
+
+
+def evex_note(builds: list[str]) -> str:
+    """What the ``avxvnni_evex`` column stands for on this host."""
+    twin = ("`avxvnni_evex` is the `avxvnni` build's code with its vpdpbusd EVEX-encoded, the stand-in for "
+            "`avxvnni` where a CPU has AVX-512 VNNI but not AVX-VNNI")
+    if "avxvnni" in builds and "avxvnni_evex" in builds:
+        return f"{twin}; this CPU has both, so the two columns check the stand-in against the real build."
+    if "avxvnni_evex" in builds:
+        return f"{twin}: this CPU's 256-bit units, not an AVX-VNNI CPU's."
+    return f"{twin}."
 
 
 SPEC_HEADING = "## Speculative decoding"
@@ -650,7 +659,7 @@ def main(argv: list[str] | None = None) -> None:
         splice(out, heading, section, t)
         return
     t0 = time.time()
-    from benchmarks.common import machine
+    from benchmarks.common import isa_line, machine
     from kernels import native
 
     isa = native.chosen_isa() if native.kernels() is not None else "none (ATen)"
@@ -660,7 +669,8 @@ def main(argv: list[str] | None = None) -> None:
              "(needs `pip install -e '.[bench]'`). Each part also runs alone: `python -m benchmarks.decode_step`, "
              "`python -m benchmarks.throughput`, `python -m benchmarks.latency`, ... Every figure is the median "
              f"of at least {RUNS} runs, written `median (min-max)`; every ratio is of medians measured in the "
-             "same run.", "", f"Machine: {machine()}; native CPU kernels built for `{isa}`.", ""]
+             "same run.", "", f"Machine (every section without a host line of its own): {machine()}; "
+             f"{isa_line()}; native CPU kernels built for `{isa}`.", ""]
     lines += core_section(args, t)
     lines += peer_section(args, t)
     if args.avx2_peers:
