@@ -29,10 +29,7 @@ SHAPES = {"qkv": (1024, 4096), "o_proj": (2048, 1024), "gate_up": (1024, 6144), 
 
 
 def cpu_has_amx() -> bool:
-    try:
-        return "amx_tile" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    return "amx_tile" in native.cpu_flags()
 
 
 def measure(threads: int) -> dict:

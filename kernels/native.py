@@ -80,13 +80,7 @@ def missing_toolchain() -> str | None:
 
 def cpu_flags() -> set[str]:
     """The running CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return set(_cpuinfo_fields().get("flags", "").split())
 
 
 def _cpuinfo_fields() -> dict[str, str]:

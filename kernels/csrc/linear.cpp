@@ -194,6 +194,8 @@ void linear_packed(const at::Tensor& x, const at::Tensor& packed, const c10::opt
   bf16* op = out.data_ptr<bf16>();
   const int64_t nvec = packed.size(0);
   const int64_t nblocks = (nvec + NP - 1) / NP;
+  const int64_t tiles = (M + MP - 1) / MP, elem = int8 ? 1 : 2, block_bytes = NP * K2 * 32 * elem;
+  const char* base = static_cast<const char*>(packed.data_ptr());
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     thread_local std::vector<bf16> wide;  // an int8 block widened to bf16
     __m512 res[MP * NP];
@@ -216,11 +218,9 @@ void linear_packed(const at::Tensor& x, const at::Tensor& packed, const c10::opt
       }
       // The next block of this thread's range, a share per row tile, where there are two tiles or
       // more (a launch of one tile streams its block once: the hardware's prefetch keeps up).
-      const int64_t tiles = (M + MP - 1) / MP;
-      const int64_t elem = int8 ? 1 : 2, block_bytes = NP * K2 * 32 * elem;
       const int64_t next_lines = blk + 1 < b1 && tiles > 1
                                      ? std::min<int64_t>(NP, nvec - v0 - NP) * K2 * 32 * elem / 64 : 0;
-      const char* next = static_cast<const char*>(packed.data_ptr()) + (blk + 1) * block_bytes;
+      const char* next = next_lines ? base + (blk + 1) * block_bytes : nullptr;
       for (int64_t m0 = 0; m0 < M; m0 += MP) {
         const int m = static_cast<int>(std::min<int64_t>(MP, M - m0));
         const int64_t t = m0 / MP, l0 = t * next_lines / tiles, l1 = (t + 1) * next_lines / tiles;
