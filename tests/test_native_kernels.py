@@ -285,6 +285,33 @@ def test_fused_norms_and_rotary_match_the_aten_ops(dtype):
     assert torch.equal(fused[:, (h + kvh) * hd :], qkv[:, (h + kvh) * hd :]), "v untouched"
 
 
+@needs_native
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_vector_rounding_to_16_bits_is_torchs_at_ties_denormals_overflow_and_nan(isa, dtype):
+    """The fused ops round a vector at a time (and bf16 by vcvtneps2bf16 where the build has it,
+    which flushes denormals): the residual add, a float sum rounded once, must come out as torch's
+    bit for bit, a tail past the last whole vector included."""
+    m = _module(isa)
+    tiny = torch.finfo(dtype).tiny
+    eps = torch.finfo(dtype).eps
+    pairs = [(1.0, eps / 2), (1.0 + eps, eps / 2), (-1.0, -eps / 2), (3.0, eps), (tiny / 4, tiny / 8),
+             (-tiny / 2, tiny / 8), (torch.finfo(dtype).max, torch.finfo(dtype).max), (float("nan"), 1.0),
+             (float("inf"), -1.0), (0.0, -0.0), (-0.0, -0.0), (1e-3, -1e-3)]
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 100, generator=g).to(dtype)
+    add = torch.randn(3, 100, generator=g).to(dtype)
+    for i, (a, b) in enumerate(pairs):  # each case inside a whole vector, and in the tail (96-99)
+        for col in (16 * (i // 3) + 3, 96 + i // 3):
+            x[i % 3, col], add[i % 3, col] = a, b
+    want = (x.float() + add.float()).to(dtype)
+    xs, out = x.clone(), torch.empty_like(x)
+    m.add_rms_norm(xs, add, torch.ones(100, dtype=dtype), 1e-6, out)
+    nan = want.isnan()
+    assert torch.equal(xs.isnan(), nan)
+    assert torch.equal(xs.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+
+
 def _packed_module():
     m = _module(ISAS[0])
     if not m.has_packed():

@@ -156,12 +156,80 @@ inline float to_f(bf16 v) { return static_cast<float>(v); }
 inline float to_f(f16 v) { return static_cast<float>(v); }
 inline float to_f(int8_t v) { return static_cast<float>(v); }
 
+// Rounding to the model's dtype a vector at a time, bit for bit as static_cast<T> rounds one value
+// (nearest even; a NaN becomes c10's 0x7FC0 in bf16), so the norms, rotary and SiLU x up run
+// vectorized and still round like transformers: vround<T>(x) is x rounded to T and widened back,
+// vstore(T*, x) stores x rounded to T.
+template <typename T>
+inline vf vround(vf x);
+template <>
+inline vf vround<float>(vf x) { return x; }
+#if defined(__AVX512F__)
+inline __m512i bf16_bits(vf x) {  // c10::BFloat16(x)'s bits in the low half of each 32-bit lane
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i bias =
+      _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+}
+template <>
+inline vf vround<bf16>(vf x) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(x), 16)); }
+template <>
+inline vf vround<f16>(vf x) {
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline void vstore(bf16* p, vf x) {
+#if defined(__AVX512BF16__)
+  // vcvtneps2bf16 rounds as c10 does but for denormals (to zero) and NaN payloads: a vector with
+  // either (fpclass: NaN or denormal) takes the exact path below.
+  if (_mm512_fpclass_ps_mask(x, 0xA1) == 0) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
+    return;
+  }
+#endif
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(x)));
+}
+inline void vstore(f16* p, vf x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#elif FS_VL > 1
+inline __m256i bf16_bits(vf x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i bias =
+      _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7fff));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+}
+template <>
+inline vf vround<bf16>(vf x) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(x), 16)); }
+template <>
+inline vf vround<f16>(vf x) {
+  return _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline void vstore(bf16* p, vf x) {
+  const __m256i b = bf16_bits(x);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
+inline void vstore(f16* p, vf x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#else
+template <>
+inline vf vround<bf16>(vf x) { return static_cast<float>(static_cast<bf16>(x)); }
+template <>
+inline vf vround<f16>(vf x) { return static_cast<float>(static_cast<f16>(x)); }
+inline void vstore(bf16* p, vf x) { *p = static_cast<bf16>(x); }
+inline void vstore(f16* p, vf x) { *p = static_cast<f16>(x); }
+#endif
+
 // Activation rows -> int8 for the integer GEMMs: q[k] = clamp(round(x[k] / s), -127, 127) with
 // s = max|x| / 127 (1 for a zero row), each byte xor'ed with ``flip`` (0x80 stores q + 128, the
 // unsigned form vpdpbusd reads). The vector and scalar parts round alike (the current mode,
 // round-half-even, as std::nearbyint), so a row quantizes the same on every ISA.
 #if defined(__AVX512F__)
 inline vf vabs(vf a) { return _mm512_abs_ps(a); }
+inline vf vneg(vf a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN))); }
 inline void store_i8(int8_t* q, vf v, uint8_t flip) {
   __m512i i = _mm512_cvtps_epi32(v);
   i = _mm512_max_epi32(_mm512_min_epi32(i, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
@@ -170,6 +238,7 @@ inline void store_i8(int8_t* q, vf v, uint8_t flip) {
 }
 #elif FS_VL > 1
 inline vf vabs(vf a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
+inline vf vneg(vf a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.f)); }
 inline void store_i8(int8_t* q, vf v, uint8_t flip) {
   __m256i i = _mm256_cvtps_epi32(v);
   i = _mm256_max_epi32(_mm256_min_epi32(i, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
@@ -179,6 +248,7 @@ inline void store_i8(int8_t* q, vf v, uint8_t flip) {
 }
 #else
 inline vf vabs(vf a) { return std::fabs(a); }
+inline vf vneg(vf a) { return -a; }
 #endif
 
 template <typename T>

@@ -21,7 +21,9 @@ inline float inv_rms(const T* x, int64_t D, float eps) {
 
 template <typename T>
 inline void norm_row(const T* x, const T* w, float r, int64_t D, T* out) {
-  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(to_f(w[d]) * to_f(static_cast<T>(to_f(x[d]) * r)));
+  int64_t d = 0;
+  for (; d + VL <= D; d += VL) vstore(out + d, vmul(vload(w + d), vround<T>(vmul(vload(x + d), vset(r)))));
+  for (; d < D; ++d) out[d] = static_cast<T>(to_f(w[d]) * to_f(static_cast<T>(to_f(x[d]) * r)));
 }
 
 template <typename T>
@@ -36,8 +38,12 @@ void add_rms_norm_impl(at::Tensor& x, const c10::optional<at::Tensor>& add, cons
   at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t n = r0; n < r1; ++n) {
       T* row = xp + n * ldx;
-      if (ap)
-        for (int64_t d = 0; d < D; ++d) row[d] = static_cast<T>(to_f(row[d]) + to_f(ap[n * lda + d]));
+      if (ap) {
+        const T* a = ap + n * lda;
+        int64_t d = 0;
+        for (; d + VL <= D; d += VL) vstore(row + d, _add(vload(row + d), vload(a + d)));
+        for (; d < D; ++d) row[d] = static_cast<T>(to_f(row[d]) + to_f(a[d]));
+      }
       norm_row(row, wp, inv_rms(row, D, static_cast<float>(eps)), D, op + n * ldo);
     }
   });
@@ -63,6 +69,15 @@ inline void norm_rope_head(const T* src, const T* w, const T* cos, const T* sin,
                            T* tmp, T* dst) {
   norm_row(src, w, inv_rms(src, D, eps), D, tmp);
   const int64_t half = D / 2;
+  if (half % VL == 0) {  // both halves a vector at a time: x cos + rot(x) sin, rot(x) = (-x2, x1)
+    for (int64_t d = 0; d < half; d += VL) {
+      const vf a = vload(tmp + d), b = vload(tmp + d + half);
+      vstore(dst + d, _add(vround<T>(vmul(a, vload(cos + d))), vround<T>(vmul(vneg(b), vload(sin + d)))));
+      vstore(dst + d + half,
+             _add(vround<T>(vmul(b, vload(cos + d + half))), vround<T>(vmul(a, vload(sin + d + half)))));
+    }
+    return;
+  }
   for (int64_t d = 0; d < D; ++d) {
     const float rot = d < half ? -to_f(tmp[d + half]) : to_f(tmp[d - half]);
     dst[d] = static_cast<T>(to_f(static_cast<T>(to_f(tmp[d]) * to_f(cos[d]))) +
@@ -168,12 +183,11 @@ void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
       const T* u = g + I;
       T* o = op + n * ldo;
       // Rounded like silu_ then mul in T: the activation to T, then the product to T.
-      float s[VL];
       int64_t i = 0;
       for (; i + VL <= I; i += VL) {
         const vf gv = vload(g + i);
-        vstore(s, _div(gv, _add(vset(1.f), vexp(_sub(vzero(), gv)))));
-        for (int j = 0; j < VL; ++j) o[i + j] = static_cast<T>(to_f(static_cast<T>(s[j])) * to_f(u[i + j]));
+        const vf s = _div(gv, _add(vset(1.f), vexp(_sub(vzero(), gv))));
+        vstore(o + i, vmul(vround<T>(s), vload(u + i)));
       }
       for (; i < I; ++i) {
         const float gv = to_f(g[i]);
