@@ -10,12 +10,14 @@
 //      vector holds 16 keys' pair d2 and a query's pair d2, broadcast, scores 16 keys per op;
 //   V: [ctx/2][D] words: word (t2, d) = (v[2 t2][d], v[2 t2 + 1][d]), so one vector holds 16 dims
 //      of two keys and a row's probabilities of those two keys, broadcast, add 16 dims per op.
-// A work item is up to 64 query rows (tokens x the KV head's query heads) of one chunk and head;
-// it walks the keys in blocks of 64 up to its last token's position, each block scored for 8 rows
+// A work item is up to 64 query rows (tokens x the KV head's query heads) of one chunk and head,
+// its queries copied once into tiles of 8 rows with their pairs interleaved ([D/2][8] words); it
+// walks the keys in blocks of 64 up to its last token's position, each block scored for 8 rows
 // at a time in registers, then an online softmax in fp32 and base 2 (scores times scale x log2 e;
 // the 8 rows' maxima, sums and rescale factors a vector at a time; the probabilities rounded to
 // bf16 for the value product, as flash attention does on GPUs), then P V into fp32 rows. Keys
-// past a row's position are masked, and blocks past all of a tile's rows are skipped.
+// past a row's position are masked (only in blocks on the diagonal: others take a tile step
+// without masks), and blocks past all of a tile's rows are skipped.
 #include "kernels.h"
 
 namespace fusedserve {
@@ -27,15 +29,13 @@ constexpr int KB = 64;  // keys per block: four vectors of scores
 constexpr int NV = KB / 16;
 constexpr int RT = 8;  // rows scored and accumulated together in registers
 constexpr int ITEM_ROWS = 64;  // query rows per work item
+// The tile's helpers run inside tile_step with its scores in registers: inlined whatever GCC's
+// size budget says (two masking variants x 8 row counts exceed it). Inlined so, the products are
+// _mm512_dpbf16_ps itself: GCC 12 keeps its accumulators in registers, where inline asm's "+v"
+// operands cost a register move or two per iteration of the inner loops.
+#define FS_ALWAYS_INLINE inline __attribute__((always_inline))
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
-
-// acc += pairs of a . pairs of b. Inline asm, not _mm512_dpbf16_ps: GCC 12 copies the intrinsic's
-// operands through the stack around each call in these loops (a store and a load per product).
-inline __m512 dpbf16(__m512 acc, __m512bh a, __m512bh b) {
-  asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
-  return acc;
-}
 
 // An int8 cache row (kv8_store) as bf16 bits: q * scale rounded to nearest even, 16 at a time.
 inline void dequant_row(const int8_t* row, int64_t D, uint16_t* dst) {
@@ -57,8 +57,10 @@ struct Item {
   int64_t kvh, j0, rows;
 };
 
+// Scores of R rows against 2 x 16 keys. q: the tile's query pairs interleaved, [D2][RT] words
+// (row r's pair d2 at d2 * RT + r), so every broadcast is one pointer plus a constant.
 template <int R>
-inline void score_tile(const uint32_t* const* q, const uint32_t* k0, int64_t D2, __m512* s) {
+FS_ALWAYS_INLINE void score_tile(const uint32_t* q, const uint32_t* k0, int64_t D2, __m512* s) {
   __m512 a0[R], a1[R];
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
   const uint32_t* k1 = k0 + D2 * 16;
@@ -66,9 +68,9 @@ inline void score_tile(const uint32_t* const* q, const uint32_t* k0, int64_t D2,
     const __m512bh kv0 = as_bh(_mm512_loadu_si512(k0 + d2 * 16));
     const __m512bh kv1 = as_bh(_mm512_loadu_si512(k1 + d2 * 16));
     for (int r = 0; r < R; ++r) {
-      const __m512bh qb = as_bh(_mm512_set1_epi32(static_cast<int>(q[r][d2])));
-      a0[r] = dpbf16(a0[r], qb, kv0);
-      a1[r] = dpbf16(a1[r], qb, kv1);
+      const __m512bh qb = as_bh(_mm512_set1_epi32(static_cast<int>(q[d2 * RT + r])));
+      a0[r] = _mm512_dpbf16_ps(a0[r], qb, kv0);
+      a1[r] = _mm512_dpbf16_ps(a1[r], qb, kv1);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -81,7 +83,7 @@ inline void score_tile(const uint32_t* const* q, const uint32_t* k0, int64_t D2,
 // R = 8, CV = 2: enough independent vdpbf16ps to cover its latency), each row's probability pair
 // broadcast once for its CV vectors. Every lane sums its t2 terms in order, whatever CV is.
 template <int R, int CV>
-inline void value_cols(const uint32_t* p, const float* corr, const uint32_t* vp, int64_t D, int64_t c, float* o) {
+FS_ALWAYS_INLINE void value_cols(const uint32_t* p, const float* corr, const uint32_t* vp, int64_t D, int64_t c, float* o) {
   __m512 a[R][CV];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < CV; ++j)
@@ -91,7 +93,7 @@ inline void value_cols(const uint32_t* p, const float* corr, const uint32_t* vp,
     for (int j = 0; j < CV; ++j) vv[j] = as_bh(_mm512_loadu_si512(vp + t2 * D + c + 16 * j));
     for (int r = 0; r < R; ++r) {
       const __m512bh pb = as_bh(_mm512_set1_epi32(static_cast<int>(p[r * (KB / 2) + t2])));
-      for (int j = 0; j < CV; ++j) a[r][j] = dpbf16(a[r][j], pb, vv[j]);
+      for (int j = 0; j < CV; ++j) a[r][j] = _mm512_dpbf16_ps(a[r][j], pb, vv[j]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -99,7 +101,7 @@ inline void value_cols(const uint32_t* p, const float* corr, const uint32_t* vp,
 }
 
 template <int R>
-inline void value_tile(const uint32_t* p, const float* corr, const uint32_t* vp, int64_t D, float* o) {
+FS_ALWAYS_INLINE void value_tile(const uint32_t* p, const float* corr, const uint32_t* vp, int64_t D, float* o) {
   int64_t c = 0;
   for (; c + 32 <= D; c += 32) value_cols<R, 2>(p, corr, vp, D, c, o);
   if (c < D) value_cols<R, 1>(p, corr, vp, D, c, o);
@@ -108,7 +110,7 @@ inline void value_tile(const uint32_t* p, const float* corr, const uint32_t* vp,
 // 2^x for x <= 0 or -inf (0 for x below -149): 2^n * p(x - n), n = round(x), p a degree-5 Taylor
 // polynomial of 2^f on [-1/2, 1/2] (relative error < 3e-6, far below the bf16 rounding of the
 // probabilities). -inf gives NaN: callers mask those lanes.
-inline __m512 exp2_neg(__m512 x) {
+FS_ALWAYS_INLINE __m512 exp2_neg(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
   __m512 p = _mm512_set1_ps(1.3333558e-3f);
@@ -121,7 +123,7 @@ inline __m512 exp2_neg(__m512 x) {
 // transposing tree (unpack, 64-bit shuffle, 128-bit permute), about 4 ops a row where one row's
 // own reduction takes 8; lanes past R hold junk.
 template <int R, bool MAX>
-inline __m256 rows_reduce(const __m512* v) {
+FS_ALWAYS_INLINE __m256 rows_reduce(const __m512* v) {
   auto op = [](__m256 a, __m256 b) { return MAX ? _mm256_max_ps(a, b) : _mm256_add_ps(a, b); };
   __m256 h[8];
   for (int r = 0; r < 8; ++r) {
@@ -137,9 +139,11 @@ inline __m256 rows_reduce(const __m512* v) {
 }
 
 // One block of KB keys for R query rows: scores, the online softmax's update, then P V. The rows'
-// maxima, sums and rescale factors are computed 8 rows to a vector.
-template <int R>
-void tile_step(const uint32_t* const* q, const uint32_t* kblk, const uint32_t* vblk, int64_t D, int64_t kb0,
+// maxima, sums and rescale factors are computed 8 rows to a vector. MASK: some row of the tile
+// sees only part of the block (the causal diagonal); else every key is visible and no lane is
+// masked (the same values: a mask of all ones changes nothing).
+template <int R, bool MASK>
+void tile_step(const uint32_t* q, const uint32_t* kblk, const uint32_t* vblk, int64_t D, int64_t kb0,
                const int64_t* qpos, float scale, float* m, float* l, float* o) {
   __m512 s[NV / 2][2 * R];
   for (int h = 0; h < NV / 2; ++h) score_tile<R>(q, kblk + h * 2 * (D / 2) * 16, D / 2, s[h]);
@@ -153,9 +157,11 @@ void tile_step(const uint32_t* const* q, const uint32_t* kblk, const uint32_t* v
     for (int v = 0; v < NV; ++v) {
       __m512& x = s[v / 2][2 * r + v % 2];
       x = _mm512_mul_ps(x, _mm512_set1_ps(scale2));
-      const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(16 * v));
-      vis[r][v] = limit < KB - 1 ? _mm512_cmple_epi32_mask(key, lim) : static_cast<__mmask16>(0xffff);
-      x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), vis[r][v], x);
+      if constexpr (MASK) {
+        const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(16 * v));
+        vis[r][v] = limit < KB - 1 ? _mm512_cmple_epi32_mask(key, lim) : static_cast<__mmask16>(0xffff);
+        x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), vis[r][v], x);
+      }
       mx[r] = v == 0 ? x : _mm512_max_ps(mx[r], x);
     }
   }
@@ -175,9 +181,12 @@ void tile_step(const uint32_t* const* q, const uint32_t* kblk, const uint32_t* v
     const __m512 mr = _mm512_set1_ps(mn[r]);
     sum[r] = _mm512_setzero_ps();
     for (int v = 0; v < NV; v += 2) {  // masked keys weigh exactly 0
-      const __m512 e0 = _mm512_maskz_mov_ps(vis[r][v], exp2_neg(_mm512_sub_ps(s[v / 2][2 * r], mr)));
-      const __m512 e1 =
-          _mm512_maskz_mov_ps(vis[r][v + 1], exp2_neg(_mm512_sub_ps(s[v / 2][2 * r + 1], mr)));
+      __m512 e0 = exp2_neg(_mm512_sub_ps(s[v / 2][2 * r], mr));
+      __m512 e1 = exp2_neg(_mm512_sub_ps(s[v / 2][2 * r + 1], mr));
+      if constexpr (MASK) {
+        e0 = _mm512_maskz_mov_ps(vis[r][v], e0);
+        e1 = _mm512_maskz_mov_ps(vis[r][v + 1], e1);
+      }
       sum[r] = _mm512_add_ps(sum[r], _mm512_add_ps(e0, e1));
       _mm512_store_si512(p + r * KB / 2 + v * 8, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0)));
     }
@@ -188,18 +197,28 @@ void tile_step(const uint32_t* const* q, const uint32_t* kblk, const uint32_t* v
   value_tile<R>(p, cr, vblk, D, o);
 }
 
-void dispatch_tile(int rows, const uint32_t* const* q, const uint32_t* kblk, const uint32_t* vblk, int64_t D,
+template <bool MASK>
+void dispatch_rows(int rows, const uint32_t* q, const uint32_t* kblk, const uint32_t* vblk, int64_t D,
                    int64_t kb0, const int64_t* qpos, float scale, float* m, float* l, float* o) {
   switch (rows) {
-    case 8: tile_step<8>(q, kblk, vblk, D, kb0, qpos, scale, m, l, o); break;
-    case 7: tile_step<7>(q, kblk, vblk, D, kb0, qpos, scale, m, l, o); break;
-    case 6: tile_step<6>(q, kblk, vblk, D, kb0, qpos, scale, m, l, o); break;
-    case 5: tile_step<5>(q, kblk, vblk, D, kb0, qpos, scale, m, l, o); break;
-    case 4: tile_step<4>(q, kblk, vblk, D, kb0, qpos, scale, m, l, o); break;
-    case 3: tile_step<3>(q, kblk, vblk, D, kb0, qpos, scale, m, l, o); break;
-    case 2: tile_step<2>(q, kblk, vblk, D, kb0, qpos, scale, m, l, o); break;
-    default: tile_step<1>(q, kblk, vblk, D, kb0, qpos, scale, m, l, o); break;
+    case 8: tile_step<8, MASK>(q, kblk, vblk, D, kb0, qpos, scale, m, l, o); break;
+    case 7: tile_step<7, MASK>(q, kblk, vblk, D, kb0, qpos, scale, m, l, o); break;
+    case 6: tile_step<6, MASK>(q, kblk, vblk, D, kb0, qpos, scale, m, l, o); break;
+    case 5: tile_step<5, MASK>(q, kblk, vblk, D, kb0, qpos, scale, m, l, o); break;
+    case 4: tile_step<4, MASK>(q, kblk, vblk, D, kb0, qpos, scale, m, l, o); break;
+    case 3: tile_step<3, MASK>(q, kblk, vblk, D, kb0, qpos, scale, m, l, o); break;
+    case 2: tile_step<2, MASK>(q, kblk, vblk, D, kb0, qpos, scale, m, l, o); break;
+    default: tile_step<1, MASK>(q, kblk, vblk, D, kb0, qpos, scale, m, l, o); break;
   }
+}
+
+// qpos rises with the row, so the tile's first row decides whether a row sees only part of the block.
+void dispatch_tile(int rows, const uint32_t* q, const uint32_t* kblk, const uint32_t* vblk, int64_t D,
+                   int64_t kb0, const int64_t* qpos, float scale, float* m, float* l, float* o) {
+  if (qpos[0] - kb0 < KB - 1)
+    dispatch_rows<true>(rows, q, kblk, vblk, D, kb0, qpos, scale, m, l, o);
+  else
+    dispatch_rows<false>(rows, q, kblk, vblk, D, kb0, qpos, scale, m, l, o);
 }
 
 }  // namespace
@@ -319,7 +338,9 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     float* o = obuf.data();
     float m[ITEM_ROWS], l[ITEM_ROWS];
     int64_t qpos[ITEM_ROWS];
-    const uint32_t* qrow[ITEM_ROWS];
+    thread_local std::vector<uint32_t> qbuf;  // the item's queries, a tile at a time: [tile][D2][RT]
+    if (qbuf.size() < static_cast<size_t>(ITEM_ROWS * D2)) qbuf.resize(ITEM_ROWS * D2);
+    uint32_t* qt = qbuf.data();
     for (int64_t it = i0; it < i1; ++it) {
       const Item& w = items[it];
       const Chunk& c = *w.c;
@@ -328,7 +349,9 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       const uint32_t* vh = vr + c.kv_off + w.kvh * nb * KB * D2;
       for (int64_t r = 0; r < w.rows; ++r) {
         const int64_t j = w.j0 + r / G, head = w.kvh * G + r % G;
-        qrow[r] = reinterpret_cast<const uint32_t*>(qp + (c.q0 + j) * qs0 + head * qs1);
+        const uint32_t* qrow = reinterpret_cast<const uint32_t*>(qp + (c.q0 + j) * qs0 + head * qs1);
+        uint32_t* dst = qt + (r / RT) * RT * D2 + r % RT;
+        for (int64_t d2 = 0; d2 < D2; ++d2) dst[d2 * RT] = qrow[d2];
         qpos[r] = p + j;
         m[r] = -INFINITY;
         l[r] = 0.f;
@@ -341,14 +364,14 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         for (int64_t r0 = 0; r0 < w.rows; r0 += RT) {
           const int rows = static_cast<int>(std::min<int64_t>(RT, w.rows - r0));
           if (kb0 > qpos[r0 + rows - 1]) continue;  // the tile's rows see none of it (later rows see more)
-          dispatch_tile(rows, qrow + r0, kblk, vblk, D, kb0, qpos + r0, sc, m + r0, l + r0, o + r0 * D);
+          dispatch_tile(rows, qt + r0 * D2, kblk, vblk, D, kb0, qpos + r0, sc, m + r0, l + r0, o + r0 * D);
         }
       }
       for (int64_t r = 0; r < w.rows; ++r) {
         const int64_t j = w.j0 + r / G, head = w.kvh * G + r % G;
         bf16* dst = op + (c.q0 + j) * os0 + head * os1;
-        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<bf16>(o[r * D + d] * inv);
+        const __m512 inv = _mm512_set1_ps(l[r] > 0.f ? 1.f / l[r] : 0.f);
+        for (int64_t d = 0; d < D; d += 16) vstore(dst + d, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), inv));
       }
     }
   });
