@@ -76,12 +76,13 @@ def gemm_flops(_op: object, x: torch.Tensor, _w: object, out: torch.Tensor, *arg
     return 2.0 * x.shape[0] * x.shape[1] * out.shape[-1]
 
 
-def measure(tokens: int, runs: int = RUNS) -> dict:
-    """``runs`` prefills of one ``tokens``-token prompt, each split into ``PARTS``."""
+def measure(tokens: int, runs: int = RUNS, preset: str = PRESET) -> dict:
+    """``runs`` prefills of one ``tokens``-token prompt on the ``preset`` embedded model, each split
+    into ``PARTS``."""
     from coordinator.engine.llm_engine import LLMEngine
     from coordinator.sampling_params import SamplingParams
 
-    model_dir = default_model_dir(PRESET)
+    model_dir = default_model_dir(preset)
     config = json.loads((model_dir / "config.json").read_text())
     prompt = prompts(1, tokens, config["vocab_size"], seed=0)
     blocks = -(-(tokens + 2) // 16) + 4
@@ -113,7 +114,7 @@ def measure(tokens: int, runs: int = RUNS) -> dict:
     attention_flop = 4.0 * heads * head_dim * layers * tokens * (tokens + 1) / 2
     seconds = {p: spread([r[p] for r in per_run]) for p in (*PARTS, "total")}
     flop = {"GEMMs": gemm_flop, "attention": attention_flop}
-    return {"machine": machine(), "model": f"default:{PRESET}", "tokens": tokens,
+    return {"machine": machine(), "model": f"default:{preset}", "tokens": tokens,
             "threads": torch.get_num_threads(), "kernels": info, "seconds": seconds, "calls": calls,
             "flop": flop,
             "gflops": {p: f / statistics.median(r[p] for r in per_run) / 1e9 for p, f in flop.items()}}
@@ -137,8 +138,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--runs", type=int, default=RUNS)
+    ap.add_argument("--threads", type=int, default=None, help="torch's threads (default: its own choice)")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     res = measure(args.tokens, args.runs)
     print(f"{res['machine']}; kernels: {res['kernels']}")
     print("\n".join(table(res)))

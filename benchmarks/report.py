@@ -433,7 +433,7 @@ DECODE_AT_ENGINES = "fusedserve-bf16,fusedserve-bf16-kv8,openvino-fp16,llamacpp-
 def long_section(args: argparse.Namespace, t: list) -> list[str]:
     """The per-host GEMM choice (``benchmarks.gemm_choice``), one 4,096-token prompt to its first
     token and batch-1 decode after it (``cpu_peers --prefill / --decode-at``), 16-bit peers."""
-    from benchmarks import cpu_peers, gemm_choice
+    from benchmarks import cpu_peers, gemm_choice, prefill_parts
 
     g = gemm_choice.main(["--json", str(RESULTS / "gemm_choice.json")])
     chosen = sorted({n for n, s in g["shapes"].items() if "matrix" in s["choice"]})
@@ -444,7 +444,8 @@ def long_section(args: argparse.Namespace, t: list) -> list[str]:
             peers += [flag, value]
     pre = cpu_peers.main([*peers, "--prefill", "4096"])
     dec = cpu_peers.main([*peers[2:], "--engines", DECODE_AT_ENGINES, "--decode-at", "4096"])
-    LONG_RESULTS.write_text(json.dumps({"prefill": pre, "decode_at": dec}, indent=1))
+    parts = prefill_parts.main(["--tokens", "4096", "--threads", str(args.threads)])
+    LONG_RESULTS.write_text(json.dumps({"prefill": pre, "decode_at": dec, "prefill_parts": parts}, indent=1))
     lines = ["", LONG_HEADING, "", host_line(), "",
              f"`python -m benchmarks.gemm_choice` (build `{g['isa']}`, AMX {'yes' if g['amx'] else 'no'}): the "
              "load-time measurement of the native GEMMs against oneDNN's at row buckets 1-512, Qwen3-0.6B's "
@@ -454,7 +455,11 @@ def long_section(args: argparse.Namespace, t: list) -> list[str]:
              "threads, a fresh process per engine and run, 3 runs round robin; decode: "
              f"{cpu_peers.DECODE_TOKENS} tokens / (the median time to {cpu_peers.DECODE_TOKENS + 1} tokens - "
              "the median time to 1); `fusedserve-bf16-kv8`: bf16 weights over an int8 KV cache):", "",
-             *cpu_peers.prefill_table(pre), "", *cpu_peers.decode_table(dec)]
+             *cpu_peers.prefill_table(pre), "", *cpu_peers.decode_table(dec), "",
+             "`python -m benchmarks.prefill_parts` (fusedserve-bf16's 4,096-token prefill in one process, "
+             f"{parts['calls']['GEMMs']} GEMM and {parts['calls']['attention']} attention calls, each timed "
+             "on the wall clock; the rest: embedding, rotary gathers, sampling, scheduling):", "",
+             *prefill_parts.table(parts)]
     r = {e: 1 / cpu_peers.medians(pre)[e][1] for e in pre["results"]}
     if "fusedserve-bf16" in r and "openvino-fp16" in r:
         ratio = r["openvino-fp16"] / r["fusedserve-bf16"]

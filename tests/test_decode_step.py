@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
@@ -157,3 +160,29 @@ def test_the_report_names_the_host_isa_and_amx(monkeypatch):
     assert common.isa_line() == "AVX-512 BF16, AVX-512, AVX-VNNI, AVX2; no AMX"
     monkeypatch.setattr(common, "cpu_flags", lambda: {"avx2", "amx_tile", "amx_bf16", "amx_int8"})
     assert common.isa_line() == "AMX-BF16, AMX-INT8, AVX2; AMX"
+
+
+def test_the_prefill_split_accounts_every_kernel_call_and_its_flops():
+    """``benchmarks.prefill_parts`` on the tiny embedded model: every layer's four GEMMs and its
+    attention are timed once a launch, the GEMM flops are the model's own (2 x tokens x each
+    projection's K x N, lm_head for the one last token), the parts add up to the wall time, and
+    the kernels' own methods come back afterwards."""
+    from benchmarks import prefill_parts
+    from coordinator.model_files.default_model import default_model_dir
+    from kernels.linear import LinearOp
+
+    call = LinearOp.__call__
+    tokens = 40
+    res = prefill_parts.measure(tokens, runs=3, preset="tiny")
+    cfg = json.loads((default_model_dir("tiny") / "config.json").read_text())
+    d, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    hd, h, kvh = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    per_token = d * (h + 2 * kvh) * hd + h * hd * d + d * 2 * inter + inter * d
+    assert res["calls"] == {"GEMMs": 4 * layers + 1, "attention": layers, "fused ops": 4 * layers + 1,
+                            "rest": 0}
+    assert res["flop"]["GEMMs"] == 2 * (tokens * layers * per_token + d * cfg["vocab_size"])
+    assert res["flop"]["attention"] == 4 * h * hd * layers * tokens * (tokens + 1) / 2
+    med = {p: res["seconds"][p]["median"] for p in (*prefill_parts.PARTS, "total")}
+    assert all(med[p] > 0 for p in ("GEMMs", "attention", "fused ops", "total"))
+    assert sum(med[p] for p in prefill_parts.PARTS) == pytest.approx(med["total"], rel=0.2)
+    assert LinearOp.__call__ is call
