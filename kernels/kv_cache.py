@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.host_memory import huge_page_empty
 from kernels.model.config import Qwen3Config
 
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
@@ -57,15 +58,12 @@ class PagedKVCache:
         self.block_size = block_size
         self.kv_cache_dtype = kv_cache_dtype
         element, extra = kv_element(dtype, kv_cache_dtype)
-        self.data = torch.zeros(
-            config.num_hidden_layers,
-            2,
-            num_blocks * block_size,
-            config.num_key_value_heads,
-            config.head_dim + extra,
-            dtype=element,
-            device=device,
-        )
+        shape = (config.num_hidden_layers, 2, num_blocks * block_size, config.num_key_value_heads,
+                 config.head_dim + extra)
+        if torch.device(device).type == "cpu":  # long contexts stream it: on huge pages
+            self.data = huge_page_empty(shape, element).zero_()
+        else:
+            self.data = torch.zeros(shape, dtype=element, device=device)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat ``[slots, kv_heads, head_dim]`` views of layer ``i``'s K and V."""

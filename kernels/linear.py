@@ -18,6 +18,7 @@ from types import ModuleType
 import torch
 
 from kernels.gemm_choice import HEAD_ROWS, MODES, ROW_BUCKETS, GemmChooser, bucket
+from kernels.host_memory import on_huge_pages
 from kernels.quantize import INT4_GROUP, quantize_int4, quantize_int8
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,14 @@ class LinearOp:
 
     def prepare(self, w: Weight, max_rows: int = ROW_BUCKETS[-1]) -> Weight:
         """The weight in the layout its kernel reads (packed where a packed GEMM runs it), with a
-        matrix-engine copy where that GEMM measured faster at some bucket up to ``max_rows``."""
+        matrix-engine copy where that GEMM measured faster at some bucket up to ``max_rows``;
+        packed weights on huge pages (``kernels/host_memory.py``: a step streams them all)."""
+        p = self._prepare(w, max_rows)
+        if isinstance(p, PackedWeight):
+            p.packed = on_huge_pages(p.packed)
+        return p
+
+    def _prepare(self, w: Weight, max_rows: int) -> Weight:
         if isinstance(w, Int8Weight) and self.int8_lanes:
             return self._with_matrix(PackedWeight.pack_w8a8(w, self.int8_lanes), w.q, max_rows)
         if isinstance(w, Int4Weight):
