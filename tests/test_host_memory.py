@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import gc
 import mmap
-import sys
+import os
 
 import pytest
 import torch
 
 from kernels.host_memory import HUGE_PAGE, huge_page_empty, on_huge_pages
 
-LINUX_ADVICE = sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")
-needs_thp_advice = pytest.mark.skipif(not LINUX_ADVICE, reason="MADV_HUGEPAGE is Linux's")
+# A Linux kernel built with transparent huge pages (else madvise refuses the advice: 4 KiB pages).
+THP = "/sys/kernel/mm/transparent_hugepage/enabled"
+LINUX_ADVICE = hasattr(mmap, "MADV_HUGEPAGE") and os.path.exists(THP)
+needs_thp_advice = pytest.mark.skipif(not LINUX_ADVICE, reason="no transparent huge pages (Linux's)")
 
 
 def _mapping(addr: int) -> dict | None:
