@@ -1,9 +1,13 @@
 """The CPU GEMM choice on this host: native kernels against oneDNN's (AMX where the CPU has it)
 for each projection of Qwen3-0.6B, bf16 and W8A8, at every row bucket, as the load-time
-measurement (``kernels/gemm_choice.py``) sees them.
+measurement (``kernels/gemm_choice.py``) sees them; and its prompt attention (16 query / 8 KV
+heads of 128, bf16 and int8 caches), the native flash kernel against torch's SDPA (oneDNN's
+brgemm, AMX where the CPU has it), a chunk of each bucket's rows after a prefix as long
+(``kernels/attention/prompt_choice.py``).
 
-Figures: GFLOP/s of each path (each a median of ``REPEATS`` timed calls after a warm-up), the
-ratio native time / matrix time, and which path a load on this host picks. Nothing is read from
+Figures: GFLOP/s of each path (each a median of ``REPEATS`` timed calls after a warm-up; attention
+counts 4 x heads x head_dim per visible query-key pair), the ratio native time / matrix time, and
+which path a load on this host picks. Nothing is read from
 or written to the user's cache: a fresh measurement every run.
 
     python -m benchmarks.gemm_choice [--threads 2]
@@ -20,12 +24,14 @@ import torch
 
 from benchmarks.common import machine
 from kernels import native
+from kernels.attention.prompt_choice import choose_prompt_attention, prompt_kind
 from kernels.gemm_choice import HEAD_ROWS, REPEATS, ROW_BUCKETS, GemmChooser
 from kernels.linear import Int8Weight, LinearOp
 
 # Qwen3-0.6B: hidden 1024, 16 query / 8 KV heads of 128, MLP 3072, vocab 151,936.
 SHAPES = {"qkv": (1024, 4096), "o_proj": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024),
           "lm_head": (1024, 151936)}
+HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128
 
 
 def cpu_has_amx() -> bool:
@@ -56,6 +62,17 @@ def measure(threads: int) -> dict:
                     "native_gflops": [2 * r * k * n / s / 1e9 for r, s in zip(buckets, t.native_s)],
                     "matrix_gflops": [2 * r * k * n / s / 1e9 for r, s in zip(buckets, t.matrix_s)],
                     "choice": ["matrix" if c else "native" for c in t.choice]}
+        for cache in ("auto", "int8"):
+            choose_prompt_attention(op.chooser, build, HEADS, KV_HEADS, HEAD_DIM, cache, HEAD_DIM**-0.5)
+            kind = "int8" if cache == "int8" else "bf16"
+            w = HEADS * HEAD_DIM
+            t = op.chooser.timings[f"{prompt_kind(cache, KV_HEADS, HEAD_DIM)}:{w}x{w}:rows{ROW_BUCKETS[-1]}"]
+            flops = [4 * HEADS * HEAD_DIM * (r * r + r * (r + 1) // 2) for r in ROW_BUCKETS]
+            out["shapes"][f"prompt attention, {kind} cache"] = {
+                "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "rows": list(ROW_BUCKETS),
+                "native_gflops": [f / s / 1e9 for f, s in zip(flops, t.native_s)],
+                "matrix_gflops": [f / s / 1e9 for f, s in zip(flops, t.matrix_s)],
+                "choice": ["matrix" if c else "native" for c in t.choice]}
         out["measure_s"] = op.chooser.measured_s
     return out
 
@@ -63,7 +80,8 @@ def measure(threads: int) -> dict:
 def table(res: dict) -> list[str]:
     lines = [f"{res['machine']}; build {res['isa']}; AMX {'yes' if res['amx'] else 'no'}; "
              f"{res['threads']} threads; load-time measurement {res['measure_s']:.1f} s",
-             "", "| projection | rows | native GFLOP/s | oneDNN GFLOP/s | native/oneDNN time | chosen |",
+             "", "| projection | rows | native GFLOP/s | oneDNN GFLOP/s (attention: SDPA) "
+             "| native/oneDNN time | chosen |",
              "|---|---|---|---|---|---|"]
     for name, s in res["shapes"].items():
         for r, a, b, c in zip(s["rows"], s["native_gflops"], s["matrix_gflops"], s["choice"], strict=True):

@@ -436,8 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "keeps the activations 16-bit")
         p.add_argument("--cpu-gemm", default="auto", choices=["auto", "native"],
                        help="auto: oneDNN's GEMM (AMX where the CPU has it) at the launch sizes where it "
-                       "measured faster at load, the native kernels elsewhere; native: the native "
-                       "kernels always (16-bit outputs bit-equal whatever the batch)")
+                       "measured faster at load, and SDPA for the prompt chunk sizes where it did, the "
+                       "native kernels elsewhere; native: the native kernels always (16-bit outputs "
+                       "bit-equal whatever the batch)")
         p.add_argument("--max-model-len", type=int, default=None,
                        help="the longest sequence (default: the model's own context, YaRN included, or "
                        "what the KV cache holds if less)")

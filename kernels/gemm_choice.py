@@ -111,7 +111,7 @@ class GemmChooser:
             timing = self._measure(k, n, max_rows, native, matrix, act_dtype)
             self.timings[key] = timing
             self._save()
-            log.info("GEMM %s K=%d N=%d: %s", kind, k, n, describe(timing))
+            log.info("measured %s K=%d N=%d: %s", kind, k, n, describe(timing))
         choice = timing.choice
         return choice + (choice[-1],) * (len(ROW_BUCKETS) - len(choice))
 

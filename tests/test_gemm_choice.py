@@ -14,6 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kernels import native
+from kernels.backends import native as native_backend
 from kernels.gemm_choice import ROW_BUCKETS, GemmChooser, GemmTiming, bucket
 from kernels.linear import Int8Weight, LinearOp
 from kernels.model.qwen3 import Qwen3Model
@@ -134,10 +135,12 @@ def test_an_unknown_mode_is_refused():
 
 @pytest.fixture
 def matrix_everywhere(monkeypatch, tmp_path):
-    """The chooser as if the matrix GEMM had measured 2x faster at every bucket (a host with AMX)."""
+    """The chooser as if the matrix GEMM had measured 2x faster at every bucket (a host with AMX);
+    prompt attention kept native (its choice: tests/test_prompt_choice.py)."""
     monkeypatch.setenv("FUSEDSERVE_CACHE", str(tmp_path))
     n = len(ROW_BUCKETS)
     monkeypatch.setattr(GemmChooser, "_measure", lambda self, *a: GemmTiming((2.0,) * n, (1.0,) * n))
+    monkeypatch.setattr(native_backend, "choose_prompt_attention", lambda *a: (False,) * n)
 
 
 def _logits(model: Qwen3Model) -> torch.Tensor:

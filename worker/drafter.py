@@ -38,7 +38,7 @@ class Drafter:
         max_batch, block_size = cfg.scheduler.max_batch, cfg.cache.block_size
         self.model = draft
         self.kv = draft.new_kv_cache(cfg.num_blocks + 1, block_size, cfg.cache.kv_cache_dtype)
-        self.ws = draft.new_workspace(max_batch, block_size)
+        self.ws = draft.new_workspace(max_batch, block_size, cfg.cache.kv_cache_dtype)
         self.logits = torch.empty(max_batch, vocab_size, dtype=torch.float32, device=draft.device)
 
     @classmethod

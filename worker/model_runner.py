@@ -46,7 +46,7 @@ class ModelRunner:
         self.candidates = cfg.device.sampler_candidates
         # One spare block beyond the allocatable ones: graph padding rows write there.
         self.kv = model.new_kv_cache(cfg.num_blocks + 1, block_size, cfg.cache.kv_cache_dtype)
-        self.ws = model.new_workspace(max_batch, block_size)
+        self.ws = model.new_workspace(max_batch, block_size, cfg.cache.kv_cache_dtype)
         self.pool = DeviceScratchPool(self.table, self.max_dims, model.device)
         self.runtime = LaunchRuntime(self.table, arenas, self.pool, writes_outputs)
         self.logits = self.pool.full("logits")

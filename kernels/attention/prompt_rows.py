@@ -27,15 +27,20 @@ class PromptChunk:
 def plan_chunks(batch: ForwardBatch, block_size: int) -> list[PromptChunk]:
     """Where each prompt chunk's tokens and context are (slots computed on the device)."""
     chunks, start = [], batch.num_decode
-    dev = batch.block_tables.device
-    offsets = torch.arange(block_size, dtype=torch.int64, device=dev)
-    for i, (n, ctx) in enumerate(zip(batch.prompt_query_lens, batch.prompt_seq_lens)):
-        row = batch.num_decode + i
-        blocks = batch.block_tables[row, : -(-ctx // block_size)].to(torch.int64)
-        slots = (blocks[:, None] * block_size + offsets).flatten()[:ctx]
-        chunks.append(PromptChunk(start, start + n, slots))
+    for i, n in enumerate(batch.prompt_query_lens):
+        chunks.append(plan_chunk(batch, i, start, block_size))
         start += n
     return chunks
+
+
+def plan_chunk(batch: ForwardBatch, i: int, start: int, block_size: int) -> PromptChunk:
+    """Prompt chunk ``i`` of the batch, its first token at ``start`` in the packed batch."""
+    n, ctx = batch.prompt_query_lens[i], batch.prompt_seq_lens[i]
+    dev = batch.block_tables.device
+    blocks = batch.block_tables[batch.num_decode + i, : -(-ctx // block_size)].to(torch.int64)
+    offsets = torch.arange(block_size, dtype=torch.int64, device=dev)
+    slots = (blocks[:, None] * block_size + offsets).flatten()[:ctx]
+    return PromptChunk(start, start + n, slots)
 
 
 def attend_chunks(chunks: list[PromptChunk], q: torch.Tensor, k_cache: torch.Tensor,

@@ -2,7 +2,8 @@
 
 One module per backend (``native``, ``aten``, ``triton``, ``ascend``), each exporting its
 ``NAME``, whether a device graph may capture it (``CAPTURABLE``), ``usable(device)``, its layer
-ops (``LayerOps``), its attention (``AttentionBackend``, built per workspace), its sampler
+ops (``LayerOps``), its attention (``AttentionBackend``, built per workspace and cache dtype,
+given the GEMM chooser to measure its prompt kernel where it has a choice), its sampler
 (``token_sampler()``) and the name stats report for it. The linear (``kernels/linear.py``) is
 chosen per weight kind beside it.
 
@@ -62,9 +63,12 @@ class Kernels:
     def attention_name(self) -> str:
         return self.backend.attention_name()
 
-    def new_attention(self, max_batch: int, max_ctx: int, block_size: int) -> AttentionBackend:
-        """An attention backend with its own scratch (one per workspace)."""
-        return self.backend.attention(self.config, self.dtype, self.device, max_batch, max_ctx, block_size)
+    def new_attention(self, max_batch: int, max_ctx: int, block_size: int,
+                      kv_cache_dtype: str = "auto") -> AttentionBackend:
+        """An attention backend with its own scratch (one per workspace), for a cache of
+        ``kv_cache_dtype``; its prompt kernel chosen by the linear's chooser where it measures."""
+        return self.backend.attention(self.config, self.dtype, self.device, max_batch, max_ctx, block_size,
+                                      kv_cache_dtype, self.linear.chooser)
 
 
 def select_kernels(config: Qwen3Config, dtype: torch.dtype, device: torch.device,

@@ -10,6 +10,7 @@ import os
 import torch
 
 from kernels import ascend as ascend_kernels
+from kernels.gemm_choice import GemmChooser
 from kernels.model.config import Qwen3Config
 from kernels.sampler import Sampler, sample
 
@@ -38,7 +39,7 @@ def layer_ops(c: Qwen3Config, device: torch.device):
 
 
 def attention(c: Qwen3Config, dtype: torch.dtype, device: torch.device, max_batch: int, max_ctx: int,
-              block_size: int):
+              block_size: int, kv_cache_dtype: str = "auto", chooser: GemmChooser | None = None):
     from kernels.ascend.attention import AscendAttention
 
     return AscendAttention(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.head_dim ** -0.5,

@@ -11,6 +11,7 @@ import torch
 from kernels import sampler
 from kernels.attention.prompt_rows import PromptChunk, attend_chunks, plan_chunks
 from kernels.forward_batch import ForwardBatch
+from kernels.gemm_choice import GemmChooser
 from kernels.layer_ops import NormScratch, rms_norm, rotary
 from kernels.model.config import Qwen3Config
 from kernels.sampler import Sampler, sample
@@ -37,7 +38,8 @@ def layer_ops(c: Qwen3Config, device: torch.device) -> TorchLayerOps:
 
 
 def attention(c: Qwen3Config, dtype: torch.dtype, device: torch.device, max_batch: int, max_ctx: int,
-              block_size: int) -> TorchAttention:
+              block_size: int, kv_cache_dtype: str = "auto",
+              chooser: GemmChooser | None = None) -> TorchAttention:
     scratch = AttentionScratch(max_batch, max_ctx, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                                block_size, dtype, device)
     return TorchAttention(scratch, c.head_dim ** -0.5)

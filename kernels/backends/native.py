@@ -2,7 +2,9 @@
 one fused pass per row (add + norm), per head (norm + rotary + cache write) and per row of the
 MLP (SiLU x up); decode rows read K/V in place from the pages (``attention.cpp``: online softmax
 in fp32, GQA, cost per row's own length); prompt chunks by ``prompt_attention.cpp`` (flash style
-over the pages, AVX-512 BF16, bf16 caches), else through ``prompt_rows``."""
+over the pages, AVX-512 BF16 builds, bf16 activations), else through ``prompt_rows`` (SDPA), which
+also takes the chunk sizes where it measured faster on this host (``attention/prompt_choice.py``:
+AMX through oneDNN)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ from types import ModuleType
 import torch
 
 from kernels import native as native_build
-from kernels.attention.prompt_rows import PromptChunk, attend_chunks, plan_chunks
+from kernels.attention.prompt_choice import choose_prompt_attention
+from kernels.attention.prompt_rows import PromptChunk, attend_chunks, plan_chunk
 from kernels.forward_batch import ForwardBatch
+from kernels.gemm_choice import GemmChooser, bucket
 from kernels.layer_ops import NormScratch
 from kernels.model.config import Qwen3Config
 from kernels.sampler import Sampler, sample
@@ -39,10 +43,17 @@ def layer_ops(c: Qwen3Config, device: torch.device) -> NativeLayerOps:
 
 
 def attention(c: Qwen3Config, dtype: torch.dtype, device: torch.device, max_batch: int, max_ctx: int,
-              block_size: int) -> NativeAttention:
+              block_size: int, kv_cache_dtype: str = "auto",
+              chooser: GemmChooser | None = None) -> NativeAttention:
+    """``chooser``: where given, prompt chunks take SDPA at the sizes where it measured faster."""
     build = native_build.kernels()
+    scale = c.head_dim ** -0.5
     flash = dtype == torch.bfloat16 and c.head_dim % 16 == 0 and build.has_prompt_attention()
-    return NativeAttention(build, c.head_dim ** -0.5, flash)
+    sdpa_rows: tuple[bool, ...] = ()
+    if flash and chooser is not None:
+        sdpa_rows = choose_prompt_attention(chooser, build, c.num_attention_heads, c.num_key_value_heads,
+                                            c.head_dim, kv_cache_dtype, scale)
+    return NativeAttention(build, scale, flash, sdpa_rows)
 
 
 class NativeLayerOps:
@@ -76,11 +87,12 @@ class NativeLayerOps:
 
 class NativeAttention:
     """Decode rows by ``decode_attention``; prompt chunks by the flash-style ``prompt_attention``
-    where the build has it (AVX-512 BF16) and the cache is bf16 with head_dim a multiple of 16,
-    else through ``prompt_rows`` (SDPA per chunk)."""
+    where the build has it (AVX-512 BF16) and activations are bf16 with head_dim a multiple of 16,
+    else through ``prompt_rows`` (SDPA per chunk). ``sdpa_rows``: per row bucket, whether a chunk
+    of that many queries takes SDPA anyway (measured faster here); empty: never."""
 
-    def __init__(self, native: ModuleType, scale: float, flash: bool):
-        self.native, self.scale, self.flash = native, scale, flash
+    def __init__(self, native: ModuleType, scale: float, flash: bool, sdpa_rows: tuple[bool, ...] = ()):
+        self.native, self.scale, self.flash, self.sdpa_rows = native, scale, flash, sdpa_rows
         self._batch: ForwardBatch | None = None
         self._block_size = 0
         self._chunks: list[PromptChunk] = []
@@ -91,14 +103,15 @@ class NativeAttention:
         self._chunks, self._flash_chunks = [], None
         if not batch.prompt_query_lens:
             return
-        if self.flash:  # (block-table row, first query, queries, context) per chunk
-            chunks, start = [], batch.num_decode
-            for i, (n, ctx) in enumerate(zip(batch.prompt_query_lens, batch.prompt_seq_lens, strict=True)):
-                chunks.append((batch.num_decode + i, start, n, ctx))
-                start += n
-            self._flash_chunks = torch.tensor(chunks, dtype=torch.int64)
-        else:
-            self._chunks = plan_chunks(batch, block_size)
+        flash, start = [], batch.num_decode  # (block-table row, first query, queries, context)
+        for i, (n, ctx) in enumerate(zip(batch.prompt_query_lens, batch.prompt_seq_lens, strict=True)):
+            if self.flash and not (self.sdpa_rows and self.sdpa_rows[bucket(n)]):
+                flash.append((batch.num_decode + i, start, n, ctx))
+            else:
+                self._chunks.append(plan_chunk(batch, i, start, block_size))
+            start += n
+        if flash:
+            self._flash_chunks = torch.tensor(flash, dtype=torch.int64)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                out: torch.Tensor) -> None:
@@ -109,5 +122,5 @@ class NativeAttention:
         if self._flash_chunks is not None:
             self.native.prompt_attention(q, k_cache, v_cache, b.block_tables, self._flash_chunks,
                                          self._block_size, self.scale, out)
-        else:
+        if self._chunks:
             attend_chunks(self._chunks, q, k_cache, v_cache, out, self.scale)

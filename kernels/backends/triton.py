@@ -14,6 +14,7 @@ import os
 import torch
 
 from kernels import triton as triton_kernels
+from kernels.gemm_choice import GemmChooser
 from kernels.model.config import Qwen3Config
 
 NAME = "triton"
@@ -63,7 +64,7 @@ def layer_ops(c: Qwen3Config, device: torch.device):
 
 
 def attention(c: Qwen3Config, dtype: torch.dtype, device: torch.device, max_batch: int, max_ctx: int,
-              block_size: int):
+              block_size: int, kv_cache_dtype: str = "auto", chooser: GemmChooser | None = None):
     from kernels.triton.attention import TritonAttention
 
     return TritonAttention(max_batch, max_ctx, c.num_attention_heads, c.head_dim, c.head_dim ** -0.5, device)

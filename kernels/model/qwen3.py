@@ -94,10 +94,11 @@ class Qwen3Model:
                              f"runs the {self.kernels.name} backend on {self.device.type}")
         return PagedKVCache(self.local, num_blocks, block_size, self.dtype, self.device, kv_cache_dtype)
 
-    def new_workspace(self, max_rows: int, block_size: int) -> Workspace:
-        """Buffers for launches of up to ``max_rows`` tokens (and rows)."""
+    def new_workspace(self, max_rows: int, block_size: int, kv_cache_dtype: str = "auto") -> Workspace:
+        """Buffers for launches of up to ``max_rows`` tokens (and rows), over a cache of
+        ``kv_cache_dtype``."""
         max_ctx = -(-self.max_model_len // block_size) * block_size
-        attention = self.kernels.new_attention(max_rows, max_ctx, block_size)
+        attention = self.kernels.new_attention(max_rows, max_ctx, block_size, kv_cache_dtype)
         return Workspace(self.local, max_rows, attention, self.dtype, self.device, self.tp)
 
     # -------------------------------------------------------------------- forward
