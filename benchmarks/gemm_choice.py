@@ -5,9 +5,10 @@ heads of 128, bf16 and int8 caches), the native flash kernel against torch's SDP
 brgemm, AMX where the CPU has it), a chunk of each bucket's rows after a prefix as long
 (``kernels/attention/prompt_choice.py``).
 
-Figures: GFLOP/s of each path (each a median of ``REPEATS`` timed calls after a warm-up; attention
-counts 4 x heads x head_dim per visible query-key pair), the ratio native time / matrix time, and
-which path a load on this host picks. Nothing is read from
+Figures: GFLOP/s (GOP/s for W8A8) of each path, each a median of ``REPEATS`` timed calls after a
+warm-up (attention counts 4 x heads x head_dim per visible query-key pair): native, oneDNN's
+matmul, oneDNN's brgemm micro-kernel over prepacked weights, SDPA for attention; and which path
+a load on this host picks. Nothing is read from
 or written to the user's cache: a fresh measurement every run.
 
     python -m benchmarks.gemm_choice [--threads 2]
@@ -25,7 +26,7 @@ import torch
 from benchmarks.common import machine
 from kernels import native
 from kernels.attention.prompt_choice import choose_prompt_attention, prompt_kind
-from kernels.gemm_choice import HEAD_ROWS, REPEATS, ROW_BUCKETS, GemmChooser
+from kernels.gemm_choice import HEAD_ROWS, NATIVE, REPEATS, ROW_BUCKETS, GemmChooser
 from kernels.linear import Int8Weight, LinearOp
 
 # Qwen3-0.6B: hidden 1024, 16 query / 8 KV heads of 128, MLP 3072, vocab 151,936.
@@ -56,12 +57,12 @@ def measure(threads: int) -> dict:
                                                                                 torch.device("cpu")))):
                 op.prepare(weight, rows)
                 t = op.chooser.timings[f"{kind}:{k}x{n}:rows{rows}"]
-                buckets = ROW_BUCKETS[: len(t.native_s)]
+                buckets = ROW_BUCKETS[: len(t.seconds[NATIVE])]
                 out["shapes"][f"{name} {kind}"] = {
                     "k": k, "n": n, "rows": list(buckets),
-                    "native_gflops": [2 * r * k * n / s / 1e9 for r, s in zip(buckets, t.native_s)],
-                    "matrix_gflops": [2 * r * k * n / s / 1e9 for r, s in zip(buckets, t.matrix_s)],
-                    "choice": ["matrix" if c else "native" for c in t.choice]}
+                    "gflops": {p: [2 * r * k * n / x / 1e9 for r, x in zip(buckets, ts)]
+                               for p, ts in t.seconds.items()},
+                    "choice": list(t.choice[: len(buckets)])}
         for cache in ("auto", "int8"):
             choose_prompt_attention(op.chooser, build, HEADS, KV_HEADS, HEAD_DIM, cache, HEAD_DIM**-0.5)
             kind = "int8" if cache == "int8" else "bf16"
@@ -70,22 +71,23 @@ def measure(threads: int) -> dict:
             flops = [4 * HEADS * HEAD_DIM * (r * r + r * (r + 1) // 2) for r in ROW_BUCKETS]
             out["shapes"][f"prompt attention, {kind} cache"] = {
                 "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "rows": list(ROW_BUCKETS),
-                "native_gflops": [f / s / 1e9 for f, s in zip(flops, t.native_s)],
-                "matrix_gflops": [f / s / 1e9 for f, s in zip(flops, t.matrix_s)],
-                "choice": ["matrix" if c else "native" for c in t.choice]}
+                "gflops": {p: [f / x / 1e9 for f, x in zip(flops, ts)] for p, ts in t.seconds.items()},
+                "choice": list(t.choice)}
         out["measure_s"] = op.chooser.measured_s
     return out
 
 
 def table(res: dict) -> list[str]:
+    """One row per shape and bucket: each path's GFLOP/s, and the one a load here picks."""
+    paths = ["native", "onednn", "brgemm", "sdpa"]
     lines = [f"{res['machine']}; build {res['isa']}; AMX {'yes' if res['amx'] else 'no'}; "
              f"{res['threads']} threads; load-time measurement {res['measure_s']:.1f} s",
-             "", "| projection | rows | native GFLOP/s | oneDNN GFLOP/s (attention: SDPA) "
-             "| native/oneDNN time | chosen |",
-             "|---|---|---|---|---|---|"]
+             "", "| shape | rows | native | oneDNN matmul | oneDNN brgemm | SDPA | chosen |",
+             "|---|---|---|---|---|---|---|"]
     for name, s in res["shapes"].items():
-        for r, a, b, c in zip(s["rows"], s["native_gflops"], s["matrix_gflops"], s["choice"], strict=True):
-            lines.append(f"| {name} | {r} | {a:.0f} | {b:.0f} | {b / a:.2f} | {c} |")
+        for i, r in enumerate(s["rows"]):
+            cells = [f"{s['gflops'][p][i]:.0f}" if p in s["gflops"] else "" for p in paths]
+            lines.append(f"| {name} | {r} | {' | '.join(cells)} | {s['choice'][i]} |")
     return lines
 
 

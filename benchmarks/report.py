@@ -436,7 +436,7 @@ def long_section(args: argparse.Namespace, t: list) -> list[str]:
     from benchmarks import cpu_peers, gemm_choice, prefill_parts
 
     g = gemm_choice.main(["--json", str(RESULTS / "gemm_choice.json")])
-    chosen = sorted({n for n, s in g["shapes"].items() if "matrix" in s["choice"]})
+    chosen = sorted({n for n, s in g["shapes"].items() if set(s["choice"]) - {"native"}})
     peers = ["--engines", LONG_ENGINES]
     for flag, value in (("--openvino-python", args.openvino_python), ("--llama-cpp", args.llama_cpp),
                         ("--llama-python", args.llama_python)):
@@ -448,8 +448,9 @@ def long_section(args: argparse.Namespace, t: list) -> list[str]:
     LONG_RESULTS.write_text(json.dumps({"prefill": pre, "decode_at": dec, "prefill_parts": parts}, indent=1))
     lines = ["", LONG_HEADING, "", host_line(), "",
              f"`python -m benchmarks.gemm_choice` (build `{g['isa']}`, AMX {'yes' if g['amx'] else 'no'}): the "
-             "load-time measurement of the native GEMMs against oneDNN's at row buckets 1-512, Qwen3-0.6B's "
-             f"shapes, bf16 and W8A8, {g['measure_s']:.1f} s in all. oneDNN chosen for: "
+             "load-time measurement of the native GEMMs against oneDNN's matmul and brgemm micro-kernel at "
+             "row buckets 1-512, Qwen3-0.6B's shapes, bf16 and W8A8, and of its prompt attention against "
+             f"SDPA, {g['measure_s']:.1f} s in all. A matrix path chosen for: "
              f"{', '.join(chosen) if chosen else 'nothing (the native kernels win every bucket here)'}.", "",
              "`python -m benchmarks.cpu_peers --prefill 4096` and `--decode-at 4096` (default:qwen3-0.6b, 2 "
              "threads, a fresh process per engine and run, 3 runs round robin; decode: "

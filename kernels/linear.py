@@ -17,7 +17,7 @@ from types import ModuleType
 
 import torch
 
-from kernels.gemm_choice import HEAD_ROWS, MODES, ROW_BUCKETS, GemmChooser, bucket
+from kernels.gemm_choice import HEAD_ROWS, MODES, NATIVE, ROW_BUCKETS, GemmChooser, bucket
 from kernels.host_memory import on_huge_pages
 from kernels.quantize import INT4_GROUP, quantize_int4, quantize_int8
 
@@ -84,10 +84,13 @@ class PackedWeight:
     layout: str = "pairs"
     wsum: torch.Tensor | None = None  # w8a8: [out] int32, each row's sum of int8 weights
     zeros: torch.Tensor | None = None  # w4a8 with zero points: uint8, shaped as ``scale``
-    # The same weight [out, in] as the matrix engine's GEMM takes it (bf16, or int8 with ``scale``),
-    # kept only where that GEMM won a row bucket; ``matrix_rows[bucket(rows)]``: whether it runs.
+    # The same weight for the matrix-engine paths, each kept only where its path won a row bucket
+    # (``kernels/gemm_choice.py``): ``matrix`` [out, in] as oneDNN's matmul takes it (bf16, or
+    # int8 with ``scale``); ``brgemm`` in the brgemm micro-kernel's VNNI blocks of 64 columns
+    # (``kernels/csrc/brgemm.cpp``). ``paths[bucket(rows)]``: which path runs a launch.
     matrix: torch.Tensor | None = None
-    matrix_rows: tuple[bool, ...] = ()
+    brgemm: torch.Tensor | None = None
+    paths: tuple[str, ...] = ()
 
     @classmethod
     def pack(cls, w: Weight) -> PackedWeight:
@@ -137,11 +140,18 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        extra = sum(t.nbytes for t in (self.scale, self.matrix, self.zeros) if t is not None)
+        extra = sum(t.nbytes for t in (self.scale, self.matrix, self.brgemm, self.zeros) if t is not None)
         return self.packed.nbytes + extra
 
 
 Weight = torch.Tensor | Int8Weight | Int4Weight | PackedWeight
+
+
+def _vnni_blocks(w: torch.Tensor, columns: int, per: int) -> torch.Tensor:
+    """``w`` [out, in] as the brgemm micro-kernel's B: ``[ceil(out/columns), in/per, columns, per]``
+    (per = 2 bf16 or 4 int8 inputs in one 32-bit lane), rows padded with zeros."""
+    n, k = w.shape
+    return _pad_rows(w, columns).view(-1, columns, k // per, per).permute(0, 2, 1, 3).contiguous()
 
 
 def _pad_rows(w: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -162,7 +172,7 @@ class LinearOp:
         # "auto": a matrix-engine GEMM where it measured faster on this host; "native": never.
         self.chooser = (GemmChooser(self.native.isa(), torch.get_num_threads())
                         if self.native is not None and gemm == "auto" else None)
-        self.matrix_from: dict[str, int] = {}  # weight kind -> fewest rows a matrix GEMM ran
+        self.matrix_from: dict[str, int] = {}  # "path-kind" -> fewest rows a matrix path ran
         self._xq = torch.empty(0, dtype=torch.int8)  # the matrix int8 path's scratch, grown once
         self._sx = torch.empty(0, dtype=torch.float32)
         self._acc = torch.empty(0, dtype=torch.int32)
@@ -204,21 +214,30 @@ class LinearOp:
         return self.prepare(w, HEAD_ROWS)
 
     def _with_matrix(self, p: PackedWeight, plain: torch.Tensor, max_rows: int) -> PackedWeight:
-        """``p`` with ``plain`` kept for the matrix engine where it measured faster at some bucket
-        (int8 W8A8; a 16-bit weight in the activations' dtype)."""
+        """``p`` with copies of ``plain`` for the matrix-engine paths that measured faster at some
+        bucket (int8 W8A8; a 16-bit weight in the activations' dtype): oneDNN's matmul takes it as
+        is, the brgemm micro-kernel in its VNNI blocks (where K is a multiple of 2, int8: 4)."""
         if self.chooser is None or (p.layout != "w8a8" and plain.dtype != self.act_dtype):
             return p
         kind = "w8a8" if p.layout == "w8a8" else str(plain.dtype).removeprefix("torch.")
         p.matrix = plain.contiguous()
-        choice = self.chooser.choose(kind, p.in_features, p.out_features, max_rows,
-                                     lambda x, out: self(x, p, out, matrix=False),
-                                     lambda x, out: self(x, p, out, matrix=True), self.act_dtype)
-        if any(choice):
-            p.matrix_rows = choice
-            first = ROW_BUCKETS[choice.index(True)]
-            self.matrix_from[kind] = min(first, self.matrix_from.get(kind, first))
-        else:
+        paths: dict[str, object] = {NATIVE: lambda x, out: self(x, p, out, path=NATIVE),
+                                    "onednn": lambda x, out: self(x, p, out, path="onednn")}
+        per = 4 if p.layout == "w8a8" else 2
+        if plain.dtype in (torch.bfloat16, torch.int8) and p.in_features % per == 0:
+            p.brgemm = _vnni_blocks(plain, self.native.brgemm_block(), per)
+            paths["brgemm"] = lambda x, out: self(x, p, out, path="brgemm")
+        choice = self.chooser.choose(kind, p.in_features, p.out_features, max_rows, paths, self.act_dtype)
+        p.paths = choice if any(c != NATIVE for c in choice) else ()
+        for path in ("onednn", "brgemm"):
+            if path in choice:
+                first = ROW_BUCKETS[choice.index(path)]
+                key = f"{path}-{kind}"
+                self.matrix_from[key] = min(first, self.matrix_from.get(key, first))
+        if "onednn" not in choice:
             p.matrix = None
+        if "brgemm" not in choice:
+            p.brgemm = None
         return p
 
     def _fma(self, w: Weight) -> bool:
@@ -230,8 +249,9 @@ class LinearOp:
         rows oneDNN's matrix GEMM takes over where it measured faster."""
         name = self._describe(weight_dtype)
         kind = {"int8": "w8a8", "int4": "w8a8"}.get(weight_dtype, str(weight_dtype).removeprefix("torch."))
-        if kind in self.matrix_from:
-            name += f" + onednn-{kind} from {self.matrix_from[kind]} rows"
+        for path in ("onednn", "brgemm"):
+            if f"{path}-{kind}" in self.matrix_from:
+                name += f" + {path}-{kind} from {self.matrix_from[f'{path}-{kind}']} rows"
         return name
 
     def _describe(self, weight_dtype: torch.dtype | str) -> str:
@@ -250,12 +270,13 @@ class LinearOp:
         return "aten-mm"
 
     def __call__(self, x: torch.Tensor, w: Weight, out: torch.Tensor,
-                 matrix: bool | None = None) -> torch.Tensor:
-        """``matrix``: force (True) or forbid (False) the matrix-engine path; None: as measured."""
+                 path: str | None = None) -> torch.Tensor:
+        """``path``: force one (``native``, ``onednn``, ``brgemm``: the matrix paths where the
+        weight has their copy); None: as measured for the launch's rows."""
         if isinstance(w, PackedWeight):
-            if matrix is None:
-                matrix = w.matrix is not None and w.matrix_rows[bucket(x.shape[0])]
-            if matrix and self._matrix(x, w, out):
+            if path is None:
+                path = w.paths[bucket(x.shape[0])] if w.paths else NATIVE
+            if path != NATIVE and self._matrix(x, w, out, path):
                 return out
             if w.layout == "fma":
                 self.native.linear_fma(x, w.packed, out)
@@ -273,18 +294,27 @@ class LinearOp:
             return out
         return torch.mm(x, w.t(), out=out)
 
-    def _matrix(self, x: torch.Tensor, w: PackedWeight, out: torch.Tensor) -> bool:
-        """``out = x @ w.T`` by oneDNN's GEMM (AMX where the CPU has it); False where it cannot run
-        this call (dtypes), so the native kernel does. int8: quantized and scaled by the native
-        kernel's own code around ``_int_mm``'s exact int32 sums (bit-equal to ``linear_w8a8``)."""
+    def _matrix(self, x: torch.Tensor, w: PackedWeight, out: torch.Tensor, path: str) -> bool:
+        """``out = x @ w.T`` on a matrix-engine path (AMX where the CPU has it); False where it
+        cannot run this call (dtypes), so the native kernel does. int8: quantized and scaled by
+        the native kernel's own code around exact int32 sums (bit-equal to ``linear_w8a8``)."""
         if w.layout == "w8a8":
             m, k, n = x.shape[0], w.in_features, w.out_features
             if self._xq.numel() < m * k or self._acc.numel() < m * n or self._sx.numel() < m:
                 self._grow(m * k, m * n, m)
             q, acc = self._xq[: m * k].view(m, k), self._acc[: m * n].view(m, n)
             self.native.quantize_rows_i8(x, q, self._sx)
-            torch._int_mm(q, w.matrix.t(), out=acc)
+            if path == "brgemm":
+                self.native.linear_brgemm_w8a8(q, w.brgemm, w.wsum, acc)
+            else:
+                torch._int_mm(q, w.matrix.t(), out=acc)
             self.native.scale_int32(acc, self._sx, w.scale, out)
+            return True
+        if path == "brgemm":
+            if x.dtype != torch.bfloat16 or not x.is_contiguous() or out.dtype not in (torch.bfloat16,
+                                                                                      torch.float32):
+                return False
+            self.native.linear_brgemm(x, w.brgemm, out)
             return True
         if x.dtype != w.matrix.dtype or out.dtype != w.matrix.dtype:
             return False

@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 from kernels import native
 from kernels.backends import native as native_backend
 from kernels.gemm_choice import ROW_BUCKETS, GemmChooser, GemmTiming, bucket
-from kernels.linear import Int8Weight, LinearOp
+from kernels.linear import Int8Weight, LinearOp, _vnni_blocks
 from kernels.model.qwen3 import Qwen3Model
 from tests.model_batches import decode_batch, prompt_batch
 
@@ -40,9 +40,14 @@ def test_int8_matrix_path_equals_native_w8a8_bit_for_bit(act, out_dtype):
         p.matrix = Int8Weight.quantize(w, torch.bfloat16, torch.device("cpu")).q
         x = (torch.randn(rows, k, generator=g) * 3).to(act)
         a, b = torch.empty(rows, n, dtype=out_dtype), torch.empty(rows, n, dtype=out_dtype)
-        op(x, p, a, matrix=False)
-        op(x, p, b, matrix=True)
+        op(x, p, a, path="native")
+        op(x, p, b, path="onednn")
         assert torch.equal(a, b), (rows, k, n)
+        if k % 4 == 0:
+            p.brgemm = _vnni_blocks(p.matrix, native.kernels().brgemm_block(), 4)
+            c = torch.empty(rows, n, dtype=out_dtype)
+            op(x, p, c, path="brgemm")
+            assert torch.equal(a, c), (rows, k, n)
         ref = x.double() @ w.double().t()
         assert (a.double() - ref).abs().max() <= 0.05 * ref.abs().max() + 1e-3, (rows, k, n)
 
@@ -62,21 +67,28 @@ def test_bf16_matrix_path_within_the_stated_bound():
         p.matrix = w
         x = torch.randn(rows, k, generator=g).bfloat16()
         a, b = torch.empty(rows, n, dtype=torch.bfloat16), torch.empty(rows, n, dtype=torch.bfloat16)
-        op(x, p, a, matrix=False)
-        op(x, p, b, matrix=True)
+        p.brgemm = _vnni_blocks(w, native.kernels().brgemm_block(), 2)
+        op(x, p, a, path="native")
         bound = 1e-5 * k * x.float().abs().max() * w.float().abs().max()
-        ulp = torch.maximum(a.float().abs(), b.float().abs()) * 2.0**-7
-        assert ((a.float() - b.float()).abs() <= bound + ulp).all(), (rows, k, n)
+        for path in ("onednn", "brgemm"):
+            op(x, p, b, path=path)
+            ulp = torch.maximum(a.float().abs(), b.float().abs()) * 2.0**-7
+            assert ((a.float() - b.float()).abs() <= bound + ulp).all(), (rows, k, n, path)
 
 
 def test_buckets_and_the_margin():
     assert [bucket(r) for r in (1, 2, 3, 4, 5, 8, 9, 512, 513, 4096)] == [0, 1, 2, 2, 3, 3, 4, 9, 9, 9]
     assert ROW_BUCKETS[bucket(100)] == 128
-    t = GemmTiming((1.0, 1.0, 1.0), (2.0, 0.95, 0.5))
-    assert t.choice == (False, False, True)  # 5% faster is noise; 2x is a choice
+    t = GemmTiming({"native": (1.0, 1.0, 1.0), "onednn": (2.0, 0.95, 0.5)})
+    assert t.choice == ("native", "native", "onednn")  # 5% faster is noise; 2x is a choice
     # A win between losses (noise in one bucket) is not taken; from a crossover on, every bucket is.
-    assert GemmTiming((1.0,) * 5, (0.5, 2.0, 0.5, 2.0, 2.0)).choice == (False,) * 5
-    assert GemmTiming((1.0,) * 4, (2.0, 0.5, 0.5, 0.5)).choice == (False, True, True, True)
+    assert GemmTiming({"native": (1.0,) * 5, "onednn": (0.5, 2.0, 0.5, 2.0, 2.0)}).choice == ("native",) * 5
+    assert GemmTiming({"native": (1.0,) * 4, "onednn": (2.0, 0.5, 0.5, 0.5)}).choice == (
+        "native", "onednn", "onednn", "onednn")
+    # Several matrix paths: each bucket takes the fastest, if one of them beats native from there on.
+    both = GemmTiming({"native": (1.0,) * 4, "onednn": (2.0, 0.5, 0.4, 0.3), "brgemm": (2.0, 0.6, 0.3, 0.35)})
+    assert both.choice == ("native", "onednn", "brgemm", "onednn")
+    assert GemmTiming({"native": (1.0, 1.0)}).choice == ("native", "native")
 
 
 def test_the_faster_path_is_chosen_and_the_timing_cached(tmp_path):
@@ -91,17 +103,22 @@ def test_the_faster_path_is_chosen_and_the_timing_cached(tmp_path):
 
     path = tmp_path / "gemm.json"
     chooser = GemmChooser("test", 2, path)
-    choice = chooser.choose("bfloat16", 16, 8, 4, slow, fast, torch.bfloat16)
-    assert choice == (True,) * len(ROW_BUCKETS)  # measured up to 4 rows, the rest takes the last
+    choice = chooser.choose("bfloat16", 16, 8, 4, {"native": slow, "onednn": fast}, torch.bfloat16)
+    assert choice == ("onednn",) * len(ROW_BUCKETS)  # measured up to 4 rows, the rest takes the last
     assert calls["native"] == calls["matrix"] > 0
     assert "bfloat16:16x8:rows4" in json.loads(path.read_text())
     # Reversed speeds, another shape: the native kernel keeps it.
-    assert chooser.choose("w8a8", 16, 8, 2, fast, slow, torch.bfloat16) == (False,) * len(ROW_BUCKETS)
+    assert chooser.choose("w8a8", 16, 8, 2, {"native": fast, "onednn": slow},
+                          torch.bfloat16) == ("native",) * len(ROW_BUCKETS)
     # A second process on this host reads the cache and times nothing.
     before = dict(calls)
     again = GemmChooser("test", 2, path)
-    assert again.choose("bfloat16", 16, 8, 4, slow, fast, torch.bfloat16) == choice
+    assert again.choose("bfloat16", 16, 8, 4, {"native": slow, "onednn": fast}, torch.bfloat16) == choice
     assert calls == before and again.measured_s == 0.0
+    # Another set of paths for the same shape (a build that gained one) is measured afresh.
+    assert again.choose("bfloat16", 16, 8, 4, {"native": slow, "onednn": fast, "brgemm": fast},
+                        torch.bfloat16)[0] in ("onednn", "brgemm")
+    assert calls["native"] > before["native"]
 
 
 def test_the_cache_key_tells_apart_cpus_a_hypervisor_names_alike(monkeypatch):
@@ -125,7 +142,8 @@ def test_a_matrix_gemm_that_raises_leaves_the_native_kernel(tmp_path):
         raise RuntimeError("no such shape")
 
     chooser = GemmChooser("test", 2, tmp_path / "gemm.json")
-    assert not any(chooser.choose("w8a8", 16, 8, 8, lambda x, out: None, broken, torch.bfloat16))
+    paths = {"native": lambda x, out: None, "onednn": broken}
+    assert set(chooser.choose("w8a8", 16, 8, 8, paths, torch.bfloat16)) == {"native"}
 
 
 def test_an_unknown_mode_is_refused():
@@ -134,12 +152,19 @@ def test_an_unknown_mode_is_refused():
 
 
 @pytest.fixture
-def matrix_everywhere(monkeypatch, tmp_path):
-    """The chooser as if the matrix GEMM had measured 2x faster at every bucket (a host with AMX);
-    prompt attention kept native (its choice: tests/test_prompt_choice.py)."""
+def matrix_everywhere(monkeypatch, tmp_path, request):
+    """The chooser as if oneDNN's matmul had measured 2x faster at every bucket (a host with AMX),
+    or its brgemm (``request.param``); prompt attention kept native (its choice:
+    tests/test_prompt_choice.py)."""
+    fast = getattr(request, "param", "onednn")
     monkeypatch.setenv("FUSEDSERVE_CACHE", str(tmp_path))
     n = len(ROW_BUCKETS)
-    monkeypatch.setattr(GemmChooser, "_measure", lambda self, *a: GemmTiming((2.0,) * n, (1.0,) * n))
+
+    def measure(self, k, n_, max_rows, paths, act_dtype):
+        return GemmTiming({p: ((1.0 if p == fast else 2.0),) * n for p in paths})
+
+    monkeypatch.setattr(GemmChooser, "_measure", measure)
+    return fast
     monkeypatch.setattr(native_backend, "choose_prompt_attention", lambda *a: (False,) * n)
 
 
@@ -154,14 +179,16 @@ def _logits(model: Qwen3Model) -> torch.Tensor:
 
 
 @needs_w8a8
+@pytest.mark.parametrize("matrix_everywhere", ["onednn", "brgemm"], indirect=True)
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_model_logits_on_the_matrix_path(hf_checkpoints, matrix_everywhere, caplog, quantization):
     ckpt = hf_checkpoints["gqa2_untied"]
     ref = Qwen3Model.from_pretrained(ckpt, "bfloat16", quantization=quantization, gemm="native")
     with caplog.at_level(logging.INFO, logger="kernels.gemm_choice"):
         model = Qwen3Model.from_pretrained(ckpt, "bfloat16", quantization=quantization, gemm="auto")
-    assert "onednn" in model.kernel_info()["linear"] and "onednn" not in ref.kernel_info()["linear"]
-    assert any("matrix" in r.message for r in caplog.records)  # the choice is logged
+    path = matrix_everywhere
+    assert path in model.kernel_info()["linear"] and path not in ref.kernel_info()["linear"]
+    assert any(f"1:{path}" in r.message for r in caplog.records)  # the choice is logged
     a, b = _logits(ref), _logits(model)
     if quantization == "int8":
         assert torch.equal(a, b)  # exact int32 sums, the same quantization and scaling
@@ -171,10 +198,11 @@ def test_model_logits_on_the_matrix_path(hf_checkpoints, matrix_everywhere, capl
 
 
 @needs_w8a8
+@pytest.mark.parametrize("matrix_everywhere", ["onednn", "brgemm"], indirect=True)
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_matrix_path_decode_allocates_nothing_after_warmup(hf_checkpoints, matrix_everywhere, quantization):
     model = Qwen3Model.from_pretrained(hf_checkpoints["gqa2_untied"], "bfloat16", quantization=quantization)
-    assert "onednn" in model.kernel_info()["linear"]
+    assert matrix_everywhere in model.kernel_info()["linear"]
     bs = 4
     kv, ws = model.new_kv_cache(16, bs), model.new_workspace(4, bs)
     out = torch.empty(4, model.config.vocab_size)

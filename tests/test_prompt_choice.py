@@ -100,7 +100,8 @@ def test_the_choice_is_measured_once_per_layout_and_cache_dtype(tmp_path, monkey
     assert len(bf16) == len(int8) == len(ROW_BUCKETS)
     keys = sorted(chooser.timings)
     assert len(keys) == 2 and "bf16-cache" in keys[0] and "int8-cache" in keys[1]
-    assert all(t > 0 for k in keys for t in chooser.timings[k].native_s + chooser.timings[k].matrix_s)
+    assert all(set(chooser.timings[k].seconds) == {"native", "sdpa"} for k in keys)
+    assert all(t > 0 for k in keys for ts in chooser.timings[k].seconds.values() for t in ts)
 
     def no_measuring(*a):
         raise AssertionError("measured again")
@@ -119,7 +120,8 @@ def test_a_model_takes_sdpa_where_it_measured_faster_unless_kept_native(hf_check
     chunk there (logits within bf16 bounds of the native kernel's), ``native`` never measures."""
     monkeypatch.setenv("FUSEDSERVE_CACHE", str(tmp_path))
     n = len(ROW_BUCKETS)
-    monkeypatch.setattr(GemmChooser, "_measure", lambda self, *a: GemmTiming((2.0,) * n, (1.0,) * n))
+    monkeypatch.setattr(GemmChooser, "_measure", lambda self, k, n_, rows, paths, dtype: GemmTiming(
+        {p: ((2.0 if p == "native" else 1.0),) * n for p in paths}))
     ckpt = hf_checkpoints["gqa2_untied"]
     model = Qwen3Model.from_pretrained(ckpt, "bfloat16", gemm=gemm)
     ws = model.new_workspace(32, 4)

@@ -23,7 +23,7 @@ from types import ModuleType
 import torch
 
 from kernels.attention.prompt_rows import PromptChunk, attend_chunks
-from kernels.gemm_choice import ROW_BUCKETS, GemmChooser
+from kernels.gemm_choice import NATIVE, ROW_BUCKETS, GemmChooser
 from kernels.kv_cache import KV8_SCALE_BYTES
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,9 @@ def choose_prompt_attention(chooser: GemmChooser, native: ModuleType, heads: int
     on_native, on_sdpa = timed_pair(native, heads, kv_heads, head_dim, kv_cache_dtype, scale)
     kind = prompt_kind(kv_cache_dtype, kv_heads, head_dim)
     width = heads * head_dim
-    choice = chooser.choose(kind, width, width, ROW_BUCKETS[-1], on_native, on_sdpa, torch.bfloat16)
+    paths = chooser.choose(kind, width, width, ROW_BUCKETS[-1], {NATIVE: on_native, "sdpa": on_sdpa},
+                           torch.bfloat16)
+    choice = tuple(p == "sdpa" for p in paths)
     if any(choice):
         log.info("prompt attention (%d heads, %d KV heads, %s cache): SDPA from %d query rows",
                  heads, kv_heads, kv_cache_dtype, ROW_BUCKETS[choice.index(True)])

@@ -300,6 +300,11 @@ void linear_packed(const at::Tensor& x, const at::Tensor& packed, const c10::opt
                    at::Tensor out);
 #endif
 
+// brgemm.cpp
+int64_t brgemm_block();
+void linear_brgemm(const at::Tensor& x, const at::Tensor& packed, at::Tensor out);
+void linear_brgemm_w8a8(const at::Tensor& q, const at::Tensor& packed, const at::Tensor& wsum, at::Tensor acc);
+
 // linear_fma.cpp
 int64_t vector_lanes();
 void linear_fma(const at::Tensor& x, const at::Tensor& packed, at::Tensor out);

@@ -34,6 +34,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_packed", &linear_packed, "out = x @ W.T, W packed [N/16, K/2, 16, 2] (bf16 or int8 + scales)",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("out"));
 #endif
+  m.def("brgemm_block", &brgemm_block, "columns per block of the brgemm packs");
+  m.def("linear_brgemm", &linear_brgemm,
+        "out = x @ W.T by oneDNN's brgemm micro-kernel (AMX where present), W [N/64, K/2, 64, 2] bf16",
+        py::arg("x"), py::arg("packed"), py::arg("out"));
+  m.def("linear_brgemm_w8a8", &linear_brgemm_w8a8,
+        "acc = q @ W.T exactly (int32) by oneDNN's brgemm, u8 x s8, W [N/64, K/4, 64, 4] int8",
+        py::arg("q"), py::arg("packed"), py::arg("wsum"), py::arg("acc"));
   m.def("vector_lanes", &vector_lanes, "fp32 lanes of this build's vectors (the FMA pack's width)");
   m.def("linear_fma", &linear_fma, "out = x @ W.T, W packed [N/VL, K, VL] (bf16, fp16 or fp32), fp32 FMA",
         py::arg("x"), py::arg("packed"), py::arg("out"));
