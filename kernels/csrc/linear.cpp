@@ -170,6 +170,14 @@ inline void packed_nv(int nv, int m, const bf16* x, int64_t ldx, int64_t K2, con
   }
 }
 
+// Rows of tile t when M rows are split over `tiles` tiles of at most MP: as even as can be from
+// 8 rows (measured on Zen 5: 8-31 rows 1.05-1.09x faster than full tiles and a remainder, 10 rows
+// 0.97x); below, full tiles first (7 rows: 6 + 1 ran 1.1x faster than 4 + 3).
+inline int tile_rows(int64_t M, int64_t tiles, int64_t t) {
+  if (M < 8) return static_cast<int>(std::min<int64_t>(MP, M - t * MP));
+  return static_cast<int>(M / tiles + (t < M % tiles ? 1 : 0));
+}
+
 // out[M, N] (bf16) = x[M, K] (bf16) @ W^T for W packed [ceil(N/16), K/2, 16, 2] (bf16 or int8,
 // with float32 scales [N] for int8).
 void linear_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scale,
@@ -221,9 +229,11 @@ void linear_packed(const at::Tensor& x, const at::Tensor& packed, const c10::opt
       const int64_t next_lines = blk + 1 < b1 && tiles > 1
                                      ? std::min<int64_t>(NP, nvec - v0 - NP) * K2 * 32 * elem / 64 : 0;
       const char* next = next_lines ? base + (blk + 1) * block_bytes : nullptr;
-      for (int64_t m0 = 0; m0 < M; m0 += MP) {
-        const int m = static_cast<int>(std::min<int64_t>(MP, M - m0));
-        const int64_t t = m0 / MP, l0 = t * next_lines / tiles, l1 = (t + 1) * next_lines / tiles;
+      // Rows split evenly over the tiles (8 rows: 4 + 4, not 6 + 2: a 2-row tile loads a weight
+      // vector per 2 products; see tile_rows); a row's sums do not depend on its tile's height.
+      for (int64_t t = 0, m0 = 0; t < tiles; m0 += tile_rows(M, tiles, t), ++t) {
+        const int m = tile_rows(M, tiles, t);
+        const int64_t l0 = t * next_lines / tiles, l1 = (t + 1) * next_lines / tiles;
         const Prefetch pf{next + l0 * 64, l1 - l0};
         if (int8 && !widen_ahead)
           packed_nv(nv, m, xp + m0 * ldx, ldx, K2, w8, res, pf);
