@@ -226,7 +226,8 @@ class LinearOp:
         per = 4 if p.layout == "w8a8" else 2
         if plain.dtype in (torch.bfloat16, torch.int8) and p.in_features % per == 0:
             p.brgemm = _vnni_blocks(plain, self.native.brgemm_block(), per)
-            paths["brgemm"] = lambda x, out: self(x, p, out, path="brgemm")
+            if self._agrees(p, "brgemm"):
+                paths["brgemm"] = lambda x, out: self(x, p, out, path="brgemm")
         choice = self.chooser.choose(kind, p.in_features, p.out_features, max_rows, paths, self.act_dtype)
         p.paths = choice if any(c != NATIVE for c in choice) else ()
         for path in ("onednn", "brgemm"):
@@ -239,6 +240,32 @@ class LinearOp:
         if "brgemm" not in choice:
             p.brgemm = None
         return p
+
+    def _agrees(self, p: PackedWeight, path: str, rows: int = 37) -> bool:
+        """Whether ``path`` computes what the native kernel does on this host, checked once at
+        load on random rows: int8 bit for bit, bf16 within the summation-order bound. A path
+        whose layout this host's micro-kernel reads otherwise is left out, with a warning."""
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(rows, p.in_features, generator=g).to(self.act_dtype)
+        a = torch.empty(rows, p.out_features, dtype=self.act_dtype)
+        b = torch.empty_like(a)
+        self(x, p, a, path=NATIVE)
+        try:
+            self(x, p, b, path=path)
+        except (RuntimeError, NotImplementedError) as exc:
+            log.info("%s GEMM unavailable here (%s): the native kernel keeps its shapes", path, exc)
+            return False
+        if p.layout == "w8a8":
+            ok = torch.equal(a, b)
+        else:
+            w_max = p.matrix.float().abs().max() if p.matrix is not None else 1.0
+            bound = 1e-5 * p.in_features * x.float().abs().max() * w_max
+            ulp = torch.maximum(a.float().abs(), b.float().abs()) * 2.0**-7
+            ok = bool(((a.float() - b.float()).abs() <= bound + ulp).all())
+        if not ok:
+            log.warning("%s GEMM disagrees with the native kernel on this host (K=%d N=%d): not used",
+                        path, p.in_features, p.out_features)
+        return ok
 
     def _fma(self, w: Weight) -> bool:
         return (self.lanes > 1 and not self.packs and isinstance(w, torch.Tensor)

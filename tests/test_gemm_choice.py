@@ -213,3 +213,36 @@ def test_matrix_path_decode_allocates_nothing_after_warmup(hf_checkpoints, matri
         model.forward(batch, kv, ws, out[:2])
     allocs = [(e.name, e.cpu_memory_usage) for e in prof.events() if e.cpu_memory_usage > 0]
     assert allocs == [], allocs[:10]
+
+
+@needs_w8a8
+@pytest.mark.parametrize("wkind", ["bfloat16", "w8a8"])
+def test_a_brgemm_path_that_disagrees_with_native_is_left_out(tmp_path, monkeypatch, caplog, wkind):
+    """The brgemm pack is checked against the native kernel once at load: where this host's
+    micro-kernel read it otherwise (a layout it does not take), the path is not even timed."""
+    monkeypatch.setenv("FUSEDSERVE_CACHE", str(tmp_path))
+    build = native.kernels()
+    seen: list[set[str]] = []
+
+    def measure(self, k, n, max_rows, paths, act_dtype):
+        seen.append(set(paths))
+        return GemmTiming({p: ((1.0 if p == "brgemm" else 2.0),) * len(ROW_BUCKETS) for p in paths})
+
+    monkeypatch.setattr(GemmChooser, "_measure", measure)
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 128, generator=g) * 0.1
+    cpu = torch.device("cpu")
+    weight = w.bfloat16() if wkind == "bfloat16" else Int8Weight.quantize(w, torch.bfloat16, cpu)
+    op = LinearOp(torch.device("cpu"), build, torch.bfloat16, gemm="auto")
+    if not op.packs:
+        pytest.skip("no packed bf16 GEMM in this build")
+    p = op.prepare(weight)
+    if "brgemm" in seen[0]:  # this host's micro-kernel runs and agrees: it is timed and chosen
+        assert p.paths and set(p.paths) == {"brgemm"} and p.brgemm is not None
+    with caplog.at_level(logging.WARNING, logger="kernels.linear"):
+        monkeypatch.setattr(build, "linear_brgemm", lambda x, packed, out: out.fill_(1.0))
+        monkeypatch.setattr(build, "linear_brgemm_w8a8", lambda q, packed, wsum, acc: acc.fill_(1))
+        p = LinearOp(torch.device("cpu"), build, torch.bfloat16, gemm="auto").prepare(weight)
+    assert seen[-1] == {"native", "onednn"} and p.brgemm is None and p.paths == ()
+    if "brgemm" in seen[0]:
+        assert "disagrees" in caplog.text
