@@ -326,8 +326,9 @@ def test_packed_gemm_matches_reference_and_rows_do_not_depend_on_the_batch(wkind
 
     m = _packed_module()
     g = torch.Generator().manual_seed(5)
-    # N tails, row-tile tails; past 18 rows int8 is widened ahead rather than in registers
-    for rows, k, n in [(1, 64, 16), (7, 130, 45), (13, 256, 70), (6, 2, 1), (25, 96, 40)]:
+    # N tails, row-tile tails (7 and 8 rows: one tile, blocks of 3 vectors); past 18 rows int8 is
+    # widened ahead rather than in registers
+    for rows, k, n in [(1, 64, 16), (7, 130, 45), (8, 64, 100), (13, 256, 70), (6, 2, 1), (25, 96, 40)]:
         x = torch.randn(rows, k, generator=g).bfloat16()
         w = torch.randn(n, k, generator=g) * 0.1
         if wkind == "int8":

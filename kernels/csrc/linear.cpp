@@ -103,6 +103,9 @@ void linear_f32(const float* x, int64_t M, int64_t K, const W* w, int64_t N, con
 // the same for any number of rows. int8 weights are widened to bf16 (exact) block by block.
 constexpr int MP = 6;  // activation rows per tile
 constexpr int NP = 4;  // 16-channel vectors per tile
+// 7 or 8 rows: one tile of them x 3 vectors (24 accumulators), each weight vector loaded once
+// for all the rows, where 6 + 1 or 4 + 4 row tiles load it twice.
+constexpr int MP8 = 8, NP8 = 3;
 
 // 32 int8 -> 32 bf16, exact (|q| <= 127).
 inline __m512i widen_int8(const int8_t* p) {
@@ -170,9 +173,29 @@ inline void packed_nv(int nv, int m, const bf16* x, int64_t ldx, int64_t K2, con
   }
 }
 
+// 7 or 8 rows in one tile of up to NP8 vectors (its own dispatch: instantiating 8-row tiles of
+// NP vectors beside the others made GCC lay the 6 x 4 tile out 3-6% slower).
+template <typename W>
+inline void packed_nv8(int nv, int m, const bf16* x, int64_t ldx, int64_t K2, const W* const* w, __m512* res,
+                       Prefetch pf) {
+  if (m == 8) {
+    switch (nv) {
+      case 3: packed_tile<8, 3>(x, ldx, K2, w, res, pf); break;
+      case 2: packed_tile<8, 2>(x, ldx, K2, w, res, pf); break;
+      default: packed_tile<8, 1>(x, ldx, K2, w, res, pf); break;
+    }
+  } else {
+    switch (nv) {
+      case 3: packed_tile<7, 3>(x, ldx, K2, w, res, pf); break;
+      case 2: packed_tile<7, 2>(x, ldx, K2, w, res, pf); break;
+      default: packed_tile<7, 1>(x, ldx, K2, w, res, pf); break;
+    }
+  }
+}
+
 // Rows of tile t when M rows are split over `tiles` tiles of at most MP: as even as can be from
-// 8 rows (measured on Zen 5: 8-31 rows 1.05-1.09x faster than full tiles and a remainder, 10 rows
-// 0.97x); below, full tiles first (7 rows: 6 + 1 ran 1.1x faster than 4 + 3).
+// 8 rows (measured on Zen 5: 9-31 rows 1.05-1.09x faster than full tiles and a remainder, 10 rows
+// 0.97x); below, full tiles first. (7 and 8 rows take one 8-row tile instead: packed_nv8.)
 inline int tile_rows(int64_t M, int64_t tiles, int64_t t) {
   if (M < 8) return static_cast<int>(std::min<int64_t>(MP, M - t * MP));
   return static_cast<int>(M / tiles + (t < M % tiles ? 1 : 0));
@@ -201,58 +224,74 @@ void linear_packed(const at::Tensor& x, const at::Tensor& packed, const c10::opt
   const int64_t ldx = x.stride(0), ldo = out.stride(0);
   bf16* op = out.data_ptr<bf16>();
   const int64_t nvec = packed.size(0);
-  const int64_t nblocks = (nvec + NP - 1) / NP;
-  const int64_t tiles = (M + MP - 1) / MP, elem = int8 ? 1 : 2, block_bytes = NP * K2 * 32 * elem;
   const char* base = static_cast<const char*>(packed.data_ptr());
-  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
-    thread_local std::vector<bf16> wide;  // an int8 block widened to bf16
-    __m512 res[MP * NP];
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t v0 = blk * NP;
-      const int nv = static_cast<int>(std::min<int64_t>(NP, nvec - v0));
-      const bf16* w[NP];
-      const int8_t* w8[NP];
-      // int8 for up to three row tiles: widened in registers per tile; beyond (prefill): once, into a scratch.
-      const bool widen_ahead = int8 && M > 3 * MP;
-      if (widen_ahead) {
-        if (wide.size() < static_cast<size_t>(NP * K2 * 32)) wide.resize(NP * K2 * 32);
-        const int8_t* src = packed.data_ptr<int8_t>() + v0 * K2 * 32;
-        for (int64_t e = 0; e < nv * K2 * 32; e += 32) _mm512_storeu_si512(wide.data() + e, widen_int8(src + e));
-        for (int v = 0; v < nv; ++v) w[v] = wide.data() + v * K2 * 32;
-      } else if (int8) {
-        for (int v = 0; v < nv; ++v) w8[v] = packed.data_ptr<int8_t>() + (v0 + v) * K2 * 32;
-      } else {
-        for (int v = 0; v < nv; ++v) w[v] = packed.data_ptr<bf16>() + (v0 + v) * K2 * 32;
-      }
-      // The next block of this thread's range, a share per row tile, where there are two tiles or
-      // more (a launch of one tile streams its block once: the hardware's prefetch keeps up).
-      const int64_t next_lines = blk + 1 < b1 && tiles > 1
-                                     ? std::min<int64_t>(NP, nvec - v0 - NP) * K2 * 32 * elem / 64 : 0;
-      const char* next = next_lines ? base + (blk + 1) * block_bytes : nullptr;
-      // Rows split evenly over the tiles (8 rows: 4 + 4, not 6 + 2: a 2-row tile loads a weight
-      // vector per 2 products; see tile_rows); a row's sums do not depend on its tile's height.
-      for (int64_t t = 0, m0 = 0; t < tiles; m0 += tile_rows(M, tiles, t), ++t) {
-        const int m = tile_rows(M, tiles, t);
-        const int64_t l0 = t * next_lines / tiles, l1 = (t + 1) * next_lines / tiles;
-        const Prefetch pf{next + l0 * 64, l1 - l0};
-        if (int8 && !widen_ahead)
-          packed_nv(nv, m, xp + m0 * ldx, ldx, K2, w8, res, pf);
-        else
-          packed_nv(nv, m, xp + m0 * ldx, ldx, K2, w, res, pf);
-        for (int v = 0; v < nv; ++v) {
-          const int64_t n0 = (v0 + v) * 16;
-          const int valid = static_cast<int>(std::min<int64_t>(16, N - n0));
-          const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-          const __m512 s = sc ? _mm512_maskz_loadu_ps(mask, sc + n0) : _mm512_setzero_ps();
-          for (int i = 0; i < m; ++i) {
-            __m512 r = res[i * NP + v];
-            if (sc) r = _mm512_mul_ps(r, s);
-            _mm256_mask_storeu_epi16(op + (m0 + i) * ldo + n0, mask, (__m256i)_mm512_cvtneps_pbh(r));
+  // The loop compiled twice, the 7-8-row form apart (a runtime switch in one loop cost the others'
+  // launches 1-3%).
+  auto run = [&](auto eight_rows) {
+    constexpr bool eight = decltype(eight_rows)::value;
+    const int64_t np = eight ? NP8 : NP;  // vectors per block
+    const int64_t nblocks = (nvec + np - 1) / np;
+    const int64_t tiles = eight ? 1 : (M + MP - 1) / MP, elem = int8 ? 1 : 2, block_bytes = np * K2 * 32 * elem;
+    at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+      thread_local std::vector<bf16> wide;  // an int8 block widened to bf16
+      __m512 res[(eight ? MP8 : MP) * NP];  // a tile's sums: res[i * NP + v]
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t v0 = blk * np;
+        const int nv = static_cast<int>(std::min<int64_t>(np, nvec - v0));
+        const bf16* w[NP];
+        const int8_t* w8[NP];
+        // int8 for up to three row tiles: widened in registers per tile; beyond (prefill): once, into a scratch.
+        const bool widen_ahead = int8 && M > 3 * MP;
+        if (widen_ahead) {
+          if (wide.size() < static_cast<size_t>(NP * K2 * 32)) wide.resize(NP * K2 * 32);
+          const int8_t* src = packed.data_ptr<int8_t>() + v0 * K2 * 32;
+          for (int64_t e = 0; e < nv * K2 * 32; e += 32) _mm512_storeu_si512(wide.data() + e, widen_int8(src + e));
+          for (int v = 0; v < nv; ++v) w[v] = wide.data() + v * K2 * 32;
+        } else if (int8) {
+          for (int v = 0; v < nv; ++v) w8[v] = packed.data_ptr<int8_t>() + (v0 + v) * K2 * 32;
+        } else {
+          for (int v = 0; v < nv; ++v) w[v] = packed.data_ptr<bf16>() + (v0 + v) * K2 * 32;
+        }
+        // The next block of this thread's range, a share per row tile, where there are two tiles or
+        // more (a launch of one tile streams its block once: the hardware's prefetch keeps up).
+        const int64_t next_lines = blk + 1 < b1 && tiles > 1
+                                       ? std::min<int64_t>(np, nvec - v0 - np) * K2 * 32 * elem / 64 : 0;
+        const char* next = next_lines ? base + (blk + 1) * block_bytes : nullptr;
+        // Rows split evenly over the tiles (8 rows: 4 + 4, not 6 + 2: a 2-row tile loads a weight
+        // vector per 2 products; see tile_rows); a row's sums do not depend on its tile's height.
+        for (int64_t t = 0, m0 = 0; t < tiles; m0 += eight ? M : tile_rows(M, tiles, t), ++t) {
+          const int m = eight ? static_cast<int>(M) : tile_rows(M, tiles, t);
+          const int64_t l0 = t * next_lines / tiles, l1 = (t + 1) * next_lines / tiles;
+          const Prefetch pf{next + l0 * 64, l1 - l0};
+          if constexpr (eight) {
+            if (int8)
+              packed_nv8(nv, m, xp + m0 * ldx, ldx, K2, w8, res, pf);
+            else
+              packed_nv8(nv, m, xp + m0 * ldx, ldx, K2, w, res, pf);
+          } else if (int8 && !widen_ahead) {
+            packed_nv(nv, m, xp + m0 * ldx, ldx, K2, w8, res, pf);
+          } else {
+            packed_nv(nv, m, xp + m0 * ldx, ldx, K2, w, res, pf);
+          }
+          for (int v = 0; v < nv; ++v) {
+            const int64_t n0 = (v0 + v) * 16;
+            const int valid = static_cast<int>(std::min<int64_t>(16, N - n0));
+            const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+            const __m512 s = sc ? _mm512_maskz_loadu_ps(mask, sc + n0) : _mm512_setzero_ps();
+            for (int i = 0; i < m; ++i) {
+              __m512 r = res[i * NP + v];
+              if (sc) r = _mm512_mul_ps(r, s);
+              _mm256_mask_storeu_epi16(op + (m0 + i) * ldo + n0, mask, (__m256i)_mm512_cvtneps_pbh(r));
+            }
           }
         }
       }
-    }
-  });
+    });
+  };
+  if (M == 7 || M == 8)
+    run(std::true_type{});
+  else
+    run(std::false_type{});
 }
 #endif
 
