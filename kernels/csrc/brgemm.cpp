@@ -14,9 +14,16 @@
 
 namespace fusedserve {
 
+// Older torch headers lack these overloads (the macros name them): there both calls refuse, and
+// the chooser leaves the path out (kernels/linear.py: LinearOp._agrees).
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32) && defined(CPUBLAS_BRGEMM_U8I8I32)
+#define FS_BRGEMM 1
+#endif
+
+#if FS_BRGEMM
 namespace {
 
-constexpr int64_t NB = 64;  // columns per block: four AMX tiles wide
+constexpr int64_t NB = 64;  // columns per block: four AMX tiles wide (brgemm_block)
 constexpr int64_t MB = 64;  // rows per call
 
 template <typename In, typename Acc, typename Store>
@@ -41,8 +48,18 @@ void run_blocks(int64_t M, int64_t K, int64_t nblocks, const In* x, const void* 
 }
 
 }  // namespace
+#endif
 
-int64_t brgemm_block() { return NB; }
+int64_t brgemm_block() { return 64; }
+
+#if !FS_BRGEMM
+void linear_brgemm(const at::Tensor&, const at::Tensor&, at::Tensor) {
+  TORCH_CHECK(false, "linear_brgemm: this torch's CPUBlas has no bf16 brgemm");
+}
+void linear_brgemm_w8a8(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor) {
+  TORCH_CHECK(false, "linear_brgemm_w8a8: this torch's CPUBlas has no u8 x s8 brgemm");
+}
+#else
 
 void linear_brgemm(const at::Tensor& x, const at::Tensor& packed, at::Tensor out) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
@@ -98,5 +115,6 @@ void linear_brgemm_w8a8(const at::Tensor& q, const at::Tensor& packed, const at:
                                      ap[(m0 + i) * N + n0 + j] = t[i * NB + j] - 128 * ws[n0 + j];
                                });
 }
+#endif
 
 }  // namespace fusedserve
