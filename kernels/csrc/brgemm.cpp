@@ -20,11 +20,25 @@ namespace fusedserve {
 #define FS_BRGEMM 1
 #endif
 
+constexpr int64_t NB = 64;  // columns per block: four AMX tiles wide
+
+int64_t brgemm_block() { return NB; }
+
 #if FS_BRGEMM
 namespace {
 
-constexpr int64_t NB = 64;  // columns per block: four AMX tiles wide (brgemm_block)
 constexpr int64_t MB = 64;  // rows per call
+
+// A launch's operands: rows [M, K] contiguous of `in`, a pack [N/NB, K/per, NB, per] of `w`
+// covering out's N columns.
+void check_operands(const char* name, const at::Tensor& x, at::ScalarType in, const at::Tensor& packed,
+                    at::ScalarType w, int64_t per, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == in, name, ": rows [M, K] contiguous ", in);
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == w && packed.is_contiguous() &&
+                  packed.size(1) * per == x.size(1) && packed.size(2) == NB && packed.size(3) == per &&
+                  packed.size(0) * NB >= N,
+              name, ": packed [N/", NB, ", K/", per, ", ", NB, ", ", per, "] ", w);
+}
 
 template <typename In, typename Acc, typename Store>
 void run_blocks(int64_t M, int64_t K, int64_t nblocks, const In* x, const void* w, int64_t wblock, Store store) {
@@ -50,8 +64,6 @@ void run_blocks(int64_t M, int64_t K, int64_t nblocks, const In* x, const void* 
 }  // namespace
 #endif
 
-int64_t brgemm_block() { return 64; }
-
 #if !FS_BRGEMM
 void linear_brgemm(const at::Tensor&, const at::Tensor&, at::Tensor) {
   TORCH_CHECK(false, "linear_brgemm: this torch's CPUBlas has no bf16 brgemm");
@@ -62,12 +74,8 @@ void linear_brgemm_w8a8(const at::Tensor&, const at::Tensor&, const at::Tensor&,
 #else
 
 void linear_brgemm(const at::Tensor& x, const at::Tensor& packed, at::Tensor out) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-              "linear_brgemm: x [M, K] contiguous bf16");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  packed.size(1) * 2 == K && packed.size(2) == NB && packed.size(3) == 2 && packed.size(0) * NB >= N,
-              "linear_brgemm: packed [N/64, K/2, 64, 2] bf16");
+  check_operands("linear_brgemm", x, at::kBFloat16, packed, at::kBFloat16, 2, N);
   TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 &&
                   (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat),
               "linear_brgemm: out [M, N] bf16 or fp32, rows contiguous");
@@ -89,12 +97,8 @@ void linear_brgemm(const at::Tensor& x, const at::Tensor& packed, at::Tensor out
 }
 
 void linear_brgemm_w8a8(const at::Tensor& q, const at::Tensor& packed, const at::Tensor& wsum, at::Tensor acc) {
-  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar,
-              "linear_brgemm_w8a8: q [M, K] contiguous int8");
   const int64_t M = q.size(0), K = q.size(1), N = acc.size(1);
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
-                  packed.size(1) * 4 == K && packed.size(2) == NB && packed.size(3) == 4 && packed.size(0) * NB >= N,
-              "linear_brgemm_w8a8: packed [N/64, K/4, 64, 4] int8");
+  check_operands("linear_brgemm_w8a8", q, at::kChar, packed, at::kChar, 4, N);
   TORCH_CHECK(acc.dim() == 2 && acc.size(0) == M && acc.is_contiguous() && acc.scalar_type() == at::kInt &&
                   wsum.scalar_type() == at::kInt && wsum.numel() >= N,
               "linear_brgemm_w8a8: acc [M, N] int32, wsum [N] int32");
