@@ -49,6 +49,7 @@ import numpy as np
 from benchmarks import llama_cpp
 from benchmarks.common import RUNS, fmt, machine, read_bandwidth, spread
 from coordinator.model_files.default_model import cache_root, default_model_dir
+from kernels.native import cpu_flags
 
 PRESET = "qwen3-0.6b"
 # Environment that caps every engine at an instruction set (``--isa``); "native" leaves each its best.
@@ -202,12 +203,14 @@ def measure(engines: list[str], batches: list[int], input_len: int, new: int, th
         if e in SAME_FILE:
             llama_cpp.gguf(Path(llama_dir), llama_python or sys.executable, model_dir,
                            cache_root() / f"llamacpp-{model_dir.name}", SAME_FILE[e])
+    flags = cpu_flags()
+    builds = {e: llama_cpp.build_for(e, isa, flags) for e in ggufs}
     raw: dict[str, dict[int, list[float]]] = {e: {b: [] for b in batches} for e in available}
     for run in range(runs):  # round robin: every engine and batch once per run
         for engine in available:
             if engine in ggufs:
                 for b, v in llama_cpp.batched_bench(Path(llama_dir), ggufs[engine], batches, input_len, new,
-                                                    threads, isa).items():
+                                                    threads, builds[engine]).items():
                     raw[engine][b].append(v)
                 continue
             python = openvino_python if engine.startswith("openvino-") else sys.executable
@@ -225,9 +228,24 @@ def measure(engines: list[str], batches: list[int], input_len: int, new: int, th
     return {"machine": machine(), "isa": isa, "model": f"default:{PRESET}", "input_len": input_len,
             "new_tokens": new,
             "threads": threads, "read_bw_gbps": bw / 1e9, "results": results, "vocab": vocab,
+            "llama_builds": {e: f"{b} ({llama_cpp.BUILD_FLAGS[b]})" for e, b in builds.items()},
             "weight_bytes": {"16-bit": weight_bytes_per_token(model_dir, None),
                              "int8": weight_bytes_per_token(model_dir, "int8"),
                              "int4": weight_bytes_per_token(model_dir, "int4")}}
+
+
+def llama_builds(res: dict) -> str:
+    """Which llama.cpp build ran which weights in ``res`` (a ``measure`` result), e.g. "`build`
+    (GGML_NATIVE=ON) for bf16, Q8_0, Q4_0"; "" where no llama.cpp engine ran."""
+    by_build: dict[str, list[str]] = {}
+    for engine, build in res.get("llama_builds", {}).items():
+        by_build.setdefault(build, []).append(llama_cpp.WEIGHTS[engine])
+    parts = []
+    for build, kinds in by_build.items():
+        folder, flags = build.split(" ", 1)
+        why = " (they crash in its AMX path on this CPU)" if folder == llama_cpp.NO_AMX_BUILD else ""
+        parts.append(f"`{folder}` {flags} for {', '.join(kinds)}{why}")
+    return "; ".join(parts)
 
 
 def table(res: dict) -> list[str]:
@@ -296,6 +314,7 @@ def decode_at(engines: list[str], context: int, threads: int, openvino_python: s
         rates[engine] = DECODE_TOKENS / ((DECODE_TOKENS + 1) / fn - 1 / f1)
     return {"machine": full["machine"], "isa": isa, "context": context, "runs": runs, "decode_tok_s": rates,
             "prefill_s": {e: 1 / medians(first)[e][1] for e in first["results"]},
+            "llama_builds": full.get("llama_builds", {}),
             "openvino_kv_cache_precision": openvino_kv_precision(openvino_python)}
 
 

@@ -15,6 +15,19 @@ the native flags, in ``build-avx2``::
         -DGGML_BMI2=ON -DGGML_AVX512=OFF -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release
     cmake --build build-avx2 -j2 --target llama-batched-bench
 
+On a CPU with AMX, llama.cpp's Q8_0 and Q4_0 crash in its AMX path (measured on a Sapphire Rapids
+class Xeon): the native comparison runs those two from a third build, ``build-noamx``, with
+AVX-512 on and AMX off, and the report names the build of every llama.cpp figure::
+
+    cmake -B build-noamx -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+        -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
+        -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+        -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release
+    cmake --build build-noamx -j2 --target llama-batched-bench
+
+(Those flags are for a CPU with every one of those extensions, as AMX Xeons have; drop the ones
+a CPU lacks.)
+
 ``--llama-cpp DIR`` (of ``benchmarks.cpu_peers``) names that ``llama.cpp`` folder; the
 conversion needs a Python with torch, transformers, numpy and sentencepiece (``--llama-python``).
 The checkpoint's tokenizer is the project's own byte-level BPE, which the converter does not
@@ -30,7 +43,23 @@ from pathlib import Path
 
 # The build folder per instruction set of the comparison (``cpu_peers --isa``).
 BUILDS = {"native": "build", "avx2": "build-avx2"}
+NO_AMX_BUILD = "build-noamx"
+# What each build folder was configured with, as the report names it.
+BUILD_FLAGS = {"build": "GGML_NATIVE=ON", "build-avx2": "GGML_NATIVE=OFF, AVX2, no AVX-512",
+               NO_AMX_BUILD: "GGML_NATIVE=OFF, AVX-512 on, GGML_AMX_*=OFF"}
 WEIGHTS = {"llamacpp-bf16": "bf16", "llamacpp-q8_0": "Q8_0", "llamacpp-q4_0": "Q4_0"}
+# The weight kinds whose AMX path crashes: run from NO_AMX_BUILD where the CPU has AMX.
+AMX_CRASHES = frozenset({"Q8_0", "Q4_0"})
+
+
+def build_for(engine: str, isa: str, cpu_flags: set[str]) -> str:
+    """The build folder that runs ``engine`` (a ``WEIGHTS`` key) in an ``isa`` comparison on a CPU
+    with ``cpu_flags`` (/proc/cpuinfo's names): the one built for ``isa``, except the AMX-off build
+    for the kinds that crash in llama.cpp's AMX path, where the native build would take it."""
+    if isa == "native" and "amx_tile" in cpu_flags and WEIGHTS[engine] in AMX_CRASHES:
+        return NO_AMX_BUILD
+    return BUILDS[isa]
+
 
 # Run as ``python -c``: convert_hf_to_gguf.py with the tokenizer declared qwen2's.
 _CONVERT = """
@@ -66,12 +95,14 @@ def gguf(llama_dir: Path, python: str, model_dir: Path, root: Path, engine: str)
 
 
 def batched_bench(llama_dir: Path, model: Path, batches: list[int], input_len: int, new: int,
-                  threads: int, isa: str = "native") -> dict[int, float]:
-    """Output tokens/s at each batch from one run of ``llama-batched-bench`` (the build for ``isa``)."""
+                  threads: int, build: str = "build") -> dict[int, float]:
+    """Output tokens/s at each batch from one run of ``llama-batched-bench`` from ``build`` (a
+    folder of ``llama_dir``: ``build_for``)."""
     ctx = max(batches) * (input_len + new) + 256
-    binary = llama_dir / BUILDS[isa] / "bin" / "llama-batched-bench"
+    binary = llama_dir / build / "bin" / "llama-batched-bench"
     if not binary.is_file():
-        raise FileNotFoundError(f"{binary}: build llama.cpp for {isa} first (see benchmarks/llama_cpp.py)")
+        raise FileNotFoundError(f"{binary}: make llama.cpp's {build} first ({BUILD_FLAGS.get(build, '?')}: "
+                                "see benchmarks/llama_cpp.py)")
     cmd = [str(binary), "-m", str(model), "-t", str(threads),
            "-npp", str(input_len), "-ntg", str(new), "-npl", ",".join(map(str, batches)), "-c", str(ctx)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=True)

