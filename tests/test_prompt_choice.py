@@ -117,7 +117,8 @@ def test_the_choice_is_measured_once_per_layout_and_cache_dtype(tmp_path, monkey
 def test_a_model_takes_sdpa_where_it_measured_faster_unless_kept_native(hf_checkpoints, monkeypatch, tmp_path,
                                                                          gemm):
     """As on a host where SDPA measured 2x faster at every bucket: ``auto`` sends every prompt
-    chunk there (logits within bf16 bounds of the native kernel's), ``native`` never measures."""
+    chunk there (logits within bf16 bounds of the native kernel's) and the model's kernel info
+    says so; ``native`` never measures."""
     monkeypatch.setenv("FUSEDSERVE_CACHE", str(tmp_path))
     n = len(ROW_BUCKETS)
     monkeypatch.setattr(GemmChooser, "_measure", lambda self, k, n_, rows, paths, dtype: GemmTiming(
@@ -126,6 +127,9 @@ def test_a_model_takes_sdpa_where_it_measured_faster_unless_kept_native(hf_check
     model = Qwen3Model.from_pretrained(ckpt, "bfloat16", gemm=gemm)
     ws = model.new_workspace(32, 4)
     assert ws.attention.sdpa_rows == ((True,) * n if gemm == "auto" else ())
+    # stats name the choice: whether AMX could have run (SDPA's brgemm) is visible
+    named = f"+ sdpa-bf16-cache prompts from {ROW_BUCKETS[0]} rows"
+    assert (named in model.kernel_info()["attention"]) == (gemm == "auto")
     ref = Qwen3Model.from_pretrained(ckpt, "bfloat16", gemm="native")
     logits = []
     for mdl, w in ((model, ws), (ref, ref.new_workspace(32, 4))):

@@ -15,7 +15,7 @@ checked it); else ``aten``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -49,6 +49,9 @@ class Kernels:
     # A MoE layer's experts as two grouped GEMMs (torch._grouped_mm) over tokens sorted by expert on
     # the device, where this device and dtype run it (CUDA, bf16); else one GEMM per expert.
     grouped_moe: bool = False
+    # KV cache dtype -> the fewest query rows of a prompt chunk SDPA takes where it measured
+    # faster than the native flash kernel (AMX-BF16 through oneDNN's brgemm on such CPUs).
+    sdpa_from: dict[str, int] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -61,14 +64,22 @@ class Kernels:
 
     @property
     def attention_name(self) -> str:
-        return self.backend.attention_name()
+        """The attention kernel, and from how many rows SDPA takes prompt chunks where it does."""
+        name = self.backend.attention_name()
+        for cache, rows in sorted(self.sdpa_from.items()):
+            name += f" + sdpa-{'int8' if cache == 'int8' else 'bf16'}-cache prompts from {rows} rows"
+        return name
 
     def new_attention(self, max_batch: int, max_ctx: int, block_size: int,
                       kv_cache_dtype: str = "auto") -> AttentionBackend:
         """An attention backend with its own scratch (one per workspace), for a cache of
         ``kv_cache_dtype``; its prompt kernel chosen by the linear's chooser where it measures."""
-        return self.backend.attention(self.config, self.dtype, self.device, max_batch, max_ctx, block_size,
-                                      kv_cache_dtype, self.linear.chooser)
+        attention = self.backend.attention(self.config, self.dtype, self.device, max_batch, max_ctx,
+                                           block_size, kv_cache_dtype, self.linear.chooser)
+        rows = getattr(attention, "sdpa_from", None)
+        if rows is not None:
+            self.sdpa_from[kv_cache_dtype] = rows
+        return attention
 
 
 def select_kernels(config: Qwen3Config, dtype: torch.dtype, device: torch.device,

@@ -16,7 +16,7 @@ from kernels import native as native_build
 from kernels.attention.prompt_choice import choose_prompt_attention
 from kernels.attention.prompt_rows import PromptChunk, attend_chunks, plan_chunk
 from kernels.forward_batch import ForwardBatch
-from kernels.gemm_choice import GemmChooser, bucket
+from kernels.gemm_choice import ROW_BUCKETS, GemmChooser, bucket
 from kernels.layer_ops import NormScratch
 from kernels.model.config import Qwen3Config
 from kernels.sampler import Sampler, sample
@@ -93,6 +93,14 @@ class NativeAttention:
 
     def __init__(self, native: ModuleType, scale: float, flash: bool, sdpa_rows: tuple[bool, ...] = ()):
         self.native, self.scale, self.flash, self.sdpa_rows = native, scale, flash, sdpa_rows
+
+    @property
+    def sdpa_from(self) -> int | None:
+        """The fewest query rows of a prompt chunk that SDPA takes (None: the flash kernel takes
+        every chunk it can), for ``stats`` to name."""
+        if not (self.flash and any(self.sdpa_rows)):
+            return None
+        return ROW_BUCKETS[self.sdpa_rows.index(True)]
         self._batch: ForwardBatch | None = None
         self._block_size = 0
         self._chunks: list[PromptChunk] = []
