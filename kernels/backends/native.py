@@ -93,6 +93,10 @@ class NativeAttention:
 
     def __init__(self, native: ModuleType, scale: float, flash: bool, sdpa_rows: tuple[bool, ...] = ()):
         self.native, self.scale, self.flash, self.sdpa_rows = native, scale, flash, sdpa_rows
+        self._batch: ForwardBatch | None = None
+        self._block_size = 0
+        self._chunks: list[PromptChunk] = []
+        self._flash_chunks: torch.Tensor | None = None
 
     @property
     def sdpa_from(self) -> int | None:
@@ -101,10 +105,6 @@ class NativeAttention:
         if not (self.flash and any(self.sdpa_rows)):
             return None
         return ROW_BUCKETS[self.sdpa_rows.index(True)]
-        self._batch: ForwardBatch | None = None
-        self._block_size = 0
-        self._chunks: list[PromptChunk] = []
-        self._flash_chunks: torch.Tensor | None = None
 
     def begin(self, batch: ForwardBatch, block_size: int) -> None:
         self._batch, self._block_size = batch, block_size
