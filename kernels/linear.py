@@ -173,6 +173,7 @@ class LinearOp:
         self.chooser = (GemmChooser(self.native.isa(), torch.get_num_threads())
                         if self.native is not None and gemm == "auto" else None)
         self.matrix_from: dict[str, int] = {}  # "path-kind" -> fewest rows a matrix path ran
+        self._agreed: dict[tuple[str, str, int, int], bool] = {}  # _agrees per path, layout and shape
         self._xq = torch.empty(0, dtype=torch.int8)  # the matrix int8 path's scratch, grown once
         self._sx = torch.empty(0, dtype=torch.float32)
         self._acc = torch.empty(0, dtype=torch.int32)
@@ -242,9 +243,16 @@ class LinearOp:
         return p
 
     def _agrees(self, p: PackedWeight, path: str, rows: int = 37) -> bool:
-        """Whether ``path`` computes what the native kernel does on this host, checked once at
-        load on random rows: int8 bit for bit, bf16 within the summation-order bound. A path
-        whose layout this host's micro-kernel reads otherwise is left out, with a warning."""
+        """Whether ``path`` computes what the native kernel does on this host, checked once per
+        layout and shape at load (the 28 layers of a shape share the answer) on random rows: int8
+        bit for bit, bf16 within the summation-order bound. A path whose layout this host's
+        micro-kernel reads otherwise is left out, with a warning."""
+        key = (path, p.layout, p.in_features, p.out_features)
+        if key not in self._agreed:
+            self._agreed[key] = self._check_agrees(p, path, rows)
+        return self._agreed[key]
+
+    def _check_agrees(self, p: PackedWeight, path: str, rows: int) -> bool:
         g = torch.Generator().manual_seed(1)
         x = torch.randn(rows, p.in_features, generator=g).to(self.act_dtype)
         a = torch.empty(rows, p.out_features, dtype=self.act_dtype)
