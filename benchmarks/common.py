@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from coordinator.model_files.default_model import default_model_dir
-from kernels.native import cpu_flags, cpu_generation, cpu_model
+from kernels.native.build import cpu_flags, cpu_generation, cpu_model
 
 PRESET = "benchmark"
 

@@ -49,7 +49,7 @@ import numpy as np
 from benchmarks import llama_cpp
 from benchmarks.common import RUNS, fmt, machine, read_bandwidth, spread
 from coordinator.model_files.default_model import cache_root, default_model_dir
-from kernels.native import cpu_flags
+from kernels.native.build import cpu_flags
 
 PRESET = "qwen3-0.6b"
 # Environment that caps every engine at an instruction set (``--isa``); "native" leaves each its best.
@@ -173,7 +173,7 @@ def weight_bytes_per_token(model_dir: Path, quantization: str | None) -> int:
     """Bytes of weights fusedserve's decode step streams (lm_head included, the embedding gather
     not): 2 a parameter in 16 bits, 1 in int8; int4 layers 0.5625 (an fp16 scale per 32) and an
     int8 lm_head."""
-    from kernels.model.config import Qwen3Config
+    from kernels.model_description.config import Qwen3Config
 
     c = Qwen3Config.from_dir(model_dir)
     per_layer = (c.q_size + 2 * c.kv_size) * c.hidden_size + c.hidden_size * c.q_size \

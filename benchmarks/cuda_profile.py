@@ -41,10 +41,10 @@ from benchmarks.common import machine, read_bandwidth
 from benchmarks.decode_step import bench_runner, greedy_batch, launch, weight_bytes
 from coordinator.model_files.default_model import default_model_dir
 from coordinator.sampling_params import SamplingParams
-from kernels.model.config import Qwen3Config
-from kernels.model.loader import LayerWeights, Qwen3Weights
-from kernels.model.qwen3 import Qwen3Model
+from kernels.model_description.config import Qwen3Config
 from worker.graphs import EVERY_STAGE, GREEDY
+from worker.model.qwen3 import Qwen3Model
+from worker.model.weights import LayerWeights, Qwen3Weights
 
 CASES = [(1, 128), (16, 128), (64, 128), (32, 4096)]  # (batch, context)
 LONG_CASE, LONG_MAX_LEN = (32, 4096), 40960  # Qwen3's max_model_len, against CASES' context + 32

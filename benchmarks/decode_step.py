@@ -22,11 +22,11 @@ from coordinator.engine.scheduled_batch import ScheduledBatch
 from coordinator.engine.sequence import Sequence
 from coordinator.sampling_params import SamplingParams
 from kernels.linear import Int8Weight, PackedWeight
-from kernels.model.qwen3 import Qwen3Model
-from kernels.model.tensor_parallel import SINGLE, TensorParallel
 from shared_memory.arena import HostArena
 from shared_memory.engine_config import EngineConfig
 from shared_memory.slots import step_table
+from worker.model.qwen3 import Qwen3Model
+from worker.model.tensor_parallel import SINGLE, TensorParallel
 from worker.model_runner import ModelRunner
 
 

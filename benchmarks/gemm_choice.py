@@ -1,9 +1,9 @@
 """The CPU GEMM choice on this host: native kernels against oneDNN's (AMX where the CPU has it)
 for each projection of Qwen3-0.6B, bf16 and W8A8, at every row bucket, as the load-time
-measurement (``kernels/gemm_choice.py``) sees them; and its prompt attention (16 query / 8 KV
+measurement (``kernels/native/gemm_choice.py``) sees them; and its prompt attention (16 query / 8 KV
 heads of 128, bf16 and int8 caches), the native flash kernel against torch's SDPA (oneDNN's
 brgemm, AMX where the CPU has it), a chunk of each bucket's rows after a prefix as long
-(``kernels/attention/prompt_choice.py``).
+(``kernels/native/prompt_choice.py``).
 
 Figures: GFLOP/s (GOP/s for W8A8) of each path, each a median of ``REPEATS`` timed calls after a
 warm-up (attention counts 4 x heads x head_dim per visible query-key pair): native, oneDNN's
@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import machine
-from kernels import native
-from kernels.attention.prompt_choice import choose_prompt_attention, prompt_kind
-from kernels.gemm_choice import HEAD_ROWS, NATIVE, REPEATS, ROW_BUCKETS, GemmChooser
 from kernels.linear import Int8Weight, LinearOp
+from kernels.native import build as native
+from kernels.native.gemm_choice import HEAD_ROWS, NATIVE, REPEATS, ROW_BUCKETS, GemmChooser
+from kernels.native.prompt_choice import choose_prompt_attention, prompt_kind
 
 # Qwen3-0.6B: hidden 1024, 16 query / 8 KV heads of 128, MLP 3072, vocab 151,936.
 SHAPES = {"qkv": (1024, 4096), "o_proj": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024),

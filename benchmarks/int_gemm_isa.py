@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import machine
-from kernels import native
 from kernels.linear import Int4Weight, Int8Weight, PackedWeight
+from kernels.native import build as native
 
 SHAPES = {"qkv": (1024, 4096), "o_proj": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024)}
 ROWS = (1, 16, 64)

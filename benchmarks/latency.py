@@ -57,7 +57,7 @@ def latency(concurrency: list[int], input_len: int, output_len: int, dtype: str,
     try:
         _stream_one(coord.address, [1, 2, 3], 2)  # warm-up
         for c in concurrency:
-            batch = prompts(2 * c, input_len, coord.config.vocab_size, seed=c)
+            batch = prompts(2 * c, input_len, coord.model_config.vocab_size, seed=c)
             runs = []
             for _ in range(RUNS):
                 coord.workers[0].scheduler.blocks.flush()  # every run prefills its prompts
@@ -94,7 +94,7 @@ def overhead(batches: list[int], output_len: int, dtype: str, threads: int) -> l
         try:
             for b in batches:
                 w = coord.workers[0]
-                batch = prompts(b, 16, coord.config.vocab_size, seed=b)
+                batch = prompts(b, 16, coord.model_config.vocab_size, seed=b)
 
                 def one(p: list[int], address: str = coord.address) -> None:
                     with Client(address, timeout_s=600) as c:

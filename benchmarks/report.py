@@ -671,7 +671,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     t0 = time.time()
     from benchmarks.common import isa_line, machine
-    from kernels import native
+    from kernels.native import build as native
 
     isa = native.chosen_isa() if native.kernels() is not None else "none (ATen)"
     t: list = []

@@ -41,7 +41,7 @@ from coordinator.model_files.default_model import TRAINED_DIR, cache_root, defau
 from coordinator.model_files.tokenizer import TextTokenizer
 from coordinator.sampling_params import SamplingParams
 from kernels.forward_batch import ForwardBatch
-from kernels.model.qwen3 import Qwen3Model
+from worker.model.qwen3 import Qwen3Model
 
 TARGET_FORMAT = 1
 log = logging.getLogger(__name__)

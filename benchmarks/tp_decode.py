@@ -27,8 +27,8 @@ from benchmarks import decode_step
 from benchmarks.common import fmt, machine, spread
 from coordinator.model_files.default_model import default_model_dir
 from coordinator.server.ray_cluster import free_port
-from kernels import native
-from kernels.model.tensor_parallel import TensorParallel
+from kernels.native import build as native
+from worker.model.tensor_parallel import TensorParallel
 from worker.tensor_group import GroupRank, TensorGroup
 
 

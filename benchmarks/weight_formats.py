@@ -22,17 +22,17 @@ import tempfile
 from pathlib import Path
 
 from coordinator.model_files.default_model import TRAINED_DIR, resolve_model
-from kernels.model.checkpoint_format import checkpoint_format
-from kernels.model.qwen3 import Qwen3Model
+from kernels.model_description.checkpoint_format import checkpoint_format
 from tests.test_checkpoint_formats import _tensors, write_dequantized, write_fp8
 from tests.test_gguf import write_gguf
 from tests.test_group_quant import write_group_quant
 from tests.test_quantization import _last_logits, agreement, heldout_positions, hf_logits
+from worker.model.qwen3 import Qwen3Model
 
 
 def _gguf_dequantized(path: Path, out: Path) -> Path:
     """A GGUF file's weights as fp32 safetensors under Hugging Face names (fusedserve's own read)."""
-    from kernels.model.gguf_tensors import GGUFTensors
+    from worker.model.gguf_tensors import GGUFTensors
 
     t = GGUFTensors(path)
     names = [n for n in _tensors(TRAINED_DIR) if t.has(n)]

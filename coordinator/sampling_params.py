@@ -1,15 +1,24 @@
-"""Sampling parameters: what a request asks of the sampler, checked once, here.
+"""Sampling parameters: every field a request may carry, declared once, here.
 
-Every front end (ZeroMQ, HTTP, the offline engine) builds a ``SamplingParams``, so they all
-refuse the same values. Sampling itself runs on the device (``kernels/sampler.py``).
+Each field of ``SamplingParams`` carries a ``FieldSpec``: its type, its range and which front
+ends take it (``ZMQ``: the wire protocol's ``generate`` frame; ``OPENAI``: passed as it is from
+an OpenAI body, where ``MAPPED`` fields are instead translated by ``coordinator/openai/protocol.py``
+from OpenAI's own names and defaults; ``GENERATION_CONFIG``: a model's ``generation_config.json``
+may set its API default). The ZeroMQ type table, the OpenAI passthrough and the defaults read
+from generation_config.json are built from these specs (``front_end_fields``), and every check
+runs from them, so every front end
+(ZeroMQ, HTTP, the offline engine) refuses the same values with the same words. Sampling itself
+runs on the device (``kernels/sampler.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 from coordinator.structured.structured_spec import StructuredSpec
 from shared_memory.slots import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
@@ -26,24 +35,94 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 256
 MAX_BAD_WORDS = 64
 
+ZMQ, OPENAI, MAPPED = "zmq", "openai", "mapped"  # front ends (see the module's docstring)
+GENERATION_CONFIG = "generation_config"  # a model's generation_config.json may set its API default
 
-def _check_float(name: str, value: object, lo: float, hi: float, lo_open: bool) -> None:
-    """A finite, normal (not subnormal) number in [lo, hi] (or (lo, hi] when ``lo_open``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SamplingError(f"{name} must be a number, got {value!r}")
+
+def is_kind(value: object, kind: type) -> bool:
+    """Whether ``value`` is of the JSON/msgpack ``kind``: a bool is no number, an int is a float."""
+    if isinstance(value, bool):
+        return kind is bool
+    if kind is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, kind)
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One request field: its kind (and a list's item kind), its range, and its front ends."""
+
+    kind: type  # bool, int, float, list or dict
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False  # (lo, hi] rather than [lo, hi]
+    hi_open: bool = False  # [lo, hi) rather than [lo, hi]
+    items: type | None = None  # a list's item kind
+    nullable: bool = False  # None is a value of its own (not "unset")
+    front_ends: tuple[str, ...] = (ZMQ, OPENAI)
+
+    def wrong_kind(self, value: object) -> str | None:
+        """What is wrong with the value's type (the item's, in a list), or None: a front end refuses
+        it as a malformed field before anything checks its range."""
+        items_ok = self.items is None or is_kind(value, list) and all(is_kind(v, self.items) for v in value)
+        if not items_ok:
+            return f"must be a list of {_WORDS[self.items][1]}, got {_shown(value)}"
+        if not is_kind(value, self.kind):
+            return f"must be {_WORDS.get(self.kind, ('a ' + self.kind.__name__,))[0]}, got {_shown(value)}"
+        return None
+
+    def check(self, name: str, value: object) -> None:
+        """SamplingError unless ``value`` is of this kind and in this range."""
+        if value is None and self.nullable:
+            return
+        wrong = self.wrong_kind(value)
+        if wrong is not None:
+            raise SamplingError(f"{name} {wrong}")
+        if self.kind is float:
+            _check_float(name, value, self)
+        elif self.kind is int and not self._in_range(value):
+            raise SamplingError(f"{name} must be an integer {self._range_words()}, got {value!r}")
+
+    def _in_range(self, v: float) -> bool:
+        lo_ok = self.lo is None or (v > self.lo if self.lo_open else v >= self.lo)
+        hi_ok = self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
+        return lo_ok and hi_ok
+
+    def _range_words(self) -> str:
+        if self.hi is None:
+            return f">= {self.lo:g}"
+        hi = "2^64" if self.hi == 1 << 64 else f"{self.hi:g}"
+        return f"in {'(' if self.lo_open else '['}{self.lo:g}, {hi}{')' if self.hi_open else ']'}"
+
+
+# A kind in words, alone and as a list's items.
+_WORDS = {bool: ("a boolean", "booleans"), int: ("an integer", "integers"), float: ("a number", "numbers"),
+          str: ("a string", "strings"), list: ("a list", "lists"), dict: ("a map", "maps")}
+
+
+def _shown(value: object) -> str:
+    """A refused value as an error names it: short values as they are, others by their type."""
+    text = repr(value)
+    return text if len(text) <= 40 else type(value).__name__
+
+
+def _check_float(name: str, value: float, spec: FieldSpec) -> None:
+    """A finite, normal (not subnormal) number in the spec's range."""
     v = float(value)
     if not math.isfinite(v):
         raise SamplingError(f"{name} must be finite, got {value!r}")
     if v != 0.0 and abs(v) < sys.float_info.min:
         raise SamplingError(f"{name} is subnormal ({value!r}); use 0 or a normal number")
-    if v < lo or v > hi or (lo_open and v == lo):
-        bounds = f"({lo:g}, {hi:g}]" if lo_open else f"[{lo:g}, {hi:g}]"
-        raise SamplingError(f"{name} must be in {bounds}, got {value!r}")
+    if not spec._in_range(v):
+        raise SamplingError(f"{name} must be {spec._range_words()}, got {value!r}")
 
 
-def _check_stops(stop: object) -> None:
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise SamplingError(f"stop must be a list of strings, got {type(stop).__name__}")
+def spec(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, **kw: Any) -> Any:
+    """A ``SamplingParams`` field with its ``FieldSpec`` (``kw``) as metadata."""
+    return field(default=default, default_factory=factory, metadata={"spec": FieldSpec(**kw)})
+
+
+def _check_stops(stop: list[str]) -> None:
     if len(stop) > MAX_STOP_STRINGS:
         raise SamplingError(f"{len(stop)} stop strings; at most {MAX_STOP_STRINGS} are allowed")
     longest = max((len(s) for s in stop), default=0)
@@ -51,105 +130,104 @@ def _check_stops(stop: object) -> None:
         raise SamplingError(f"a stop string has {longest} characters; at most {MAX_STOP_CHARS} are allowed")
 
 
-def _check_logit_bias(bias: object) -> dict[int, float]:
+def check_stops(stop: list[str]) -> None:
+    """The stop strings' limits, for a front end that reads them in a shape of its own (OpenAI's
+    string-or-list) and names the field in its error."""
+    _check_stops(stop)
+
+
+_BIAS = FieldSpec(float, -100.0, 100.0)
+
+
+def _check_logit_bias(bias: dict) -> dict[int, float]:
     """OpenAI's shape: token ids (JSON gives them as strings) to values in [-100, 100]."""
-    if not isinstance(bias, dict):
-        raise SamplingError(f"logit_bias must be a map of token ids to numbers, got {type(bias).__name__}")
     if len(bias) > MAX_LOGIT_BIAS:
         raise SamplingError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
     out = {}
     for key, value in bias.items():
-        try:
-            token = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else key
-        except ValueError:
-            token = key
-        if isinstance(token, bool) or not isinstance(token, int):
+        token = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else key
+        if not is_kind(token, int):
             raise SamplingError(f"logit_bias keys must be token ids, got {key!r}")
-        _check_float(f"logit_bias[{token}]", value, -100.0, 100.0, lo_open=False)
+        _BIAS.check(f"logit_bias[{token}]", value)
         out[token] = float(value)
     return out
 
 
-def _check_bad_words(words: object) -> None:
-    if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
+def _check_bad_words(words: list[str]) -> None:
+    if not all(w.strip() for w in words):
         raise SamplingError("bad_words must be a list of non-blank strings")
     if len(words) > MAX_BAD_WORDS or any(len(w) > MAX_STOP_CHARS for w in words):
         raise SamplingError(f"bad_words may hold at most {MAX_BAD_WORDS} words of {MAX_STOP_CHARS} "
                             "characters")
 
 
+_MAPPED = (ZMQ, MAPPED)  # OpenAI names it the same but with defaults of its own
+_DEFAULTED = (ZMQ, MAPPED, GENERATION_CONFIG)  # ... and generation_config.json may set that default
+_PASSED_DEFAULTED = (ZMQ, OPENAI, GENERATION_CONFIG)
+
+
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = 0  # 0 = whole vocabulary
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: bool = False  # full-vocabulary logprob of each sampled token
-    top_logprobs: int = 0  # and the n most likely tokens' logprobs at each step (implies logprobs)
-    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one
+    max_tokens: int = spec(16, kind=int, lo=1, front_ends=_DEFAULTED)
+    temperature: float = spec(0.0, kind=float, lo=0.0, hi=MAX_TEMPERATURE, front_ends=_DEFAULTED)
+    top_k: int = spec(0, kind=int, lo=0, front_ends=_DEFAULTED)  # 0 = whole vocabulary
+    top_p: float = spec(1.0, kind=float, lo=0.0, hi=1.0, lo_open=True, front_ends=_DEFAULTED)
+    seed: int | None = spec(None, kind=int, lo=0, hi=1 << 64, hi_open=True, nullable=True,
+                            front_ends=_MAPPED)
+    stop_token_ids: list[int] = spec(factory=list, kind=list, items=int)
+    stop: list[str] = spec(factory=list, kind=list, items=str, front_ends=_MAPPED)
+    ignore_eos: bool = spec(False, kind=bool, front_ends=_MAPPED)
+    # Full-vocabulary logprob of each sampled token; and the n most likely tokens' logprobs at each
+    # step (implies logprobs). OpenAI spells them per endpoint (``logprobs`` is a count in completions).
+    logprobs: bool = spec(False, kind=bool, front_ends=_MAPPED)
+    top_logprobs: int = spec(0, kind=int, lo=0, hi=MAX_TOP_LOGPROBS, front_ends=_MAPPED)
+    # Drop tokens less likely than min_p x the most likely one.
+    min_p: float = spec(0.0, kind=float, lo=0.0, hi=1.0, front_ends=_DEFAULTED)
     # Each prompt token's logprob given the ones before it, and the n most likely tokens'
     # there (None: not asked). A request asking for them computes its whole prompt: no cache.
-    prompt_logprobs: int | None = None
-    # Structured outputs: the output is held to this constraint by a token mask on the device.
-    structured: StructuredSpec | None = None
+    prompt_logprobs: int | None = spec(None, kind=int, lo=0, hi=MAX_TOP_LOGPROBS, nullable=True,
+                                       front_ends=(ZMQ,))
+    # Structured outputs: the output is held to this constraint by a token mask on the device. Its
+    # wire forms are its own (``StructuredSpec.from_wire``; OpenAI's response_format and tools).
+    structured: StructuredSpec | None = spec(None, kind=StructuredSpec, nullable=True, front_ends=())
     # OpenAI's penalties over the output tokens: logit -= frequency x count + presence x (count > 0).
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = spec(0.0, kind=float, lo=-2.0, hi=2.0, front_ends=_PASSED_DEFAULTED)
+    frequency_penalty: float = spec(0.0, kind=float, lo=-2.0, hi=2.0, front_ends=_PASSED_DEFAULTED)
     # CTRL's (transformers'): a token seen in the prompt or the output has its logit divided by this
     # if positive, multiplied if negative.
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
-    bad_words: list[str] = field(default_factory=list)  # never generated (vLLM's: as whole words)
-    allowed_token_ids: list[int] | None = None  # only these may be generated
-    min_tokens: int = 0  # EOS and the stop ids are refused before this many tokens
-    include_stop_str_in_output: bool = False  # the text ends after the stop string, not before it
+    repetition_penalty: float = spec(1.0, kind=float, lo=0.0, hi=10.0, lo_open=True,
+                                     front_ends=_PASSED_DEFAULTED)
+    logit_bias: dict[int, float] = spec(factory=dict, kind=dict)  # token id -> added to its logit
+    bad_words: list[str] = spec(factory=list, kind=list, items=str)  # never generated (vLLM's: whole words)
+    allowed_token_ids: list[int] | None = spec(None, kind=list, items=int, nullable=True)  # only these
+    min_tokens: int = spec(0, kind=int, lo=0)  # EOS and the stop ids are refused before this many tokens
+    # The text ends after the stop string, not before it.
+    include_stop_str_in_output: bool = spec(False, kind=bool)
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-            raise SamplingError(f"max_tokens must be an integer, got {self.max_tokens!r}")
-        if self.max_tokens < 1:
-            raise SamplingError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE, lo_open=False)
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise SamplingError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        _check_float("min_p", self.min_p, 0.0, 1.0, lo_open=False)
-        if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int) \
-                or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise SamplingError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
-                                f"got {self.top_logprobs!r}")
+        for name, s in self.specs().items():
+            s.check(name, getattr(self, name))
         if self.top_logprobs:
             self.logprobs = True
-        if self.prompt_logprobs is not None and (
-                isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
-                or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
-            raise SamplingError(f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
-                                f"got {self.prompt_logprobs!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed < 1 << 64):
-            raise SamplingError(f"seed must be an integer in [0, 2^64), got {self.seed!r}")
         if self.seed is None:
             self.seed = random.getrandbits(63)
         _check_stops(self.stop)
-        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0, lo_open=False)
-        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0, lo_open=False)
-        _check_float("repetition_penalty", self.repetition_penalty, 0.0, 10.0, lo_open=True)
         self.logit_bias = _check_logit_bias(self.logit_bias)
         _check_bad_words(self.bad_words)
-        if self.allowed_token_ids is not None and (
-                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
-                or not all(isinstance(t, int) and not isinstance(t, bool) for t in self.allowed_token_ids)):
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise SamplingError("allowed_token_ids must be a non-empty list of token ids")
-        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
-                or not 0 <= self.min_tokens <= self.max_tokens:
-            raise SamplingError(f"min_tokens must be an integer in [0, max_tokens], got "
-                                f"{self.min_tokens!r}")
-        if self.structured is not None and not isinstance(self.structured, StructuredSpec):
-            raise SamplingError(f"structured must be a StructuredSpec, got {self.structured!r}")
+        if self.min_tokens > self.max_tokens:
+            raise SamplingError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+
+    @classmethod
+    def specs(cls) -> dict[str, FieldSpec]:
+        """Every field's spec, in declaration order."""
+        return {f.name: f.metadata["spec"] for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def front_end_fields(cls, front_end: str) -> dict[str, FieldSpec]:
+        """The fields ``front_end`` (ZMQ, OPENAI: passed as they are; MAPPED: translated) takes."""
+        return {name: s for name, s in cls.specs().items() if front_end in s.front_ends}
 
     @property
     def greedy(self) -> bool:

@@ -7,7 +7,7 @@ flat cache. Blocks need not be contiguous or ordered.
 ``kv_cache_dtype="int8"`` halves the bytes a decode step reads from the cache (what bounds it at
 long context): each head's row of a token holds its ``head_dim`` values quantized symmetrically
 to int8 and then their float32 scale in 4 bytes (``x = q * scale``), written by the layer's cache
-write and read by the native kernels (``kernels/csrc/kernels.h``: ``kv8_store``).
+write and read by the native kernels (``kernels/native/csrc/kernels.h``: ``kv8_store``).
 """
 
 from __future__ import annotations
@@ -15,20 +15,8 @@ from __future__ import annotations
 import torch
 
 from kernels.host_memory import huge_page_empty
-from kernels.model.config import Qwen3Config
-
-KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
-KV8_SCALE_BYTES = 4  # an int8 row's float32 scale, after its values
-
-
-def kv_element(dtype: torch.dtype, kv_cache_dtype: str) -> tuple[torch.dtype, int]:
-    """The cache's element type and the extra elements per head row (an int8 row's scale)."""
-    if kv_cache_dtype == "int8":
-        return torch.int8, KV8_SCALE_BYTES
-    if kv_cache_dtype != "auto":
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                         f"got {kv_cache_dtype!r}")
-    return dtype, 0
+from kernels.model_description.config import Qwen3Config
+from kernels.model_description.kv_layout import KV8_SCALE_BYTES, kv_element
 
 
 def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """A layer's ops between its matmuls: the ``LayerOps`` interface every backend implements,
 and the float32 math the ATen and reference paths share.
 
-``LayerOps`` is one interface with four implementations, one per backend (``kernels/backends/``:
+``LayerOps`` is one interface with four implementations, one per backend (``kernels/backend_table.py``:
 native, aten, triton, ascend), chosen once per model: a fused residual add + RMSNorm; the per-head
 q/k RMSNorm + rotary that Qwen3 applies before attention, with this launch's K and V written into
 their cache slots; the MLP's SiLU x up; and, before sampling, a grammar's token bitmask. Each

@@ -3,7 +3,7 @@
 A weight is a 16/32-bit tensor ``[out, in]``, an ``Int8Weight`` (int8, per-output-channel
 scales), an ``Int4Weight`` (4-bit, an fp16 scale per group of 32 inputs), or a ``PackedWeight``:
 one of those packed once at load into the layout of the native GEMM that runs it (bf16 pairs,
-FMA panels, W8A8 or W4A8). On the CPU the native kernels (``kernels/native.py``) run every
+FMA panels, W8A8 or W4A8). On the CPU the native kernels (``kernels/native/build.py``) run every
 weight but fp32, int8 and int4 with int8 activations quantized per token unless the model keeps
 them 16-bit (``int8-weight-only``); fp32 weights and CPUs without the native build use ATen. CUDA
 and Ascend use their vendor int8 ops. Every path writes into the caller's ``out``.
@@ -17,8 +17,8 @@ from types import ModuleType
 
 import torch
 
-from kernels.gemm_choice import HEAD_ROWS, MODES, NATIVE, ROW_BUCKETS, GemmChooser, bucket
 from kernels.host_memory import on_huge_pages
+from kernels.native.gemm_choice import HEAD_ROWS, MODES, NATIVE, ROW_BUCKETS, GemmChooser, bucket
 from kernels.quantize import INT4_GROUP, quantize_int4, quantize_int8
 
 log = logging.getLogger(__name__)
@@ -85,9 +85,9 @@ class PackedWeight:
     wsum: torch.Tensor | None = None  # w8a8: [out] int32, each row's sum of int8 weights
     zeros: torch.Tensor | None = None  # w4a8 with zero points: uint8, shaped as ``scale``
     # The same weight for the matrix-engine paths, each kept only where its path won a row bucket
-    # (``kernels/gemm_choice.py``): ``matrix`` [out, in] as oneDNN's matmul takes it (bf16, or
+    # (``kernels/native/gemm_choice.py``): ``matrix`` [out, in] as oneDNN's matmul takes it (bf16, or
     # int8 with ``scale``); ``brgemm`` in the brgemm micro-kernel's VNNI blocks of 64 columns
-    # (``kernels/csrc/brgemm.cpp``). ``paths[bucket(rows)]``: which path runs a launch.
+    # (``kernels/native/csrc/brgemm.cpp``). ``paths[bucket(rows)]``: which path runs a launch.
     matrix: torch.Tensor | None = None
     brgemm: torch.Tensor | None = None
     paths: tuple[str, ...] = ()

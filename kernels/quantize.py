@@ -14,18 +14,6 @@ from __future__ import annotations
 import torch
 
 INT4_GROUP = 32
-# The weight quantizations a worker applies at load (int8 and int4 multiply with int8 activations on
-# the native CPU kernels; int8-weight-only keeps them 16-bit). "none" or None: the checkpoint's.
-QUANTIZATIONS = ("int8", "int8-weight-only", "int4")
-
-
-def check_quantization(mode: str | None) -> str | None:
-    """The mode as the model takes it (None for none); ValueError naming the choices otherwise."""
-    if mode in (None, "none"):
-        return None
-    if mode not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be none, {', '.join(QUANTIZATIONS)}; got {mode!r}")
-    return mode
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

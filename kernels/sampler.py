@@ -16,11 +16,11 @@ select over the whole row (four passes of 256-bin histograms), never by sorting 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
 from typing import Protocol
 
-import numpy as np
 import torch
+
+from shared_memory.sampling_row import MIN_P, TEMPERATURE, TOP_K, TOP_P, SamplingPlan, row_paths
 
 # splitmix64's constants as signed int64 (torch has no uint64 arithmetic).
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -29,52 +29,6 @@ _M2 = 0x94D049BB133111EB - (1 << 64)
 # Probabilities as fixed-point integers (units of 2^-40): sums are exact, so a threshold never
 # depends on the order a device adds them in (CUDA's scatter_add is unordered).
 _FIXED = float(1 << 40)
-# Columns of the per-row float parameters.
-TEMPERATURE, TOP_P, MIN_P, TOP_K = range(4)
-
-
-def row_paths(t, k, n: int):
-    """Which rows take which path, on numpy arrays (the host's plan) or tensors (the device's
-    draw) alike: (sampled among the ``n`` candidates, sampled over the whole vocabulary) from
-    each row's temperature ``t`` and ``top_k`` ``k``. Greedy rows take neither."""
-    random = t > 0
-    candidates = random & (k >= 1) & (k <= n)
-    return candidates, random & ~candidates
-
-
-@dataclass(frozen=True)
-class SamplingPlan:
-    """Which stages a launch runs, from its rows' settings: known on the host when the launch
-    is written, never read back. Each row takes the same path whatever the plan, so a draw
-    does not depend on the other rows of its batch."""
-
-    candidates: bool = False  # a row with temperature > 0 and 1 <= top_k <= the candidate count
-    full: bool = False  # a row with temperature > 0 and any other top_k (0: the whole vocabulary)
-    wide_top_k: bool = False  # ... among them, a top_k beyond the candidates (below the vocabulary)
-    top_p: bool = False  # a full-path row with top_p < 1
-    min_p: bool = False  # a full-path row with min_p > 0
-
-    @property
-    def random(self) -> bool:
-        return self.candidates or self.full
-
-    @classmethod
-    def of(cls, stages: list[str]) -> SamplingPlan:
-        """From ``stages()`` (a launch descriptor carries the names)."""
-        return cls(**{name: True for name in stages})
-
-    def stages(self) -> list[str]:
-        return [f.name for f in fields(self) if getattr(self, f.name)]
-
-    @classmethod
-    def for_rows(cls, params: np.ndarray, candidates: int, vocab: int) -> SamplingPlan:
-        """The plan of rows whose ``params`` [B, 4] are (temperature, top_p, min_p, top_k)."""
-        t, top_p, min_p, k = (params[:, c] for c in (TEMPERATURE, TOP_P, MIN_P, TOP_K))
-        n = min(candidates, vocab)
-        cand, full = row_paths(t, k, n)
-        return cls(candidates=bool(cand.any()), full=bool(full.any()),
-                   wide_top_k=bool((full & (k > n) & (k < vocab)).any()),
-                   top_p=bool((full & (top_p < 1)).any()), min_p=bool((full & (min_p > 0)).any()))
 
 
 def _lsr(z: torch.Tensor, s: int) -> torch.Tensor:
@@ -211,7 +165,7 @@ def allowed_tokens(bitmask: torch.Tensor, vocab: int, table: torch.Tensor) -> to
 
 
 class Sampler(Protocol):
-    """``sample``'s signature: each backend's sampler takes it (``kernels/backends``)."""
+    """``sample``'s signature: each backend's sampler takes it (``kernels/backend_table.py``)."""
 
     def __call__(self, logits: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, out: torch.Tensor,
                  plan: SamplingPlan, candidates: int) -> torch.Tensor: ...

@@ -21,6 +21,8 @@ from enum import Enum
 
 import torch
 
+from shared_memory.sampling_row import COLUMNS
+
 MAX_TOP_LOGPROBS = 20  # N and NP at most (coordinator.sampling_params refuses more)
 MAX_LOGIT_BIAS = 300  # logit_bias entries of one request (OpenAI's limit): LB is at most B times this
 
@@ -155,8 +157,8 @@ def step_table() -> SlotTable:
             # Row of the previous launch whose sampled id (still on the device) is this decode
             # row's input, or -1: ``token_ids`` holds it (async scheduling).
             Slot("feed_rows", ("B",), i32, IN, HS),
-            # (temperature, top_p, min_p, top_k) and (seed, step) per row.
-            Slot("sampling_params", ("B", 4), f32, IN, HS),
+            # Per row: its settings in ``sampling_row.COLUMNS``' order, and (seed, step).
+            Slot("sampling_params", ("B", len(COLUMNS)), f32, IN, HS),
             Slot("sampling_seeds", ("B", 2), i64, IN, HS),
             Slot("logprob_rows", ("NL",), i64, IN, HS),
             # Prompt logprobs: the tokens whose next prompt token's logprob is asked, and it.

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import zmq
@@ -24,6 +25,9 @@ from coordinator.server.config import ServerConfig
 from coordinator.server.server import Server
 from shared_memory.arena import HostArena
 from shared_memory.contract import LaunchDescriptor, LaunchReply
+
+if TYPE_CHECKING:
+    from coordinator.openai.http_server import HttpServer
 
 
 def wait_for(pred: Callable[[], object], timeout_s: float, what: str, every_s: float = 0.005) -> None:
@@ -156,3 +160,20 @@ def listening_sockets(pids: list[int]) -> list[tuple[int, str, int]]:
             if target.startswith("socket:[") and target[8:-1] in listen:
                 found.append((pid, *listen[target[8:-1]]))
     return found
+
+
+@contextmanager
+def serving_http(coord: Server, ssl_keyfile: str | None = None, ssl_certfile: str | None = None,
+                 **settings: object) -> Iterator[HttpServer]:
+    """The OpenAI gateway of a running coordinator on an ephemeral port, as ``serve`` builds it
+    (``settings``: ``GatewayConfig`` fields)."""
+    from coordinator.openai.gateway import Gateway, GatewayConfig
+    from coordinator.openai.http_server import HttpServer
+
+    gw = Gateway(GatewayConfig.for_server(coord, "default", **settings), coord.tokenizer)
+    http = HttpServer(gw, "127.0.0.1", 0, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)
+    http.start()
+    try:
+        yield http
+    finally:
+        http.stop()

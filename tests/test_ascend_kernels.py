@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kernels import ascend
-from kernels.backends import select_kernels
-from kernels.model.config import Qwen3Config
+from kernels.backend_table import select_kernels
+from kernels.model_description.config import Qwen3Config
 
 SMALL = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                     num_attention_heads=2, num_key_value_heads=1, head_dim=16)

@@ -141,10 +141,10 @@ def test_abort_with_two_launches_in_flight_frees_everything():
 
 
 def test_the_cli_turns_it_off_and_it_is_on_by_default():
-    from coordinator.cli import _server_config, build_parser
+    from coordinator.cli_parser import build_parser, server_config
 
-    on = _server_config(build_parser().parse_args(["serve"]))
-    off = _server_config(build_parser().parse_args(["serve", "--no-async-scheduling"]))
+    on = server_config(build_parser().parse_args(["serve"]))
+    off = server_config(build_parser().parse_args(["serve", "--no-async-scheduling"]))
     assert on.engine.scheduler.async_scheduling and on.engine.banks == 2
     assert not off.engine.scheduler.async_scheduling and off.engine.banks == 1
 

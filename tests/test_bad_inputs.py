@@ -10,9 +10,9 @@ import pytest
 from coordinator.engine.llm_engine import LLMEngine
 from coordinator.errors import RequestError
 from coordinator.sampling_params import SamplingParams
-from kernels.model.config import ConfigError, Qwen3Config
-from kernels.model.loader import WeightError
-from kernels.model.qwen3 import Qwen3Model
+from kernels.model_description.config import ConfigError, Qwen3Config
+from worker.model.loader import WeightError
+from worker.model.qwen3 import Qwen3Model
 
 
 @pytest.fixture(scope="module")

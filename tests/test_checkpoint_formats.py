@@ -1,4 +1,4 @@
-"""Checkpoints stored quantized (kernels/model/checkpoint_format.py): block-wise FP8 written as
+"""Checkpoints stored quantized (kernels/model_description/checkpoint_format.py): block-wise FP8 written as
 Qwen writes it, loaded onto the int8 kernels with a stated error, against transformers on the
 dequantized weights; a Qwen3-MoE in FP8; tensor-parallel shards; and every format the loader
 cannot read refused by name instead of loaded as 16-bit."""
@@ -17,13 +17,14 @@ from safetensors.torch import save_file
 from coordinator.engine.llm_engine import LLMEngine
 from coordinator.model_files.default_model import TRAINED_DIR
 from coordinator.sampling_params import SamplingParams
-from kernels.model.checkpoint_format import checkpoint_format
-from kernels.model.config import ConfigError, Qwen3Config
-from kernels.model.loader import Quantizer, WeightError, load_weights
-from kernels.model.qwen3 import Qwen3Model
-from kernels.model.tensor_parallel import TensorParallel
+from kernels.model_description.checkpoint_format import checkpoint_format
+from kernels.model_description.config import ConfigError, Qwen3Config
 from kernels.quantize import quantize_int8
 from tests.test_quantization import _last_logits, agreement, heldout_positions, hf_logits
+from worker.model.loader import WeightError, load_weights
+from worker.model.qwen3 import Qwen3Model
+from worker.model.tensor_parallel import TensorParallel
+from worker.model.weights import Quantizer
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 E4M3_MAX = 448.0

@@ -19,7 +19,7 @@ from coordinator.client import Client
 from coordinator.engine.llm_engine import LLMEngine
 from coordinator.model_files.default_model import cache_root
 from coordinator.sampling_params import SamplingParams
-from kernels import native
+from kernels.native import build as native
 from tests.serve_proc import ServeProcess
 from tests.support import settled
 
@@ -99,22 +99,22 @@ def test_serve_on_cuda_equals_offline_on_cuda(ray_session, tmp_path):  # pragma:
 
 
 def test_parallel_flags_reach_the_server_config():
-    from coordinator.cli import _server_config, build_parser
+    from coordinator.cli_parser import build_parser, server_config
 
-    cfg = _server_config(build_parser().parse_args(["serve", "-tp", "2", "--enable-expert-parallel",
+    cfg = server_config(build_parser().parse_args(["serve", "-tp", "2", "--enable-expert-parallel",
                                                     "--workers", "3"]))
     p = cfg.engine.parallel
     assert (p.workers, p.tensor_parallel_size, p.enable_expert_parallel) == (3, 2, True)
     cfg.check()
-    alone = _server_config(build_parser().parse_args(["serve", "--enable-expert-parallel"]))
+    alone = server_config(build_parser().parse_args(["serve", "--enable-expert-parallel"]))
     with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
         alone.check()
 
 
 def test_grammar_and_fairness_flags_reach_the_server_config():
-    from coordinator.cli import _server_config, build_parser
+    from coordinator.cli_parser import build_parser, server_config
 
-    cfg = _server_config(build_parser().parse_args([
+    cfg = server_config(build_parser().parse_args([
         "serve", "--grammar-step-max-items", "1000", "--grammar-compile-timeout-s", "2.5",
         "--max-queued-requests", "7", "--max-prompt-chars", "900", "--max-requests-per-client", "3"]))
     assert cfg.grammar.step_max_items == 1000 and cfg.grammar.compile_timeout_s == 2.5

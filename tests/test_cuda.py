@@ -265,8 +265,8 @@ def test_moe_grouped_gemms_match_the_per_expert_path_without_host_syncs(moe_dir,
     """Qwen3-MoE on CUDA: the grouped-GEMM layer (torch._grouped_mm) against one GEMM per expert,
     and a decode forward through it reads nothing back to the host."""
     from kernels import backend
-    from kernels.model.qwen3 import Qwen3Model
     from tests.model_batches import decode_batch, prompt_batch
+    from worker.model.qwen3 import Qwen3Model
 
     def logits(grouped: bool) -> tuple[torch.Tensor, Qwen3Model]:
         monkeypatch.setattr(backend, "_grouped_mm_runs", lambda *a: grouped)
@@ -305,8 +305,8 @@ def test_triton_bf16_logits_are_no_further_from_fp32_than_atens(monkeypatch):
     float32 ATen logits as the ATen path's bf16 logits are (prefill, then decode steps)."""
     pytest.importorskip("triton")
     from coordinator.model_files.default_model import resolve_model
-    from kernels.model.qwen3 import Qwen3Model
     from tests.model_batches import decode_batch, prompt_batch
+    from worker.model.qwen3 import Qwen3Model
 
     def logits(dtype: str, triton: str) -> torch.Tensor:
         monkeypatch.setenv("FUSEDSERVE_TRITON", triton)

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from kernels.backends.aten import AttentionScratch, paged_decode_attention
-from kernels.model.qwen3 import Qwen3Model
+from kernels.aten.backend import AttentionScratch, paged_decode_attention
 from tests.model_batches import decode_batch, prompt_batch
+from worker.model.qwen3 import Qwen3Model
 
 
 def test_paged_attention_over_scattered_blocks_equals_dense():
@@ -73,7 +73,7 @@ def test_batched_decode_equals_each_alone(hf_checkpoints):
 
 
 def test_decode_step_allocates_nothing_after_warmup(hf_checkpoints):
-    from kernels import native
+    from kernels.native import build as native
 
     kinds = [("float32", None), ("bfloat16", None), ("bfloat16", "int8")]
     if native.kernels() is not None:
@@ -140,7 +140,7 @@ def test_the_gpu_profile_runs_its_cases_on_the_cpu(monkeypatch):
     there; the profiler's op names are what per-layer counts come from."""
     from benchmarks import cuda_profile
     from coordinator.model_files.default_model import resolve_model
-    from kernels.model.qwen3 import Qwen3Model
+    from worker.model.qwen3 import Qwen3Model
 
     model = Qwen3Model.from_pretrained(resolve_model("default"), "float32", "cpu", max_model_len=80)
     rows = cuda_profile.profile_model(model, [(1, 16), (3, 40)], calls=2, read_bw=1e10)

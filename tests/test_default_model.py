@@ -11,7 +11,7 @@ from coordinator.cli import DEMO_PROMPTS
 from coordinator.engine.llm_engine import LLMEngine
 from coordinator.model_files.default_model import TRAINED_DIR, resolve_model
 from coordinator.sampling_params import SamplingParams
-from kernels.model.config import Qwen3Config
+from kernels.model_description.config import Qwen3Config
 from kernels.quantize import dequantize_int8, quantize_int8
 
 

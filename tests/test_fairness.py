@@ -9,9 +9,8 @@ import httpx
 import pytest
 
 from coordinator.client import Client
-from coordinator.openai.api import Gateway, HttpServer
 from coordinator.server.config import Limits
-from tests.support import running_server, settled
+from tests.support import running_server, serving_http, settled
 
 PER_CLIENT = 2
 
@@ -20,12 +19,8 @@ PER_CLIENT = 2
 def http(ray_session):
     with running_server(dtype="float32", max_batch=8, block_size=16, num_blocks=128, max_model_len=512,
                         limits=Limits(max_requests_per_client=PER_CLIENT)) as coord:
-        gw = Gateway(coord.address, coord.tokenizer, coord.model_dir, "default", coord.max_model_len,
-                     coord.admission.max_tokens, max_prompt_chars=2000)
-        server = HttpServer(gw, "127.0.0.1", 0)
-        server.start()
-        yield coord, server.url
-        server.stop()
+        with serving_http(coord, max_prompt_chars=2000) as server:
+            yield coord, server.url
 
 
 def _client(url: str, source: str) -> httpx.Client:

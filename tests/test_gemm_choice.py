@@ -1,4 +1,4 @@
-"""The CPU's GEMM choice (kernels/gemm_choice.py): oneDNN's matrix-engine GEMM against the native
+"""The CPU's GEMM choice (kernels/native/gemm_choice.py): oneDNN's matrix-engine GEMM against the native
 kernels, measured per shape and row bucket at load, cached per host; the int8 matrix path equal to
 the native W8A8 kernel bit for bit, the bf16 one within a stated bound; the model's logits under
 either path; no allocation per decode step on the matrix path."""
@@ -13,12 +13,12 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kernels import native
-from kernels.backends import native as native_backend
-from kernels.gemm_choice import ROW_BUCKETS, GemmChooser, GemmTiming, bucket
+from kernels.backend_table import native as native_backend
 from kernels.linear import Int8Weight, LinearOp, _vnni_blocks
-from kernels.model.qwen3 import Qwen3Model
+from kernels.native import build as native
+from kernels.native.gemm_choice import ROW_BUCKETS, GemmChooser, GemmTiming, bucket
 from tests.model_batches import decode_batch, prompt_batch
+from worker.model.qwen3 import Qwen3Model
 
 needs_w8a8 = pytest.mark.skipif(native.missing_toolchain() is not None or native.kernels() is None
                                 or not native.kernels().int8_lanes(), reason="no native W8A8 build here")
@@ -184,7 +184,7 @@ def _logits(model: Qwen3Model) -> torch.Tensor:
 def test_model_logits_on_the_matrix_path(hf_checkpoints, matrix_everywhere, caplog, quantization):
     ckpt = hf_checkpoints["gqa2_untied"]
     ref = Qwen3Model.from_pretrained(ckpt, "bfloat16", quantization=quantization, gemm="native")
-    with caplog.at_level(logging.INFO, logger="kernels.gemm_choice"):
+    with caplog.at_level(logging.INFO, logger="kernels.native.gemm_choice"):
         model = Qwen3Model.from_pretrained(ckpt, "bfloat16", quantization=quantization, gemm="auto")
     path = matrix_everywhere
     assert path in model.kernel_info()["linear"] and path not in ref.kernel_info()["linear"]

@@ -17,13 +17,13 @@ from coordinator.model_files.default_model import TRAINED_DIR, resolve_model
 from coordinator.model_files.gguf_model import is_gguf
 from coordinator.model_files.tokenizer import TextTokenizer
 from coordinator.sampling_params import SamplingParams
-from kernels.model.checkpoint_format import checkpoint_format
-from kernels.model.config import ConfigError, Qwen3Config
-from kernels.model.gguf_tensors import GGUFTensors
-from kernels.model.qwen3 import Qwen3Model
+from kernels.model_description.checkpoint_format import checkpoint_format
+from kernels.model_description.config import ConfigError, Qwen3Config
 from kernels.quantize import quantize_int8
 from tests.test_checkpoint_formats import _tensors
 from tests.test_quantization import _last_logits, agreement, heldout_positions, hf_logits
+from worker.model.gguf_tensors import GGUFTensors
+from worker.model.qwen3 import Qwen3Model
 
 gguf = pytest.importorskip("gguf")
 

@@ -72,10 +72,10 @@ def test_small_tensors_and_copies():
 @needs_thp_advice
 def test_packed_weights_and_the_kv_cache_land_on_advised_memory():
     from coordinator.model_files.default_model import default_model_dir
-    from kernels import native
     from kernels.kv_cache import PagedKVCache
     from kernels.linear import LinearOp, PackedWeight
-    from kernels.model.config import Qwen3Config
+    from kernels.model_description.config import Qwen3Config
+    from kernels.native import build as native
 
     cache = PagedKVCache(Qwen3Config.from_dir(default_model_dir("tiny")), 512, 16, torch.bfloat16)
     assert cache.data.data_ptr() % HUGE_PAGE == 0 and not cache.data.any()

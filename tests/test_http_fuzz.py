@@ -15,9 +15,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from coordinator.client import Client
-from coordinator.openai.api import Gateway, HttpServer
 from coordinator.server.config import Limits
-from tests.support import running_server, settled
+from tests.support import running_server, serving_http, settled
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 # Any code point, lone surrogates included (JSON's \ud800 escapes make them).
@@ -71,13 +70,8 @@ def _bodies(fields: dict, required: str) -> st.SearchStrategy[dict]:
 def http(ray_session):
     with running_server(dtype="float32", max_batch=8, block_size=8, num_blocks=96, sampler_candidates=16,
                         max_model_len=256, limits=Limits(max_tokens=16)) as coord:
-        gw = Gateway(coord.address, coord.tokenizer, coord.model_dir, "default", coord.max_model_len,
-                     coord.admission.max_tokens)
-        server = HttpServer(gw, "127.0.0.1", 0)
-        server.start()
-        with httpx.Client(base_url=server.url, timeout=60) as client:
-            yield coord, gw, client
-        server.stop()
+        with serving_http(coord) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+            yield coord, server.gw, client
 
 
 def _post(client: httpx.Client, path: str, raw: bytes) -> None:

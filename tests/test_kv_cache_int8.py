@@ -17,9 +17,9 @@ from coordinator.engine import kv_sizing
 from coordinator.engine.config_resolution import resolve_config
 from coordinator.engine.llm_engine import LLMEngine
 from coordinator.sampling_params import SamplingParams
-from kernels import native
 from kernels.kv_cache import KV8_SCALE_BYTES, dequantize_rows
-from kernels.model.config import Qwen3Config
+from kernels.model_description.config import Qwen3Config
+from kernels.native import build as native
 from shared_memory.engine_config import EngineConfig
 from tests.test_native_kernels import ISAS, _module, _paged, needs_native
 
@@ -50,8 +50,8 @@ def _deq64(rows: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_cache_write_stores_each_head_row_quantized_with_its_scale(isa, dtype):
-    from kernels.backends.native import NativeLayerOps
     from kernels.layer_ops import NormScratch, rope_tables
+    from kernels.native.backend import NativeLayerOps
 
     m = _module(isa)
     g = torch.Generator().manual_seed(1)
@@ -178,10 +178,10 @@ def test_an_int8_cache_holds_a_byte_per_value_and_a_scale_per_head_row():
 
 
 def test_the_serve_flag_reaches_the_cache_config():
-    from coordinator.cli import _server_config, build_parser
+    from coordinator.cli_parser import build_parser, server_config
 
-    assert _server_config(build_parser().parse_args(["serve"])).engine.cache.kv_cache_dtype == "auto"
-    cfg = _server_config(build_parser().parse_args(["serve", "--kv-cache-dtype", "int8"]))
+    assert server_config(build_parser().parse_args(["serve"])).engine.cache.kv_cache_dtype == "auto"
+    cfg = server_config(build_parser().parse_args(["serve", "--kv-cache-dtype", "int8"]))
     assert cfg.engine.cache.kv_cache_dtype == "int8"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"])

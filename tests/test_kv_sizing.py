@@ -13,7 +13,7 @@ from coordinator.cli import _bytes
 from coordinator.engine import kv_sizing
 from coordinator.model_files.default_model import default_model_dir
 from coordinator.server.core_slots import CoreSlots, usable_cpus
-from kernels.model.config import Qwen3Config
+from kernels.model_description.config import Qwen3Config
 
 GIB = 1 << 30
 

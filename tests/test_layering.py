@@ -1,5 +1,6 @@
 """Package boundaries, read from the import statements: the coordinator and the worker
-meet only in ``shared_memory/`` (the contract), and kernels know neither."""
+meet only in ``shared_memory/`` (the contract); the model lives in ``worker/model/`` above the
+kernels; kernels know neither, and the coordinator reads of them only the model's description."""
 
 from __future__ import annotations
 
@@ -30,8 +31,50 @@ def test_only_the_worker_pool_and_the_offline_engine_import_worker():
     assert users == {"coordinator/server/worker_pool.py", "coordinator/engine/llm_engine.py"}
 
 
+def _modules(path: Path) -> set[str]:
+    """The first-party modules a file imports, dotted, as written (any level, lazily or not)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return {m for m in found if m.split(".")[0] in PACKAGES}
+
+
+def test_the_coordinator_reads_of_the_kernels_only_the_model_description():
+    """Config resolution, KV sizing and the front ends need the model's shape, its checkpoint format
+    and the quantization modes, never device code (which may build the native extension)."""
+    for pkg in ("coordinator", "deploy"):
+        for path in (ROOT / pkg).rglob("*.py"):
+            kernel_imports = {m for m in _modules(path) if m.startswith("kernels")}
+            outside = {m for m in kernel_imports if not m.startswith("kernels.model_description.")}
+            assert not outside, f"{path.relative_to(ROOT)} imports {sorted(outside)}"
+
+
+def test_the_model_description_imports_no_device_code():
+    """Nothing the description imports builds or loads a kernel: only the native build's probes
+    of the host (flags, toolchain), which read files."""
+    for path in (ROOT / "kernels" / "model_description").rglob("*.py"):
+        for m in _modules(path):
+            assert m.startswith(("kernels.model_description.", "kernels.native.build")), f"{path.name}: {m}"
+
+
+def test_the_model_lives_above_the_kernels():
+    """One room holds the model (config use, loader, checkpoint formats, MoE, TP, workspace): the
+    worker's; the kernels below it hold no model code and no backend is spread outside its folder."""
+    assert not (ROOT / "kernels" / "model").exists() and not (ROOT / "kernels" / "backends").exists()
+    for name in ("qwen3", "loader", "moe", "tensor_parallel", "workspace", "gguf_tensors", "group_quant"):
+        assert (ROOT / "worker" / "model" / f"{name}.py").is_file()
+    for backend in ("native", "aten", "triton", "ascend"):
+        assert (ROOT / "kernels" / backend / "backend.py").is_file()
+    assert (ROOT / "kernels" / "native" / "csrc" / "module.cpp").is_file()
+
+
 def test_lower_layers_do_not_import_upper_ones():
-    allowed = {"kernels": set(), "shared_memory": set(), "worker": {"kernels", "shared_memory"}}
+    # The kernels implement the contract's sampling row (shared_memory/sampling_row.py); the
+    # contract itself imports nothing first-party.
+    allowed = {"kernels": {"shared_memory"}, "shared_memory": set(), "worker": {"kernels", "shared_memory"}}
     for module, deps in _graph().items():
         pkg = module.split("/")[0]
         if pkg in allowed:

@@ -7,8 +7,8 @@ import torch
 
 from coordinator.engine.llm_engine import LLMEngine
 from coordinator.sampling_params import SamplingParams
-from kernels.model.qwen3 import Qwen3Model
 from tests.model_batches import decode_batch, prompt_batch
+from worker.model.qwen3 import Qwen3Model
 
 BLOCK = 4
 

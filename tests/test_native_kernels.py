@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from kernels.native import build as native
 from kernels.quantize import quantize_int8
 
 
@@ -188,7 +188,7 @@ def test_without_a_compiler_the_model_falls_back_to_aten_with_one_warning(tmp_pa
     code = textwrap.dedent(f"""
         import logging, torch
         logging.basicConfig(level=logging.WARNING)
-        from kernels.model.qwen3 import Qwen3Model
+        from worker.model.qwen3 import Qwen3Model
         m = Qwen3Model.from_pretrained({str(hf_checkpoints["gqa2_untied"])!r}, dtype="bfloat16")
         Qwen3Model.from_pretrained({str(hf_checkpoints["gqa2_untied"])!r}, dtype="float32")
         print("KERNELS", m.kernel_info())
@@ -512,9 +512,9 @@ def test_int4_quantization_keeps_each_groups_extreme_and_16_levels():
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_silu_mul_and_the_cache_write_match_the_aten_ops(dtype):
-    from kernels.backends.aten import TorchLayerOps
-    from kernels.backends.native import NativeLayerOps
+    from kernels.aten.backend import TorchLayerOps
     from kernels.layer_ops import NormScratch, rope_tables
+    from kernels.native.backend import NativeLayerOps
 
     m = _module(ISAS[0])
     g = torch.Generator().manual_seed(8)

@@ -1,4 +1,4 @@
-"""The prompt-attention choice (kernels/attention/prompt_choice.py): SDPA (oneDNN's brgemm, AMX
+"""The prompt-attention choice (kernels/native/prompt_choice.py): SDPA (oneDNN's brgemm, AMX
 where the CPU has it) against the native flash kernel, measured per head layout and cache dtype at
 load; each chunk of a launch takes its bucket's path; both paths agree within the bf16 bound."""
 
@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import native
-from kernels.attention.prompt_choice import choose_prompt_attention, timed_pair
-from kernels.backends.native import NativeAttention
-from kernels.gemm_choice import ROW_BUCKETS, GemmChooser, GemmTiming, bucket
-from kernels.model.qwen3 import Qwen3Model
+from kernels.native import build as native
+from kernels.native.backend import NativeAttention
+from kernels.native.gemm_choice import ROW_BUCKETS, GemmChooser, GemmTiming, bucket
+from kernels.native.prompt_choice import choose_prompt_attention, timed_pair
 from tests.model_batches import prompt_batch
+from worker.model.qwen3 import Qwen3Model
 
 needs_flash = pytest.mark.skipif(native.missing_toolchain() is not None or native.kernels() is None
                                  or not native.kernels().has_prompt_attention(),

@@ -13,10 +13,10 @@ from coordinator.model_files.default_model import TRAINED_DIR
 from coordinator.model_files.tokenizer import TextTokenizer
 from coordinator.sampling_params import SamplingParams
 from coordinator.server.config import ServerConfig
-from kernels import native
 from kernels.linear import Int8Weight, PackedWeight
-from kernels.model.qwen3 import Qwen3Model, resolve_dtype
+from kernels.native import build as native
 from tests.model_batches import decode_batch, prompt_batch
+from worker.model.qwen3 import Qwen3Model, resolve_dtype
 
 needs_native = pytest.mark.skipif(native.kernels() is None, reason="native kernels unavailable here")
 
@@ -104,12 +104,12 @@ def test_auto_dtype_follows_the_documented_rule(monkeypatch):
     assert resolve_dtype("float16", torch.bfloat16, cpu) == torch.float16
     assert resolve_dtype("auto", torch.bfloat16, "meta") == torch.bfloat16
     assert resolve_dtype("auto", torch.float32, "meta") == torch.bfloat16
-    monkeypatch.setattr(native, "kernels", lambda: None)
+    monkeypatch.setattr(native, "expected", lambda: False)
     monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
     assert resolve_dtype("auto", torch.bfloat16, cpu) == torch.float32
     monkeypatch.setattr(native, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     assert resolve_dtype("auto", torch.bfloat16, cpu) == torch.bfloat16
-    monkeypatch.setattr(native, "kernels", lambda: object())
+    monkeypatch.setattr(native, "expected", lambda: True)
     assert resolve_dtype("auto", torch.float16, cpu) == torch.float16
 
 

@@ -10,8 +10,7 @@ import logging
 import httpx
 import pytest
 
-from coordinator.openai.api import Gateway, HttpServer
-from tests.support import running_server
+from tests.support import running_server, serving_http
 
 N = 24  # tokens: enough that the plain output repeats one (what the penalties act on)
 BASE = {"prompt": "The with statement", "max_tokens": N, "temperature": 0, "ignore_eos": True}
@@ -23,13 +22,8 @@ CHAT = {"messages": [{"role": "user", "content": "What does the with statement d
 def http(ray_session):
     with running_server(dtype="float32", max_batch=8, block_size=16, num_blocks=256,
                         max_model_len=512) as coord:
-        gw = Gateway(coord.address, coord.tokenizer, coord.model_dir, "default", coord.max_model_len,
-                     coord.admission.max_tokens)
-        server = HttpServer(gw, "127.0.0.1", 0)
-        server.start()
-        with httpx.Client(base_url=server.url, timeout=120) as client:
+        with serving_http(coord) as server, httpx.Client(base_url=server.url, timeout=120) as client:
             yield client, coord.tokenizer
-        server.stop()
 
 
 def _post(client: httpx.Client, chat: bool, body: dict) -> httpx.Response:
@@ -164,7 +158,7 @@ def test_logprobs_echo_stream_stop_and_field_specific_ones(http, caplog):
     forced = _post(client, True, {**CHAT, "max_tokens": 80, "ignore_eos": False, "tools": tools,
                                   "tool_choice": {"type": "function", "function": {"name": "f"}}}).json()
     assert forced["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "f"
-    with caplog.at_level(logging.INFO, logger="coordinator.openai.api"):
+    with caplog.at_level(logging.INFO, logger="coordinator.openai.gateway"):
         assert _post(client, False, {**BASE, "user": "alice-42"}).status_code == 200
     assert "alice-42" in caplog.text, "the end user is recorded with the request"
 
@@ -172,19 +166,13 @@ def test_logprobs_echo_stream_stop_and_field_specific_ones(http, caplog):
 def test_a_trusted_server_renders_a_request_s_own_chat_template(ray_session):
     with running_server(dtype="float32", max_batch=4, block_size=16, num_blocks=64,
                         max_model_len=256) as coord:
-        gw = Gateway(coord.address, coord.tokenizer, coord.model_dir, "default", coord.max_model_len,
-                     coord.admission.max_tokens, trust_request_template=True)
-        server = HttpServer(gw, "127.0.0.1", 0)
-        server.start()
-        try:
+        with serving_http(coord, trust_request_template=True) as server, \
+                httpx.Client(base_url=server.url, timeout=60) as client:
             own = "{% for m in messages %}Q: {{ m.content }}\nA:{% endfor %}"
-            with httpx.Client(base_url=server.url, timeout=60) as client:
-                r = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2, "chat_template": own})
-                assert r.status_code == 200, r.text
-                want = len(coord.tokenizer.encode("Q: What does the with statement do?\nA:"))
-                assert r.json()["usage"]["prompt_tokens"] == want
-        finally:
-            server.stop()
+            r = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2, "chat_template": own})
+            assert r.status_code == 200, r.text
+            want = len(coord.tokenizer.encode("Q: What does the with statement do?\nA:"))
+            assert r.json()["usage"]["prompt_tokens"] == want
 
 
 def test_tokenize_detokenize_and_version(http):

@@ -13,10 +13,9 @@ import pytest
 from coordinator.client import Client, ServerError
 from coordinator.engine.block_manager import BlockManager, prefix_hashes
 from coordinator.engine.sequence import Sequence
-from coordinator.openai.api import Gateway, HttpServer
 from coordinator.sampling_params import SamplingParams
 from coordinator.server.routing_policy import RoutingConfig, RoutingPolicy
-from tests.support import running_server
+from tests.support import running_server, serving_http
 
 BS = 4
 
@@ -177,12 +176,8 @@ SESSIONS, TURNS = 6, 3
 def served(ray_session):
     with running_server(workers=2, dtype="float32", max_batch=8, block_size=16, num_blocks=256,
                         max_model_len=1024) as coord:
-        gw = Gateway(coord.address, coord.tokenizer, coord.model_dir, "default", coord.max_model_len,
-                     coord.admission.max_tokens)
-        http = HttpServer(gw, "127.0.0.1", 0)
-        http.start()
-        yield coord, http.url
-        http.stop()
+        with serving_http(coord) as http:
+            yield coord, http.url
 
 
 def _chat(url: str, session: int, results: list, errors: list) -> None:

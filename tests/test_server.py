@@ -127,7 +127,7 @@ def test_greedy_decode_d2h_is_batch_times_4(server):
     for d in decoded:
         assert d["d2h"] == d["batch"] * 4
     for w in stats["workers"]:
-        assert w["transport"] == ("serial" if server.cfg.transport == "serial" else "shm")
+        assert w["transport"] == ("serial" if server.server_config.transport == "serial" else "shm")
 
 
 BAD_FRAMES = [

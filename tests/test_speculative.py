@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from coordinator.cli import build_parser
+from coordinator.cli_parser import build_parser
 from coordinator.client import Client
 from coordinator.engine.block_manager import BlockManager
 from coordinator.engine.llm_engine import LLMEngine, load_model

@@ -185,9 +185,9 @@ def test_allowed_tokens_unpacks_bits_in_order():
 
 
 def test_native_bitmask_pass_equals_the_torch_one():
-    from kernels import native
-    from kernels.backends.aten import TorchLayerOps
-    from kernels.backends.native import NativeLayerOps
+    from kernels.aten.backend import TorchLayerOps
+    from kernels.native import build as native
+    from kernels.native.backend import NativeLayerOps
 
     vocab = 1000  # not a multiple of 32: the last word's tail is past the vocabulary
     words = -(-vocab // 32)

@@ -10,9 +10,8 @@ import pytest
 import zmq
 
 from coordinator.client import Client, ServerError
-from coordinator.openai.api import Gateway, HttpServer
 from coordinator.server.config import ServerConfig
-from tests.support import running_server
+from tests.support import running_server, serving_http
 
 TOKEN = "client-token-for-tests-0123456789"
 ADMIN = "admin-token-for-tests-9876543210"
@@ -55,11 +54,7 @@ def server(ray_session):
 
 def test_the_http_api_over_tls(server, tmp_path):
     cert, key = _self_signed(tmp_path)
-    gw = Gateway(server.address, server.tokenizer, server.model_dir, "default", server.max_model_len,
-                 server.admission.max_tokens, token=TOKEN, curve_server_key=server.curve_public_key)
-    http = HttpServer(gw, "127.0.0.1", 0, ssl_keyfile=key, ssl_certfile=cert)
-    http.start()
-    try:
+    with serving_http(server, ssl_keyfile=key, ssl_certfile=cert, token=TOKEN) as http:
         assert http.url.startswith("https://")
         trusted = ssl.create_default_context(cafile=cert)
         r = httpx.post(f"{http.url}/v1/completions", json={"prompt": "hello", "max_tokens": 4},
@@ -69,8 +64,6 @@ def test_the_http_api_over_tls(server, tmp_path):
             httpx.get(f"http://127.0.0.1:{http.port}/health", timeout=10)
         with pytest.raises(httpx.ConnectError):  # a client that does not trust the certificate
             httpx.get(f"{http.url}/health", timeout=10)
-    finally:
-        http.stop()
 
 
 def test_curve_clients_are_served_and_others_cannot_talk(server):

@@ -27,7 +27,7 @@ if not COMPILED:
         pytest.skip("triton was imported before the interpreter could be chosen", allow_module_level=True)
 
 from kernels import sampler  # noqa: E402
-from kernels.backends.aten import TorchLayerOps  # noqa: E402
+from kernels.aten.backend import TorchLayerOps  # noqa: E402
 from kernels.layer_ops import NormScratch, rope_tables  # noqa: E402
 from kernels.triton.decode_attention import DecodeAttentionScratch, decode_attention  # noqa: E402
 from kernels.triton.layer_ops import TritonLayerOps  # noqa: E402
@@ -309,11 +309,11 @@ def test_a_model_forward_on_the_triton_kernels_equals_the_aten_one():
     from dataclasses import replace
 
     from coordinator.model_files.default_model import resolve_model
-    from kernels.backends import aten, select_kernels
-    from kernels.backends import triton as triton_backend
-    from kernels.model.qwen3 import Qwen3Model
+    from kernels.backend_table import aten, select_kernels
+    from kernels.backend_table import triton as triton_backend
     from kernels.triton.layer_ops import TritonLayerOps
     from tests.model_batches import decode_batch, prompt_batch
+    from worker.model.qwen3 import Qwen3Model
 
     outs = []
     for triton_ops in (False, True):
@@ -436,7 +436,7 @@ def test_the_self_check_passes_here_and_a_wrong_kernel_falls_back_to_aten(monkey
     """On CUDA the Triton backend is the default only once its kernels agree with torch on the
     device: here (the interpreter, or the GPU) they pass; a kernel that writes wrong values, or
     raises, fails the check, which warns and leaves ATen."""
-    from kernels.backends import triton as backend
+    from kernels.backend_table import triton as backend
     from kernels.triton import self_check
 
     assert self_check.check(DEV) is None

@@ -19,8 +19,6 @@ import ray
 import torch
 import zmq
 
-from kernels.model.qwen3 import Qwen3Model
-from kernels.model.tensor_parallel import SINGLE, GroupBroken
 from shared_memory import transport
 from shared_memory.arena import HostArena
 from shared_memory.contract import LaunchDescriptor, LaunchReply
@@ -28,6 +26,8 @@ from shared_memory.engine_config import EngineConfig
 from shared_memory.slots import step_table
 from worker.device import torch_device
 from worker.load_progress import weight_progress
+from worker.model.qwen3 import Qwen3Model
+from worker.model.tensor_parallel import SINGLE, GroupBroken
 from worker.model_runner import ModelRunner
 from worker.tensor_group import STOP, GroupRank, TensorGroup, rendezvous_address
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 
 from kernels.forward_batch import ForwardBatch
-from kernels.model.qwen3 import Qwen3Model
 from kernels.speculation import request_rows
 from shared_memory.contract import LaunchDescriptor
 from shared_memory.engine_config import EngineConfig
+from worker.model.qwen3 import Qwen3Model
 
 
 class DraftError(ValueError):

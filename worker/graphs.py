@@ -22,9 +22,9 @@ import torch
 
 from kernels.forward_batch import ForwardBatch
 from kernels.kv_cache import PagedKVCache
-from kernels.model.qwen3 import Qwen3Model
-from kernels.model.workspace import Workspace
-from kernels.sampler import SamplingPlan
+from shared_memory.sampling_row import SamplingPlan
+from worker.model.qwen3 import Qwen3Model
+from worker.model.workspace import Workspace
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import tqdm
 
-from kernels.model.loader import Progress
+from worker.model.loader import Progress
 
 
 def weight_progress(desc: str, in_ray_worker: bool) -> tuple[Progress, object]:

@@ -15,17 +15,17 @@ import torch
 
 from kernels import sampler
 from kernels.forward_batch import ForwardBatch
-from kernels.model.qwen3 import Qwen3Model
 from kernels.penalties import PenaltyState, apply_logit_bias
-from kernels.sampler import SamplingPlan
 from kernels.speculation import accept_prefix
 from shared_memory.arena import HostArena
 from shared_memory.contract import LaunchDescriptor, LaunchReply
 from shared_memory.engine_config import EngineConfig
+from shared_memory.sampling_row import SamplingPlan
 from shared_memory.slots import step_table
 from worker.drafter import Drafter
 from worker.graphs import DecodeGraphs
 from worker.launch_runtime import LaunchRuntime
+from worker.model.qwen3 import Qwen3Model
 from worker.scratch_pool import DeviceScratchPool
 
 # The slots a forward reads (the decode graphs capture the pool's tensors of these).

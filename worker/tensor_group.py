@@ -9,7 +9,7 @@ and replies. Messages rather than a collective relay the launches, so an idle gr
 socket poll, never in a collective that would time out.
 
 Collectives: NCCL on CUDA, HCCL on Ascend; on the CPU, a shared-memory file the ranks meet in
-(``kernels/shm_comm.py``: microseconds where a gloo round trip costs a millisecond), or gloo
+(``kernels/native/shm_comm.py``: microseconds where a gloo round trip costs a millisecond), or gloo
 without the native build. A gloo group carries the start-up exchange. A collective that fails
 (a peer gone) raises ``GroupBroken``; the rank that sees it exits its process, so the coordinator
 sees the group's socket close and re-runs its requests on a replacement group.
@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 import zmq
 
-from kernels import native
-from kernels.model.tensor_parallel import GroupBroken, TensorParallel
-from kernels.shm_comm import ShmComm
+from kernels.native import build as native
+from kernels.native.shm_comm import ShmComm
 from shared_memory.arena import PREFIX, SHM_DIR
+from worker.model.tensor_parallel import GroupBroken, TensorParallel
 
 log = logging.getLogger(__name__)
 

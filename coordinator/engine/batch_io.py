@@ -18,9 +18,9 @@ from coordinator.engine.scheduled_batch import PromptSpan, ScheduledBatch
 from coordinator.engine.step_outputs import StepOutputs
 from coordinator.errors import RequestError
 from coordinator.structured.grammar_state import fill_rows
-from kernels.sampler import SamplingPlan
 from shared_memory.arena import HostArena
 from shared_memory.contract import LaunchDescriptor
+from shared_memory.sampling_row import COLUMNS, SamplingPlan, row_values
 from shared_memory.slots import bitmask_words
 
 
@@ -70,13 +70,13 @@ def _write_sampling(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int
                     vocab: int, invalid: dict[int, RequestError]) -> tuple[SamplingPlan, list[int]]:
     """Each row's sampling settings, which rows want logprobs (and how many), and the plan."""
     b = batch.batch_size
-    f32 = np.zeros((b, 4), dtype=np.float32)
+    f32 = np.zeros((b, len(COLUMNS)), dtype=np.float32)
     seeds = np.zeros((b, 2), dtype=np.int64)
     rows, n = [], 0
     for i, seq in enumerate(batch.seqs):
         p = seq.params
         try:
-            f32[i] = (p.temperature, p.top_p, p.min_p, p.top_k)
+            f32[i] = row_values(p)
             seeds[i] = (p.seed & 0x7FFF_FFFF_FFFF_FFFF, batch.draw_steps[i])
         except (TypeError, ValueError, OverflowError) as exc:  # a bug past validation: this row alone
             f32[i], seeds[i] = 0, 0

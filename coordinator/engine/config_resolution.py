@@ -8,19 +8,16 @@ decide nothing of it again.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from coordinator.engine import kv_sizing
 from coordinator.engine.kv_sizing import KVPlan
 from coordinator.model_files.default_model import resolve_model
-from kernels.model.checkpoint_format import checkpoint_format
-from kernels.model.config import Qwen3Config, parse_dtype
-from kernels.model.qwen3 import resolve_dtype
-from kernels.quantize import check_quantization
+from kernels.model_description.checkpoint_format import checkpoint_format, parameter_count
+from kernels.model_description.config import Qwen3Config, parse_dtype, resolve_dtype
+from kernels.model_description.quantization import check_quantization
 from shared_memory.engine_config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -75,32 +72,6 @@ def _draft_dir(cfg: EngineConfig, target: Qwen3Config) -> str | None:
         raise ValueError(f"the draft model {name!r} has a vocabulary of {vocab}, the target "
                          f"{target.vocab_size}: a draft must share the target's tokenizer")
     return path
-
-
-def parameter_count(model_dir: str) -> int:
-    """Parameters of the checkpoint, read from its safetensors headers or its GGUF file's tensor
-    list (no tensor is loaded); packed AWQ/GPTQ words count as the weights they hold, their scales
-    and zero points not at all."""
-    from safetensors import safe_open
-
-    fmt = checkpoint_format(model_dir)
-    if fmt.method == "gguf":
-        from kernels.model.gguf_tensors import GGUFTensors
-
-        return sum(int(t.n_elements) for t in GGUFTensors(fmt.file).tensors.values())
-    total = 0
-    for path in Path(model_dir).glob("*.safetensors"):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                n = math.prod(f.get_slice(name).get_shape())
-                if fmt.group_quant is not None and name.endswith(".qweight"):
-                    n *= 32 // fmt.group_quant.bits
-                elif fmt.group_quant is not None and name.endswith((".qzeros", ".scales", ".g_idx")):
-                    n = 0
-                elif name.endswith("_scale_inv"):  # FP8 block scales
-                    n = 0
-                total += n
-    return total
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -17,7 +17,7 @@ from coordinator.model_files.tokenizer import TextTokenizer
 from coordinator.sampling_params import SamplingParams
 from coordinator.structured.grammar_compiler import GrammarCompiler, GrammarLimits
 from coordinator.structured.structured_spec import StructuredError
-from kernels.model.config import Qwen3Config
+from kernels.model_description.config import Qwen3Config
 
 
 class InputProcessor:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from kernels.kv_cache import kv_element
-from kernels.model.checkpoint_format import checkpoint_format
-from kernels.model.config import Qwen3Config
+from kernels.model_description.checkpoint_format import checkpoint_format
+from kernels.model_description.config import Qwen3Config
+from kernels.model_description.kv_layout import kv_element
 
 log = logging.getLogger(__name__)
 

@@ -23,13 +23,13 @@ from coordinator.engine.request_limits import RequestLimits
 from coordinator.engine.sequence import Sequence
 from coordinator.model_files.tokenizer import TextTokenizer
 from coordinator.sampling_params import SamplingParams
-from kernels.model.qwen3 import Qwen3Model
 from shared_memory.arena import HostArena
 from shared_memory.engine_config import EngineConfig
 from shared_memory.slots import step_table
 from worker.device import probe, torch_device
 from worker.launch_runtime import LaunchRuntime
 from worker.load_progress import weight_progress
+from worker.model.qwen3 import Qwen3Model
 from worker.model_runner import ModelRunner
 
 

@@ -5,7 +5,7 @@ and names the bound that was hit."""
 from __future__ import annotations
 
 from coordinator.errors import RequestError
-from coordinator.sampling_params import SamplingParams
+from coordinator.sampling_params import SamplingParams, is_kind
 from shared_memory.engine_config import EngineConfig
 
 
@@ -30,7 +30,7 @@ class RequestLimits:
         if not prompt_ids:
             raise RequestError("empty_prompt", "prompt has no tokens")
         for i, t in enumerate(prompt_ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+            if not is_kind(t, int) or not 0 <= t < self.vocab_size:
                 raise RequestError("token_out_of_range", f"prompt token {i} is {t!r}; token ids must be "
                                    f"integers in [0, {self.vocab_size})")
         for t in params.token_ids():  # stop ids, logit_bias keys, allowed_token_ids

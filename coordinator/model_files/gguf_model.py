@@ -5,7 +5,7 @@ The file is recognised by its magic. A sidecar directory in the cache holds what
 the server reads from a Hugging Face directory (``config.json``, ``tokenizer.json``,
 ``tokenizer_config.json``, ``generation_config.json``); its ``config.json`` names the file in
 ``quantization_config`` (``quant_method: "gguf"``), and the weights are read from the file itself
-(``kernels/model/gguf_tensors.py``), never copied.
+(``worker/model/gguf_tensors.py``), never copied.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from kernels.model.config import ConfigError
+from kernels.model_description.config import ConfigError
 
 MAGIC = b"GGUF"
 # llama.cpp's pre-tokenizer names -> the split pattern before byte-level BPE.

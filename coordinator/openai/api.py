@@ -11,27 +11,22 @@ same token as the ZeroMQ ``auth`` field); ``/health`` and ``/metrics`` do not.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import importlib.metadata
 import json
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import anyio
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from coordinator.client import MAX_CLIENT_CHARS, AsyncClient, ServerError
-from coordinator.model_files.tokenizer import TextTokenizer
+from coordinator.client import ServerError
 from coordinator.openai import chat_output
 from coordinator.openai import protocol as oa
-from coordinator.openai.chat_template import ChatTemplate
-from coordinator.openai.metrics import Metrics
+from coordinator.openai import response_fields as rf
+from coordinator.openai.gateway import Gateway
+from coordinator.sampling_params import is_kind
 
 log = logging.getLogger(__name__)
 
@@ -44,72 +39,6 @@ def _version() -> str:
 
 
 VERSION = _version()
-
-
-class Gateway:
-    """What the HTTP handlers share: the coordinator client, tokenizer, template, metrics."""
-
-    def __init__(self, coordinator: str, tokenizer: TextTokenizer | None, model_dir: str | Path,
-                 model_name: str, max_model_len: int, max_tokens: int, token: str | None = None,
-                 reasoning_parser: str = "auto", tool_call_parser: str = "auto",
-                 max_prompt_chars: int = oa.MAX_PROMPT_CHARS, curve_server_key: str | None = None,
-                 chat_template: str | None = None, trust_request_template: bool = False,
-                 defaults: dict | None = None):
-        self.coordinator = coordinator
-        self.tokenizer = tokenizer  # the server's: loaded once per process
-        self.template = ChatTemplate.from_dir(model_dir, chat_template)
-        self.trust_request_template = trust_request_template  # a request's own chat_template runs
-        self.defaults = defaults or {}  # sampling defaults: the model's generation_config.json
-        self.model_name = model_name
-        self.max_model_len = max_model_len
-        self.max_tokens = max_tokens
-        self.max_prompt_chars = max_prompt_chars
-        self.curve_server_key = curve_server_key  # the coordinator's, where its socket is encrypted
-        self.token = token
-        self.metrics = Metrics(model_name)
-        self.client: AsyncClient | None = None
-        # Qwen3's <think> split and Hermes tool calls: on where the chat template speaks them.
-        source = self.template.source if self.template is not None else ""
-        auto_reasoning, auto_tools = "<think>" in source, "<tool_call>" in source
-        self.reasoning = reasoning_parser == "qwen3" or (reasoning_parser == "auto" and auto_reasoning)
-        self.tool_parser = tool_call_parser == "hermes" or (tool_call_parser == "auto" and auto_tools)
-
-    def check_auth(self, request: Request) -> None:
-        if self.token is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, value = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), self.token.encode()):
-            raise oa.ApiError(401, "missing or wrong bearer token (Authorization: Bearer ...)",
-                              code="unauthorized")
-
-    def admit(self, prepared: oa.Prepared, request: Request) -> oa.Prepared:
-        """The request for this server's model, named for its end client (whom the coordinator's
-        per-client limits count it for)."""
-        if prepared.model and prepared.model != self.model_name:
-            raise oa.ApiError(404, f"model {prepared.model!r} does not exist; this server has "
-                              f"{self.model_name!r}", param="model", code="model_not_found")
-        prepared.model = self.model_name
-        prepared.params["client"] = end_client(request)
-        session = request.headers.get("x-session-id") or prepared.user
-        if session is not None:
-            if not 0 < len(session) <= MAX_CLIENT_CHARS:
-                raise oa.ApiError(400, f"a session id (X-Session-Id, or user) has 1-{MAX_CLIENT_CHARS} "
-                                  "characters", param="user", code="bad_field")
-            prepared.params["session_id"] = session
-        if prepared.user is not None:
-            log.info("request for user %r from %s", prepared.user, prepared.params["client"])
-        return prepared
-
-
-def end_client(request: Request) -> str:
-    """Who a request counts for: its API key (a hash: never the key) and its address. A client can
-    open many connections, but not be many addresses; one that fills its share of the server's
-    capacity gets 429s while the others are served."""
-    auth = request.headers.get("authorization", "")
-    key = hashlib.sha256(auth.encode()).hexdigest()[:12] if auth else "-"
-    host = request.client.host if request.client is not None else "unknown"
-    return f"{key}@{host}"
 
 
 async def _read_body(request: Request) -> dict:
@@ -200,7 +129,7 @@ def build_app(gw: Gateway) -> FastAPI:
         tokens = body.get("tokens")
         vocab = gw.tokenizer.vocab_size if gw.tokenizer is not None else 0
         if not isinstance(tokens, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens):
+                is_kind(t, int) and 0 <= t < vocab for t in tokens):
             raise oa.ApiError(400, f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens",
                               code="bad_field")
         return {"prompt": await anyio.to_thread.run_sync(gw.tokenizer.decode, tokens)}
@@ -276,21 +205,21 @@ def _final(gw: Gateway, prep: oa.Prepared, dones: list[dict], chat: bool) -> dic
             choice["message"], choice["finish_reason"] = chat_output.message(
                 done["text"], done["finish_reason"], prep.reasoning, prep.thinking_opened, prep.tools)
             if prep.logprobs is not None and lps is not None:
-                choice["logprobs"] = oa.chat_logprobs(gw.tokenizer, ids, lps, tops)
+                choice["logprobs"] = rf.chat_logprobs(gw.tokenizer, ids, lps, tops)
         else:
             text = "" if prep.echo_only else done["text"]
             if prep.echo_only:
                 ids, lps, tops, choice["finish_reason"] = [], [], [], "length"
             choice["text"] = (prep.prompt(i)[1] if prep.echo else "") + text
             if prep.logprobs is not None and lps is not None:
-                choice["logprobs"] = oa.completion_logprobs(gw.tokenizer, ids, lps, tops)
+                choice["logprobs"] = rf.completion_logprobs(gw.tokenizer, ids, lps, tops)
                 if prep.echo:
-                    choice["logprobs"] = oa.echo_logprobs(gw.tokenizer, done, choice["logprobs"])
+                    choice["logprobs"] = rf.echo_logprobs(gw.tokenizer, done, choice["logprobs"])
         choices.append(choice)
-    return {"id": prep.request_id or oa.new_id("chatcmpl" if chat else "cmpl"), "created": prep.created,
+    return {"id": prep.request_id or rf.new_id("chatcmpl" if chat else "cmpl"), "created": prep.created,
             "model": prep.model,
             "object": "chat.completion" if chat else "text_completion", "choices": choices,
-            "usage": oa.usage(dones, prep.n, prep.echo_only)}
+            "usage": rf.usage(dones, prep.n, prep.echo_only)}
 
 
 async def _chain(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -330,7 +259,7 @@ async def _stream(gw: Gateway, prep: oa.Prepared, chat: bool) -> AsyncIterator[s
     disconnects cancels this and the requests are aborted."""
     rids = [gw.client.new_id() for _ in range(prep.choices)]
     finished: set[int] = set()
-    cid = prep.request_id or oa.new_id("chatcmpl" if chat else "cmpl")
+    cid = prep.request_id or rf.new_id("chatcmpl" if chat else "cmpl")
     head = {"id": cid, "created": prep.created, "model": prep.model,
             "object": "chat.completion.chunk" if chat else "text_completion"}
     frames = _merged(gw, prep, rids)
@@ -353,7 +282,7 @@ async def _stream(gw: Gateway, prep: oa.Prepared, chat: bool) -> AsyncIterator[s
                 elif prep.echo:
                     first["text"] = prep.prompt(i)[1]
                     if prep.logprobs is not None and "prompt_logprobs" in frame:
-                        first["logprobs"] = oa.echo_logprobs(gw.tokenizer, frame, None)
+                        first["logprobs"] = rf.echo_logprobs(gw.tokenizer, frame, None)
                     offsets[i] = len(first["text"])
                     yield _sse({**head, "choices": [first]})
             if frame["type"] == "done":
@@ -372,7 +301,7 @@ async def _stream(gw: Gateway, prep: oa.Prepared, chat: bool) -> AsyncIterator[s
                 yield _sse({**head, "choices": [fin]})
                 if len(finished) == len(rids):
                     if prep.include_usage:
-                        yield _sse({**head, "choices": [], "usage": oa.usage(dones, prep.n, prep.echo_only)})
+                        yield _sse({**head, "choices": [], "usage": rf.usage(dones, prep.n, prep.echo_only)})
                     yield _sse("[DONE]")
                     return
             elif not prep.echo_only:
@@ -387,12 +316,12 @@ async def _stream(gw: Gateway, prep: oa.Prepared, chat: bool) -> AsyncIterator[s
                     for k, delta in enumerate(deltas):
                         choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
                         if k == 0 and prep.logprobs is not None and lp:
-                            choice["logprobs"] = oa.chat_logprobs(gw.tokenizer, [frame["token"]], lp, tops)
+                            choice["logprobs"] = rf.chat_logprobs(gw.tokenizer, [frame["token"]], lp, tops)
                         yield _sse({**head, "choices": [choice]})
                 else:
                     choice = {"index": i, "text": frame["text"], "logprobs": None, "finish_reason": None}
                     if prep.logprobs is not None and lp:
-                        choice["logprobs"] = oa.completion_logprobs(gw.tokenizer, [frame["token"]], lp, tops,
+                        choice["logprobs"] = rf.completion_logprobs(gw.tokenizer, [frame["token"]], lp, tops,
                                                                     offsets[i])
                     offsets[i] += len(frame["text"])
                     yield _sse({**head, "choices": [choice]})  # one chunk a token, even mid-character
@@ -412,52 +341,3 @@ async def _stream(gw: Gateway, prep: oa.Prepared, chat: bool) -> AsyncIterator[s
                     await gw.client.abort(rid)
             if len(finished) < len(rids):
                 gw.metrics.failed("abort")
-
-
-class HttpServer:
-    """uvicorn on a thread of its own; ``start`` returns once it accepts connections. With
-    ``ssl_certfile`` and ``ssl_keyfile`` (PEM) it serves HTTPS only."""
-
-    def __init__(self, gw: Gateway, host: str, port: int, ssl_keyfile: str | None = None,
-                 ssl_certfile: str | None = None):
-        if (ssl_keyfile is None) != (ssl_certfile is None):
-            raise ValueError("TLS needs both --ssl-keyfile and --ssl-certfile")
-        self.gw = gw
-        self.app = build_app(gw)
-        self.tls = ssl_certfile is not None
-        config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=2, ssl_keyfile=ssl_keyfile,
-                                ssl_certfile=ssl_certfile)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self._run, daemon=True, name="http")
-        self.host, self.port = host, port
-
-    def _run(self) -> None:
-        asyncio.run(self._serve())
-
-    async def _serve(self) -> None:
-        self.gw.client = AsyncClient(self.gw.coordinator, token=self.gw.token,
-                                     curve_server_key=self.gw.curve_server_key)
-        try:
-            await self.server.serve()
-        finally:
-            self.gw.client.close()
-
-    def start(self, timeout_s: float = 30.0) -> None:
-        self.thread.start()
-        deadline = time.time() + timeout_s
-        while not self.server.started:
-            if not self.thread.is_alive() or time.time() > deadline:
-                raise RuntimeError(f"the HTTP API could not listen on {self.host}:{self.port} (in use? "
-                                   "choose another --http-port, or --no-http)")
-            time.sleep(0.02)
-        sock = self.server.servers[0].sockets[0]
-        self.port = sock.getsockname()[1]
-
-    @property
-    def url(self) -> str:
-        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)

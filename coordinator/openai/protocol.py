@@ -10,9 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
-import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from coordinator.model_files.tokenizer import TextTokenizer
@@ -20,7 +18,7 @@ from coordinator.openai import output_constraint, tool_choice
 from coordinator.openai.api_error import ApiError
 from coordinator.openai.chat_template import ChatTemplate, ChatTemplateError
 from coordinator.openai.tool_choice import ToolPlan
-from coordinator.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from coordinator.sampling_params import OPENAI, SamplingError, SamplingParams, check_stops, is_kind
 from coordinator.structured.structured_spec import StructuredError, StructuredSpec
 
 MAX_BODY_BYTES = 4 << 20  # the ZeroMQ front end's frame limit
@@ -83,20 +81,17 @@ def _check_text(s: str) -> None:
                        f"{exc.start}", code="bad_text") from None
 
 
-def _get(body: dict, key: str, kind: type | tuple, default: Any = None) -> Any:
+def _get(body: dict, key: str, kind: type, default: Any = None) -> Any:
     value = body.get(key)
     if value is None:
         return default
-    numeric = kind in (float, (int, float))
-    ok = isinstance(value, (int, float) if numeric else kind) and not (
-        isinstance(value, bool) and kind is not bool)
-    if not ok:
-        want = "a number" if numeric else f"of type {getattr(kind, '__name__', kind)}"
+    if not is_kind(value, kind):
+        want = "a number" if kind is float else f"of type {kind.__name__}"
         raise ApiError(400, f"'{key}' must be {want}, got {type(value).__name__}", param=key,
                        code="bad_field")
-    if numeric and not math.isfinite(value):
+    if kind is float and not math.isfinite(value):
         raise ApiError(400, f"'{key}' must be finite", param=key, code="bad_field")
-    if isinstance(value, int) and not _wire_int(value):
+    if is_kind(value, int) and not _wire_int(value):
         raise ApiError(400, f"'{key}' is {value}: beyond any accepted value", param=key, code="bad_param")
     return value
 
@@ -185,42 +180,14 @@ UNSUPPORTED: dict[str, tuple] = {
     "spaces_between_special_tokens": (None, True), "continue_final_message": (None, False),
     "add_special_tokens": (None, False), "priority": (None, 0), "return_tokens_as_token_ids": (None, False),
 }
-# vLLM's extra sampling fields passed to the coordinator as they are (SamplingParams checks them).
-PASSED = {"presence_penalty": float, "frequency_penalty": float, "repetition_penalty": float,
-          "min_tokens": int, "logit_bias": dict, "bad_words": list, "allowed_token_ids": list,
-          "stop_token_ids": list, "include_stop_str_in_output": bool}
+# vLLM's extra sampling fields, passed to the coordinator as they are (SamplingParams declares them).
+PASSED = SamplingParams.front_end_fields(OPENAI)
 
 
 def refuse_unsupported(body: dict, also: dict[str, tuple] | None = None) -> None:
     for key, fine in {**UNSUPPORTED, **(also or {})}.items():
         if key in body and body[key] not in fine:
             raise ApiError(400, f"'{key}' is not supported by this server", param=key, code="unsupported")
-
-
-# generation_config.json's fields that give the API's sampling defaults (as vLLM reads them).
-GENERATION_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
-                     "repetition_penalty": float, "presence_penalty": float, "frequency_penalty": float,
-                     "max_new_tokens": int}
-
-
-def generation_defaults(model_dir: str | Path, setting: str = "auto") -> dict:
-    """The sampling defaults of ``--generation-config``: "auto" (the model directory's
-    generation_config.json), "none", or a directory holding one. Malformed values are skipped."""
-    if setting == "none":
-        return {}
-    path = Path(model_dir if setting == "auto" else setting) / "generation_config.json"
-    if not path.is_file():
-        if setting != "auto":
-            raise ValueError(f"--generation-config {setting}: no generation_config.json there")
-        return {}
-    raw = json.loads(path.read_text())
-    out = {}
-    for key, kind in GENERATION_FIELDS.items():
-        value = raw.get(key)
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if number and (kind is float or isinstance(value, int)):
-            out["max_tokens" if key == "max_new_tokens" else key] = value
-    return out
 
 
 def _sampling(body: dict, default_max: int, defaults: dict | None = None) -> dict:
@@ -239,16 +206,20 @@ def _sampling(body: dict, default_max: int, defaults: dict | None = None) -> dic
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        if SamplingParams.specs()["stop"].wrong_kind(stops):
             raise ApiError(400, "'stop' must be a string or a list of strings", param="stop",
                            code="bad_field")
-        if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
-            raise ApiError(400, f"'stop' may hold at most {MAX_STOP_STRINGS} strings of at most "
-                           f"{MAX_STOP_CHARS} characters", param="stop", code="bad_param")
+        try:
+            check_stops(stops)
+        except SamplingError as exc:
+            raise ApiError(400, str(exc), param="stop", code="bad_param") from None
         params["stop"] = [s for s in stops if s]
-    for key, kind in PASSED.items():
-        value = _get(body, key, kind)
+    for key, field_spec in PASSED.items():
+        value = _get(body, key, field_spec.kind)
         if value is not None:
+            wrong = field_spec.wrong_kind(value)
+            if wrong is not None:
+                raise ApiError(400, f"'{key}' {wrong}", param=key, code="bad_field")
             params[key] = value
     return params
 
@@ -279,7 +250,7 @@ def _prompt_ids(prompt: Any, tok: TextTokenizer | None) -> list[int]:
         if tok is None:
             raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
         return tok.encode(prompt)
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if isinstance(prompt, list) and all(is_kind(t, int) for t in prompt):
         if not all(_wire_int(t) for t in prompt):
             raise ApiError(400, "a prompt token id is beyond any vocabulary", param="prompt",
                            code="token_out_of_range")
@@ -298,7 +269,7 @@ def completion_request(body: dict, tok: TextTokenizer | None, default_max: int =
                        max_prompt_chars: int = MAX_PROMPT_CHARS, defaults: dict | None = None) -> Prepared:
     prompt = body.get("prompt")
     batch = [prompt] if isinstance(prompt, str) or (
-        isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        isinstance(prompt, list) and all(is_kind(t, int) for t in prompt)
         and prompt) else prompt
     if not isinstance(batch, list) or not batch:
         raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list of either",
@@ -415,60 +386,3 @@ def chat_request(body: dict, tok: TextTokenizer | None, template: ChatTemplate |
     stream, usage = _stream_opts(body)
     return Prepared(_get(body, "model", str, ""), ids, params, stream, usage, logprobs, n=n,
                     reasoning=reasoning, thinking_opened=thinking == "open", tools=tools, **_identity(body))
-
-
-# --------------------------------------------------------------------- responses
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def usage(dones: list[dict], n: int = 1, echo_only: bool = False) -> dict:
-    """OpenAI's count: each prompt once (choice i is prompt i // n's), every choice's output."""
-    prompt = sum(d["usage"]["prompt_tokens"] for d in dones[::n])
-    completion = 0 if echo_only else sum(d["usage"]["completion_tokens"] for d in dones)
-    cached = sum(d["usage"].get("cached_tokens", 0) for d in dones[::n])
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def _token_entry(tok: TextTokenizer, token: int, lp: float) -> dict:
-    return {"token": tok.token_text(token), "logprob": lp, "bytes": list(tok.token_bytes(token))}
-
-
-def chat_logprobs(tok: TextTokenizer, ids: list[int], lps: list[float], tops: list | None) -> dict:
-    content = []
-    for i, (t, lp) in enumerate(zip(ids, lps)):
-        entry = _token_entry(tok, t, lp)
-        entry["top_logprobs"] = [_token_entry(tok, a, b) for a, b in (tops[i] if tops else [])]
-        content.append(entry)
-    return {"content": content}
-
-
-def completion_logprobs(tok: TextTokenizer, ids: list[int], lps: list[float], tops: list | None,
-                        offset: int = 0) -> dict:
-    tokens = [tok.token_text(t) for t in ids]
-    offsets, pos = [], offset
-    for t in ids:
-        offsets.append(pos)
-        pos += len(tok.decode([t]))
-    top = [{tok.token_text(a): b for a, b in step} for step in tops] if tops else [None] * len(ids)
-    return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": top, "text_offset": offsets}
-
-
-def echo_logprobs(tok: TextTokenizer, done: dict, output: dict | None) -> dict:
-    """Completions' logprobs with ``echo``: the prompt's tokens first (the first has none), then
-    the output's (``output``, from ``completion_logprobs``), offsets counted from the prompt."""
-    ids, lps = done["prompt_token_ids"], done["prompt_logprobs"]
-    tops = done.get("prompt_top_logprobs") or [[] for _ in ids]
-    prompt = {"tokens": [tok.token_text(t) for t in ids], "token_logprobs": list(lps),
-              "top_logprobs": [None if lp is None else {tok.token_text(a): b for a, b in top}
-                               for lp, top in zip(lps, tops)], "text_offset": []}
-    pos = 0
-    for t in ids:
-        prompt["text_offset"].append(pos)
-        pos += len(tok.decode([t]))
-    if output is None:
-        return prompt
-    return {key: prompt[key] + (output[key] if key != "text_offset" else [o + pos for o in output[key]])
-            for key in prompt}

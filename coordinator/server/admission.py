@@ -16,7 +16,7 @@ from coordinator.server.config import Limits
 from coordinator.server.protocol import GenerateRequest
 from coordinator.server.request_table import RequestTable
 from coordinator.structured.grammar_compiler import GrammarLimits
-from kernels.model.config import Qwen3Config
+from kernels.model_description.config import Qwen3Config
 from shared_memory.engine_config import EngineConfig
 
 

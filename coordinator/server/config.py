@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields
 
 from coordinator.server.routing_policy import RoutingConfig
 from coordinator.structured.grammar_compiler import GrammarLimits
-from kernels.quantize import check_quantization
+from kernels.model_description.quantization import check_quantization
 from shared_memory.engine_config import EngineConfig
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -50,9 +50,6 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     grammar: GrammarLimits = field(default_factory=GrammarLimits)  # parser limits and compile timeout
     routing: RoutingConfig = field(default_factory=RoutingConfig)  # which worker a request goes to
-    # Default sampling values of the OpenAI API: "auto" (the model's generation_config.json), "none",
-    # or a directory holding one; a request's own fields override them.
-    generation_config: str = "auto"
 
     @classmethod
     def build(cls, **settings: object) -> ServerConfig:

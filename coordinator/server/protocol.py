@@ -21,19 +21,13 @@ import msgpack
 from coordinator.client import ADMIN_TYPES, MAX_CLIENT_CHARS
 from coordinator.engine.sequence import Sequence, TokenEvent
 from coordinator.errors import RequestError
-from coordinator.sampling_params import SamplingError, SamplingParams
+from coordinator.sampling_params import ZMQ, SamplingError, SamplingParams, is_kind
 from coordinator.structured.structured_spec import StructuredError, StructuredSpec
 
 MAX_FRAME_BYTES = 4 << 20
 REQUEST_TYPES = ("generate", "abort", "stats", "health", "workers", "scale")
-_SAMPLING_FIELDS = {
-    "max_tokens": int, "temperature": (int, float), "top_k": int, "top_p": (int, float),
-    "seed": int, "stop_token_ids": list, "stop": list, "ignore_eos": bool, "logprobs": bool,
-    "top_logprobs": int, "min_p": (int, float), "prompt_logprobs": int,
-    "presence_penalty": (int, float), "frequency_penalty": (int, float), "repetition_penalty": (int, float),
-    "logit_bias": dict, "bad_words": list, "allowed_token_ids": list, "min_tokens": int,
-    "include_stop_str_in_output": bool,
-}
+# The generate frame's sampling fields, each as SamplingParams declares it.
+SAMPLING_FIELDS = SamplingParams.front_end_fields(ZMQ)
 
 
 @dataclass
@@ -69,8 +63,9 @@ def unpack(frame: bytes) -> Any:
 
 
 def _valid_id(value: Any) -> bool:
-    return (isinstance(value, (str, int)) and not isinstance(value, bool)
-            and (len(value) <= 256 if isinstance(value, str) else -(2**63) <= value < 2**64))
+    if isinstance(value, str):
+        return len(value) <= 256
+    return is_kind(value, int) and -(2**63) <= value < 2**64
 
 
 def check_token(expected: str | None, given: Any) -> bool:
@@ -112,7 +107,7 @@ def parse(frame: bytes, token: str | None = None,
         return ControlRequest("abort", rid, target)
     if kind == "scale":
         n = msg.get("workers")
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if not is_kind(n, int) or n < 1:
             raise RequestError("bad_field", "field 'workers' must be an integer >= 1", rid)
         return ControlRequest("scale", rid, n)
     return ControlRequest(kind, rid)
@@ -124,23 +119,17 @@ def _parse_generate(msg: dict, rid: Any) -> GenerateRequest:
         raise RequestError("bad_field", "give exactly one of 'prompt' (text) or 'prompt_ids'", rid)
     if prompt is not None and not isinstance(prompt, str):
         raise RequestError("bad_field", "field 'prompt' must be a string", rid)
-    if prompt_ids is not None and (
-        not isinstance(prompt_ids, list)
-        or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids)
-    ):
+    if prompt_ids is not None and not (is_kind(prompt_ids, list)
+                                       and all(is_kind(t, int) for t in prompt_ids)):
         raise RequestError("bad_field", "field 'prompt_ids' must be a list of integers", rid)
     kwargs = {}
-    for key, types in _SAMPLING_FIELDS.items():
-        if key not in msg or msg[key] is None:
+    for key, field_spec in SAMPLING_FIELDS.items():
+        if msg.get(key) is None:
             continue
-        value = msg[key]
-        if not isinstance(value, types) or (isinstance(value, bool) and types is not bool):
-            raise RequestError("bad_field", f"field {key!r} has the wrong type: {type(value).__name__}", rid)
-        kwargs[key] = value
-    for key in ("stop_token_ids", "stop"):
-        want = int if key == "stop_token_ids" else str
-        if key in kwargs and not all(isinstance(v, want) and not isinstance(v, bool) for v in kwargs[key]):
-            raise RequestError("bad_field", f"field {key!r} must be a list of {want.__name__}", rid)
+        wrong = field_spec.wrong_kind(msg[key])
+        if wrong is not None:
+            raise RequestError("bad_field", f"field {key!r} {wrong}", rid)
+        kwargs[key] = msg[key]
     stream = msg.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError("bad_field", "field 'stream' must be a boolean", rid)

@@ -49,20 +49,23 @@ FRAMES_PER_TURN = 256  # client frames read per loop turn: a flood cannot starve
 
 
 class Server:
-    def __init__(self, cfg: ServerConfig):
-        self.cfg = cfg
+    def __init__(self, server_config: ServerConfig):
+        """``server_config``: as asked (flags); ``engine_config``: its engine part resolved (what every
+        worker loads); ``model_config``: the checkpoint's ``config.json``."""
+        cfg = self.server_config = server_config
         self.device = probe_device(cfg.engine.device.device)
         p = cfg.engine.parallel
         resolved = resolve_config(cfg.engine, self.device.kind, max(p.workers, 1) * p.tensor_parallel_size)
-        self.engine, self.config = resolved.config, resolved.model  # what every worker loads
+        self.engine_config, self.model_config = resolved.config, resolved.model
         self.resolved = resolved  # its KV plan and parameter count: the startup lines
-        self.model_dir = self.engine.model.model
-        self.max_model_len = self.engine.max_model_len
+        self.model_dir = self.engine_config.model.model
+        self.max_model_len = self.engine_config.max_model_len
         self.tokenizer = TextTokenizer.from_dir(self.model_dir)
-        self.admission = Admission(cfg.limits, self.engine, self.config, self.tokenizer, cfg.grammar)
+        self.admission = Admission(cfg.limits, self.engine_config, self.model_config, self.tokenizer,
+                                   cfg.grammar)
         grammars = self.admission.input.grammars
         self.compiles = CompileQueue(grammars) if grammars is not None else None
-        self.output = OutputProcessor(self.config.eos_token_ids, self.max_model_len)
+        self.output = OutputProcessor(self.model_config.eos_token_ids, self.max_model_len)
         self.requests = RequestTable()
         self.ctx = zmq.Context()
         self.pool: WorkerPool | None = None
@@ -78,14 +81,14 @@ class Server:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        cfg = self.cfg
+        cfg = self.server_config
         cfg.check()
         remove_stale()
-        pcfg = PoolConfig(self.engine, self.device, cfg.transport == "serial", cfg.step_timeout_s,
+        pcfg = PoolConfig(self.engine_config, self.device, cfg.transport == "serial", cfg.step_timeout_s,
                           cfg.max_restarts)
-        self.pool = WorkerPool(self.ctx, pcfg, self.config, self._new_core)
+        self.pool = WorkerPool(self.ctx, pcfg, self.model_config, self._new_core)
         self.router = Router(self.pool, self.requests, RoutingPolicy(cfg.routing))
-        workers = self.engine.parallel.workers
+        workers = self.engine_config.parallel.workers
         n = workers if workers > 0 else self.pool.device_slots()
         self.pool.start(n)
         self.frontend = Frontend.bind(self.ctx, cfg.host, cfg.port, cfg.send_hwm, cfg.send_buffer_bytes,
@@ -94,12 +97,13 @@ class Server:
         log.info("coordinator serving on %s with %d %s workers", self.address, n, self.pool.device.kind)
 
     def _new_core(self, arenas: list[HostArena], executor: SocketExecutor) -> EngineCore:
-        return EngineCore.for_worker(self.engine, self.config.vocab_size, self.output, arenas, executor)
+        return EngineCore.for_worker(self.engine_config, self.model_config.vocab_size, self.output, arenas,
+                                     executor)
 
     @property
     def curve_public_key(self) -> str | None:
         """What clients need to reach a CURVE-encrypted front end."""
-        key = self.cfg.curve_secret_key
+        key = self.server_config.curve_secret_key
         return None if key is None else zmq.curve_public(key.encode()).decode()
 
     @property
@@ -195,7 +199,7 @@ class Server:
 
     def _handle(self, identity: bytes, frame: bytes) -> None:
         try:
-            req = protocol.parse(frame, self.cfg.auth_token, self.cfg.admin_token)
+            req = protocol.parse(frame, self.server_config.auth_token, self.server_config.admin_token)
         except RequestError as exc:
             if exc.code == "unauthorized":
                 self.faults.unauthorized += 1
@@ -252,7 +256,7 @@ class Server:
                 return
             reply = {"type": "done", "aborted": req.target}
         elif req.type == "scale":
-            reply = {"type": "scale", **self.router.scale(req.target, self.cfg.max_workers)}
+            reply = {"type": "scale", **self.router.scale(req.target, self.server_config.max_workers)}
         elif req.type == "stats":
             reply = {"type": "stats", **self.stats()}
         elif req.type == "health":

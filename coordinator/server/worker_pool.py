@@ -29,7 +29,7 @@ from coordinator.engine.scheduler import Scheduler
 from coordinator.engine.sequence import Sequence
 from coordinator.engine.socket_executor import SocketExecutor
 from coordinator.server.core_slots import CoreSlots
-from kernels.model.config import Qwen3Config
+from kernels.model_description.config import Qwen3Config
 from shared_memory.arena import HostArena
 from shared_memory.engine_config import EngineConfig
 from shared_memory.slots import step_table

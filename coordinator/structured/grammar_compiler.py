@@ -28,7 +28,7 @@ import numpy as np
 from coordinator.model_files.tokenizer import TextTokenizer
 from coordinator.structured.grammar_state import GrammarState
 from coordinator.structured.structured_spec import StructuredError, StructuredSpec
-from kernels.model.config import Qwen3Config
+from kernels.model_description.config import Qwen3Config
 
 if TYPE_CHECKING:
     import llguidance

@@ -2,7 +2,7 @@
 
 Importable without torch_npu: nothing here imports it at module level, and ``available()`` says
 whether an NPU is usable. Chosen on Ascend with ``FUSEDSERVE_ASCEND_FUSED=1``
-(``kernels/backends/``) until an NPU run has checked them; ATen's ops stay the default there.
+(``kernels/backend_table.py``) until an NPU run has checked them; ATen's ops stay the default there.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backends.aten import TorchLayerOps
+from kernels.aten.backend import TorchLayerOps
 from kernels.layer_ops import NormScratch
 
 

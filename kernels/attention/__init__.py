@@ -1,5 +1,5 @@
 """Attention over the paged KV cache: the interface each backend's attention implements
-(``kernels/backends/``), and ``prompt_rows``, the prompt-chunk path native and ATen share.
+(``kernels/backend_table.py``), and ``prompt_rows``, the prompt-chunk path native and ATen share.
 
 A backend is built per workspace (it may own scratch) and serves one launch in two calls:
 ``begin(batch, block_size)`` once, then ``attend(q, k_cache, v_cache, out)`` per layer,

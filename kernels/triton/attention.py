@@ -1,6 +1,6 @@
 """``TritonAttention``: decode rows through the paged flash-decoding kernels (K/V read in place,
 split-K); prompt chunks through one varlen kernel over the pages (no loop per prompt, no gather
-of a cached prefix). Chosen on CUDA by default after a self-check (``kernels/backends/triton.py``)."""
+of a cached prefix). Chosen on CUDA by default after a self-check (``kernels/triton/backend.py``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """``TritonLayerOps``: the layer-ops interface of ``kernels/layer_ops.py`` on Triton kernels.
 
 Chosen on CUDA by default once the kernels pass a self-check on the device
-(``kernels/backends/triton.py``); ``TorchLayerOps`` where they fail it. They are tested on the CPU
+(``kernels/triton/backend.py``); ``TorchLayerOps`` where they fail it. They are tested on the CPU
 under the interpreter, and compiled for sm_90 without a GPU.
 """
 

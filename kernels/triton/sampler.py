@@ -37,7 +37,8 @@ import triton
 import triton.language as tl
 
 from kernels import sampler as reference
-from kernels.sampler import SamplingPlan
+from shared_memory import sampling_row
+from shared_memory.sampling_row import SamplingPlan
 
 BLOCK = 1024  # vocabulary tile of the per-(row, tile) kernels
 NC_P = 256  # tiles a row's partials are read as: vocabularies up to 262,144 tokens, one compile for all
@@ -48,6 +49,12 @@ _M1 = tl.constexpr(reference._M1)
 _M2 = tl.constexpr(reference._M2)
 _GOLDEN = tl.constexpr(reference._GOLDEN)
 _FIXED = tl.constexpr(reference._FIXED)
+# The row layout of the sampling_params slot (shared_memory/sampling_row.py).
+_WIDTH = tl.constexpr(len(sampling_row.COLUMNS))
+_TEMPERATURE = tl.constexpr(sampling_row.TEMPERATURE)
+_TOP_P = tl.constexpr(sampling_row.TOP_P)
+_MIN_P = tl.constexpr(sampling_row.MIN_P)
+_TOP_K = tl.constexpr(sampling_row.TOP_K)
 _NO_CUT = tl.constexpr(-1)  # a top-p row whose cut the candidates could not place
 
 
@@ -86,10 +93,10 @@ def _key(x):
 @triton.jit
 def _row(params_ptr, b, n, V):
     """A row's settings and path (``kernels.sampler.row_paths``)."""
-    t = tl.load(params_ptr + b * 4 + 0)
-    top_p = tl.load(params_ptr + b * 4 + 1)
-    min_p = tl.load(params_ptr + b * 4 + 2)
-    k = tl.load(params_ptr + b * 4 + 3)
+    t = tl.load(params_ptr + b * _WIDTH + _TEMPERATURE)
+    top_p = tl.load(params_ptr + b * _WIDTH + _TOP_P)
+    min_p = tl.load(params_ptr + b * _WIDTH + _MIN_P)
+    k = tl.load(params_ptr + b * _WIDTH + _TOP_K)
     random = t > 0
     cand = random & (k >= 1) & (k <= n)
     full = random & (k < 1) | random & (k > n)

@@ -20,13 +20,16 @@ from types import ModuleType
 
 import torch
 
-from kernels import native as native_build
+from kernels.ascend import backend as ascend
+from kernels.aten import backend as aten
 from kernels.attention import AttentionBackend
-from kernels.backends import ascend, aten, native, triton
 from kernels.layer_ops import LayerOps
 from kernels.linear import LinearOp
-from kernels.model.config import Qwen3Config
+from kernels.model_description.config import Qwen3Config
+from kernels.native import backend as native
+from kernels.native import build as native_build
 from kernels.sampler import Sampler
+from kernels.triton import backend as triton
 
 BACKENDS: dict[str, ModuleType] = {m.NAME: m for m in (native, aten, triton, ascend)}
 PREFERRED = {"cpu": native, "cuda": triton, "npu": ascend}  # where usable; aten otherwise
@@ -86,7 +89,7 @@ def select_kernels(config: Qwen3Config, dtype: torch.dtype, device: torch.device
                    int8_activations: bool = True, gemm: str = "auto") -> Kernels:
     """``int8_activations``: int8 weights multiply with int8 activations where the build can.
     ``gemm``: ``auto`` lets a matrix-engine GEMM run the row buckets where it measured faster on
-    this CPU (``kernels/gemm_choice.py``); ``native`` keeps the native kernels everywhere."""
+    this CPU (``kernels/native/gemm_choice.py``); ``native`` keeps the native kernels everywhere."""
     backend = backend_for(device)
     build = native_build.kernels() if device.type == "cpu" else None
     linear = LinearOp(device, build, dtype, int8_activations, gemm)

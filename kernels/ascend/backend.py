@@ -10,8 +10,8 @@ import os
 import torch
 
 from kernels import ascend as ascend_kernels
-from kernels.gemm_choice import GemmChooser
-from kernels.model.config import Qwen3Config
+from kernels.model_description.config import Qwen3Config
+from kernels.native.gemm_choice import GemmChooser
 from kernels.sampler import Sampler, sample
 
 NAME = "ascend"

@@ -4,7 +4,7 @@
 paged KV cache (writing this launch's K/V), and writes each row's next-token logits into a
 buffer the caller owns. Decode steps, prefills, chunks and any mix of them are the same
 call (``kernels/forward_batch.py``). Which kernels run was chosen at load
-(``kernels/backends/``); nothing comes back to the host unless the caller copies it.
+(``kernels/backend_table.py``); nothing comes back to the host unless the caller copies it.
 """
 
 from __future__ import annotations
@@ -13,18 +13,18 @@ from pathlib import Path
 
 import torch
 
-from kernels import native
-from kernels.backends import select_kernels
+from kernels.backend_table import select_kernels
 from kernels.forward_batch import ForwardBatch
 from kernels.kv_cache import PagedKVCache
 from kernels.layer_ops import rope_tables
-from kernels.model.checkpoint_format import checkpoint_format
-from kernels.model.config import ConfigError, Qwen3Config, parse_dtype
-from kernels.model.loader import Progress, Quantizer, Qwen3Weights, load_weights, prepare_weights
-from kernels.model.moe import moe_forward
-from kernels.model.tensor_parallel import SINGLE, TensorParallel
-from kernels.model.workspace import LayerBuffers, Workspace
-from kernels.quantize import check_quantization
+from kernels.model_description.checkpoint_format import checkpoint_format
+from kernels.model_description.config import ConfigError, Qwen3Config, parse_dtype, resolve_dtype
+from kernels.model_description.quantization import check_quantization
+from worker.model.loader import Progress, load_weights
+from worker.model.moe import moe_forward
+from worker.model.tensor_parallel import SINGLE, TensorParallel
+from worker.model.weights import Quantizer, Qwen3Weights, prepare_weights
+from worker.model.workspace import LayerBuffers, Workspace
 
 
 class Qwen3Model:
@@ -169,21 +169,3 @@ class Qwen3Model:
             else:  # 16-bit logits, or this rank's vocab share of them: widened or gathered into out
                 self.kernels.linear(h, self.w.lm_head, ws.logits_local[:n])
                 self.tp.gather_vocab(ws.logits_local[:n], out[s : s + n], ws.logits_gathered)
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, checkpoint: torch.dtype, device_type: str) -> torch.dtype:
-    """None: the checkpoint's dtype. ``"auto"``: the fastest here for this checkpoint.
-
-    On an accelerator, the checkpoint's 16-bit dtype (bf16 for an fp32 checkpoint). On the
-    CPU with the native kernels, the same (they stream 16-bit weights, half fp32's bytes);
-    without them, bf16 where the CPU has AVX-512 BF16 (oneDNN's bf16 matmul), else fp32
-    (ATen's bf16 matmul is several times slower than its fp32 one there).
-    """
-    if dtype is None:
-        return checkpoint
-    if dtype != "auto":
-        return parse_dtype(dtype)
-    sixteen = checkpoint if checkpoint in (torch.bfloat16, torch.float16) else torch.bfloat16
-    if device_type != "cpu" or native.kernels() is not None:
-        return sixteen
-    return torch.bfloat16 if "avx512_bf16" in native.cpu_flags() else torch.float32

@@ -1,12 +1,12 @@
 """Which kernel runs a prompt chunk's attention, by its query rows, measured on this host at load.
 
-The native flash kernel (``kernels/csrc/prompt_attention.cpp``) multiplies on the vector unit
+The native flash kernel (``kernels/native/csrc/prompt_attention.cpp``) multiplies on the vector unit
 (``vdpbf16ps``). torch's SDPA (``prompt_rows``) runs its CPU flash attention on oneDNN's brgemm
 micro-kernels, which take AMX-BF16 tiles where the CPU has them: on such a host its two products
 can run several times faster, and a long prompt's attention is then its cost. Which wins depends
 on the host, so each head layout and cache dtype is timed once, one chunk per row bucket (after a
 prefix as long as itself, the masked case), native against SDPA, through the GEMM chooser
-(``kernels/gemm_choice.py``: same buckets, margin, monotone choice and per-host cache).
+(``kernels/native/gemm_choice.py``: same buckets, margin, monotone choice and per-host cache).
 
 Numerics. Both multiply bf16 exactly and sum in fp32, in different orders and blocks, and both
 round the probabilities to bf16 for the value product, so a row may differ in the last bits of
@@ -23,8 +23,8 @@ from types import ModuleType
 import torch
 
 from kernels.attention.prompt_rows import PromptChunk, attend_chunks
-from kernels.gemm_choice import NATIVE, ROW_BUCKETS, GemmChooser
-from kernels.kv_cache import KV8_SCALE_BYTES
+from kernels.model_description.kv_layout import KV8_SCALE_BYTES
+from kernels.native.gemm_choice import NATIVE, ROW_BUCKETS, GemmChooser
 
 log = logging.getLogger(__name__)
 

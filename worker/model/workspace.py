@@ -10,8 +10,8 @@ import torch
 
 from kernels.attention import AttentionBackend
 from kernels.layer_ops import NormScratch
-from kernels.model.config import Qwen3Config
-from kernels.model.tensor_parallel import SINGLE, TensorParallel
+from kernels.model_description.config import Qwen3Config
+from worker.model.tensor_parallel import SINGLE, TensorParallel
 
 
 @dataclass

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kernels.model.config import ConfigError, Qwen3Config
+from kernels.model_description.config import ConfigError, Qwen3Config
 
 
 class GroupBroken(RuntimeError):
@@ -42,7 +42,7 @@ class TensorParallel:
     size: int = 1
     expert_parallel: bool = False
     # How the ranks exchange tensors: an object with ``all_reduce(t)`` and ``all_gather(out, t)``
-    # (``kernels/shm_comm.py``: CPU ranks on one host), or None: torch.distributed's default group.
+    # (``kernels/native/shm_comm.py``: CPU ranks on one host), or None: torch.distributed's default group.
     comm: Any = None
 
     # ----------------------------------------------------------------- the split

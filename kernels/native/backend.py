@@ -1,4 +1,4 @@
-"""The native CPU backend (``kernels/csrc/``, built per instruction set by ``kernels/native.py``):
+"""The native CPU backend (``csrc/``, built per instruction set by ``build.py`` beside it):
 one fused pass per row (add + norm), per head (norm + rotary + cache write) and per row of the
 MLP (SiLU x up); decode rows read K/V in place from the pages (``attention.cpp``: online softmax
 in fp32, GQA, cost per row's own length); prompt chunks by ``prompt_attention.cpp`` (flash style
@@ -12,13 +12,13 @@ from types import ModuleType
 
 import torch
 
-from kernels import native as native_build
-from kernels.attention.prompt_choice import choose_prompt_attention
 from kernels.attention.prompt_rows import PromptChunk, attend_chunks, plan_chunk
 from kernels.forward_batch import ForwardBatch
-from kernels.gemm_choice import ROW_BUCKETS, GemmChooser, bucket
 from kernels.layer_ops import NormScratch
-from kernels.model.config import Qwen3Config
+from kernels.model_description.config import Qwen3Config
+from kernels.native import build as native_build
+from kernels.native.gemm_choice import ROW_BUCKETS, GemmChooser, bucket
+from kernels.native.prompt_choice import choose_prompt_attention
 from kernels.sampler import Sampler, sample
 
 NAME = "native"
@@ -58,7 +58,7 @@ def attention(c: Qwen3Config, dtype: torch.dtype, device: torch.device, max_batc
 
 class NativeLayerOps:
     """One pass per row (add + norm), per head (norm + rotary + cache write) and per row of the
-    MLP (SiLU x up): ``kernels/csrc/norm.cpp``."""
+    MLP (SiLU x up): ``kernels/native/csrc/norm.cpp``."""
 
     def __init__(self, native: ModuleType, eps: float, heads: int, kv_heads: int):
         self.native, self.eps, self.heads, self.kv_heads = native, eps, heads, kv_heads

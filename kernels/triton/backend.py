@@ -14,8 +14,8 @@ import os
 import torch
 
 from kernels import triton as triton_kernels
-from kernels.gemm_choice import GemmChooser
-from kernels.model.config import Qwen3Config
+from kernels.model_description.config import Qwen3Config
+from kernels.native.gemm_choice import GemmChooser
 
 NAME = "triton"
 CAPTURABLE = True

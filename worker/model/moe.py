@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backends import Kernels
-from kernels.model.config import Qwen3Config
+from kernels.backend_table import Kernels
+from kernels.model_description.config import Qwen3Config
 
 
 def moe_forward(c: Qwen3Config, kernels: Kernels, lw, h: torch.Tensor, out: torch.Tensor) -> None:

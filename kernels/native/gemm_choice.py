@@ -7,7 +7,7 @@ Intel Xeons since Sapphire Rapids, which torch reaches through oneDNN in two way
 ``onednn``, its matmul (``torch.mm`` on bf16, ``torch._int_mm`` on int8), which reorders the
 weight on every call; and ``brgemm``, its batch-reduce micro-kernel (``at::native::cpublas::
 brgemm``, what torch's own CPU flash attention runs) over weights repacked once at load into its
-VNNI blocks (``kernels/csrc/brgemm.cpp``). Where the crossover lies, or whether there is one,
+VNNI blocks (``kernels/native/csrc/brgemm.cpp``). Where the crossover lies, or whether there is one,
 depends on the host (AMD Zen 4 and 5 have no AMX: oneDNN runs AVX-512 there, slower than ours at
 every size), so each weight kind and shape is timed once, native against each matrix path, at
 every row bucket, and the result is cached per host (CPU model, instruction set, threads, torch)
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.native import cpu_flags, cpu_generation, cpu_model
+from kernels.native.build import cpu_flags, cpu_generation, cpu_model
 
 log = logging.getLogger(__name__)
 

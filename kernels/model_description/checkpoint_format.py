@@ -4,15 +4,15 @@ and the quantization they run with.
 - No ``quantization_config``: 16/32-bit tensors (``--quantization`` may quantize them at load).
 - ``quant_method: "fp8"`` with ``weight_block_size`` (Qwen's FP8 releases, DeepSeek's layout):
   e4m3 weights, ``<name>_scale_inv`` one fp32 multiplier per block. Dequantized as they are read
-  (``kernels/model/loader.py``); on the CPU they then run as int8 W8A8, re-quantized per output
+  (``worker/model/loader.py``); on the CPU they then run as int8 W8A8, re-quantized per output
   channel from the dequantized values (the FP8 bytes per weight, the int8 kernels' speed); on an
   accelerator as the 16-bit dtype (no FP8 GEMM is wired yet).
 - ``quant_method: "gguf"`` (written by ``coordinator/model_files/gguf_model.py`` beside a GGUF
-  file): the weights are the file's tensors (``kernels/model/gguf_tensors.py``); the file's type
+  file): the weights are the file's tensors (``worker/model/gguf_tensors.py``); the file's type
   decides the quantization (Q4_0 and the other 4/5-bit types: int4, Q4_0 bit for bit; Q8_0 and
   Q6_K: int8; F16/BF16/F32: none), on accelerators int8 or none.
 - ``quant_method: "awq"`` (AutoAWQ's GEMM layout, 4-bit, zero points) and ``"gptq"`` (4 or
-  8 bits, ``desc_act`` by ``g_idx``): ``kernels/model/group_quant.py``; 4-bit in-order groups run
+  8 bits, ``desc_act`` by ``g_idx``): ``worker/model/group_quant.py``; 4-bit in-order groups run
   as int4 with zero points, bit for bit; ``desc_act`` and 8-bit as int8, re-quantized.
 - Anything else is refused by name: a quantized checkpoint loaded as if it were 16-bit answers
   garbage without an error.
@@ -21,17 +21,36 @@ and the quantization they run with.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernels.model.config import ConfigError
-from kernels.model.group_quant import GroupQuant
+from kernels.model_description.config import ConfigError
 
 SUPPORTED = ("16-bit safetensors, block-wise FP8 (quant_method 'fp8' with weight_block_size), AWQ (GEMM, "
              "4-bit), GPTQ (4/8-bit) and GGUF files")
 GGUF_INT4 = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "IQ4_NL", "IQ4_XS")  # run as int4 on the CPU
 GGUF_FLOAT = ("F32", "F16", "BF16")
 FP8_QUANTIZATIONS = (None, "int8", "int8-weight-only")  # what an FP8 checkpoint may be asked to run as
+
+
+@dataclass(frozen=True)
+class GroupQuant:
+    """An AWQ or GPTQ checkpoint's packing (``worker/model/group_quant.py`` unpacks it)."""
+
+    method: str  # "awq" | "gptq"
+    bits: int
+    group_size: int  # -1: one group per row
+    zero_offset: int = 0  # added to stored zero points (GPTQ v1: 1)
+    desc_act: bool = False  # GPTQ: groups follow a permutation of the inputs (g_idx)
+
+    @property
+    def runs_as(self) -> str:
+        """The CPU quantization these weights map onto: int4 where exact, else int8."""
+        return "int4" if self.bits == 4 and not self.desc_act else "int8"
+
+    def group_rows(self, in_features: int) -> int:
+        return in_features if self.group_size <= 0 else self.group_size
 
 
 @dataclass(frozen=True)
@@ -130,3 +149,29 @@ def _group_quant(path: Path, method: str, qc: dict) -> GroupQuant:
                           "in the gptq or gptq_v2 layout are")
     return GroupQuant("gptq", bits, group, zero_offset=1 if fmt == "gptq" else 0,
                       desc_act=bool(qc.get("desc_act", False)))
+
+
+def parameter_count(model_dir: str) -> int:
+    """Parameters of the checkpoint, read from its safetensors headers or its GGUF file's tensor
+    list (no tensor is loaded); packed AWQ/GPTQ words count as the weights they hold, their scales
+    and zero points not at all."""
+    from safetensors import safe_open
+
+    fmt = checkpoint_format(model_dir)
+    if fmt.method == "gguf":
+        import gguf
+
+        return sum(int(t.n_elements) for t in gguf.GGUFReader(fmt.file, "r").tensors)
+    total = 0
+    for path in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                n = math.prod(f.get_slice(name).get_shape())
+                if fmt.group_quant is not None and name.endswith(".qweight"):
+                    n *= 32 // fmt.group_quant.bits
+                elif fmt.group_quant is not None and name.endswith((".qzeros", ".scales", ".g_idx")):
+                    n = 0
+                elif name.endswith("_scale_inv"):  # FP8 block scales
+                    n = 0
+                total += n
+    return total

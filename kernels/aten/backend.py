@@ -11,9 +11,9 @@ import torch
 from kernels import sampler
 from kernels.attention.prompt_rows import PromptChunk, attend_chunks, plan_chunks
 from kernels.forward_batch import ForwardBatch
-from kernels.gemm_choice import GemmChooser
 from kernels.layer_ops import NormScratch, rms_norm, rotary
-from kernels.model.config import Qwen3Config
+from kernels.model_description.config import Qwen3Config
+from kernels.native.gemm_choice import GemmChooser
 from kernels.sampler import Sampler, sample
 
 NAME = "aten"

@@ -1,7 +1,7 @@
-"""Hugging Face-layout weight loading: ``model.safetensors`` or a sharded index, then the
-post-processing that makes them runnable (device, quantization, each kernel's layout).
+"""Hugging Face-layout weight loading: ``model.safetensors`` or a sharded index, read into the
+records of ``weights.py`` (which also makes them runnable: device, quantization, layouts).
 
-Block-wise FP8 tensors (``kernels/model/checkpoint_format.py``) are dequantized as they are read.
+Block-wise FP8 tensors (``kernels/model_description/checkpoint_format.py``) are dequantized as they are read.
 Where the weights run quantized on the CPU, each projection is quantized as soon as its layer is
 read, so reading the layers stays about one layer above their quantized size, whatever the
 checkpoint's dtype (the lm_head is quantized afterwards, in one piece).
@@ -14,19 +14,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from kernels.linear import Int4Weight, Int8Weight, LinearOp, Weight
-from kernels.model.checkpoint_format import PLAIN, CheckpointFormat
-from kernels.model.config import Qwen3Config
-from kernels.model.gguf_tensors import GGUFTensors
-from kernels.model.group_quant import GroupQuant
-from kernels.model.tensor_parallel import SINGLE, TensorParallel
+from kernels.linear import Int4Weight, Weight
+from kernels.model_description.checkpoint_format import PLAIN, CheckpointFormat, GroupQuant
+from kernels.model_description.config import Qwen3Config
 from kernels.quantize import dequantize_int4
+from worker.model import group_quant
+from worker.model.gguf_tensors import GGUFTensors
+from worker.model.tensor_parallel import SINGLE, TensorParallel
+from worker.model.weights import LayerWeights, Quantizer, Qwen3Weights
 
 Progress = Callable[[int, int], None]  # (parts done, parts in all)
 # A read dtype: the stored values where the model's dtype holds them exactly, else fp32. A bf16
@@ -37,34 +37,6 @@ EXACT = object()
 
 class WeightError(ValueError):
     """A checkpoint is missing a tensor, or a tensor has the wrong shape."""
-
-
-@dataclass
-class LayerWeights:
-    input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
-    qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor  # [head_dim]
-    k_norm: torch.Tensor  # [head_dim]
-    o_proj: torch.Tensor  # [hidden, q_size]
-    post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None in a sparse (MoE) layer
-    down: torch.Tensor | None  # [hidden, intermediate]
-    router: torch.Tensor | None = None  # [experts, hidden]: a sparse layer's gate
-    # A sparse layer's experts: each its (gate_up [2 * moe_intermediate, hidden], down); None for
-    # an expert another rank holds (expert parallelism).
-    experts: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
-    # The same experts stacked, (gate_up [E, 2 * moe_intermediate, hidden], down [E, hidden, mi]),
-    # where the grouped-GEMM path runs them (``experts`` are then views into these).
-    expert_stack: tuple[torch.Tensor, torch.Tensor] | None = None
-
-
-@dataclass
-class Qwen3Weights:
-    embed: torch.Tensor  # [vocab, hidden]
-    layers: list[LayerWeights]
-    final_norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
 
 
 def _tensor_files(model_dir: Path) -> dict[str, Path]:
@@ -188,7 +160,7 @@ class _Reader:
             if prefix + ".g_idx" in self.files:
                 g_idx = self._slice(prefix + ".g_idx", slice(cols.start, cols.stop) if c_ok else full_c)
         width = len(cols) if c_ok else k
-        q, z, s, groups = gq.unpack(qweight, qzeros, scales, g_idx, width)
+        q, z, s, groups = group_quant.unpack(gq, qweight, qzeros, scales, g_idx, width)
         if gq.method == "awq" and c_ok:
             groups = torch.arange(cols.start, cols.stop) // gs - cols.start // gs
         if not r_ok:
@@ -196,10 +168,10 @@ class _Reader:
         if not c_ok:
             q, groups = q[:, cols.start : cols.stop], groups[cols.start : cols.stop]
         if self.int4:
-            w = gq.as_int4(q, z, s, groups)
+            w = group_quant.as_int4(gq, q, z, s, groups)
             if w is not None:
                 return w
-        return gq.dequantize(q, z, s, groups)
+        return group_quant.dequantize(q, z, s, groups)
 
     def _dequantize(self, name: str, shape: tuple[int, ...], q: torch.Tensor, rows: range | None,
                     cols: range | None) -> torch.Tensor:
@@ -243,7 +215,7 @@ def load_weights(model_dir: str | Path, config: Qwen3Config, dtype: torch.dtype,
                  tp: TensorParallel = SINGLE, progress: Progress | None = None,
                  fmt: CheckpointFormat = PLAIN, quantize: Quantizer | None = None) -> Qwen3Weights:
     """Read and fuse a Qwen3 checkpoint into ``dtype`` tensors on the CPU: the whole model, or
-    one tensor-parallel rank's share of it (``kernels/model/tensor_parallel.py``), reading only
+    one tensor-parallel rank's share of it (``worker/model/tensor_parallel.py``), reading only
     that share from the files. ``progress(done, total)`` is told after each layer and after the
     embeddings (``total``: layers + 1), so a bar can move while a large model loads. ``fmt``: the
     checkpoint's format (FP8 tensors dequantized on read); ``quantize``: applied to each
@@ -327,84 +299,3 @@ def _vocab_rows(reader: _Reader, name: str, c: Qwen3Config, tp: TensorParallel) 
     part = reader.get(name, (c.vocab_size, c.hidden_size), rows=rows)
     pad = tp.vocab_rows(c.vocab_size) - len(rows)
     return torch.cat([part, part.new_zeros(pad, c.hidden_size)]) if pad else part
-
-
-def prepare_weights(w: Qwen3Weights, linear: LinearOp, quantization: str | None, dtype: torch.dtype,
-                    device: torch.device, grouped_moe: bool) -> Qwen3Weights:
-    """The loaded weights as the kernels run them: on ``device``, quantized at load where asked
-    (``int8``, ``int8-weight-only``, ``int4``), then each projection packed into its kernel's
-    layout (and a MoE layer's experts stacked where ``grouped_moe``)."""
-    w = _to_device(w, device)
-    if quantization:
-        _quantize(w, quantization, dtype, device)
-    _prepare(w, linear, grouped_moe)
-    return w
-
-
-def _quantize(w: Qwen3Weights, mode: str, dtype: torch.dtype, device: torch.device) -> None:
-    """Every projection (and the lm_head) quantized in place, one tensor at a time (peak memory
-    stays near the 16-bit model's). int8: per channel, everything. int4: groups of 32 for the
-    projections, the lm_head int8 (the logits keep 8 bits, as llama.cpp keeps 6 there). The
-    embedding gather stays 16-bit."""
-    q = Quantizer(mode, dtype, device)
-    for lw in w.layers:
-        for name in ("qkv", "o_proj", "gate_up", "down"):
-            if getattr(lw, name) is not None:
-                setattr(lw, name, q(getattr(lw, name)))
-        if lw.experts is not None:  # the experts; the router stays 16-bit (routing is sensitive)
-            lw.experts = [None if ex is None else (q(ex[0]), q(ex[1])) for ex in lw.experts]
-    w.lm_head = Int8Weight.quantize(w.lm_head, dtype, device)
-
-
-@dataclass(frozen=True)
-class Quantizer:
-    """A projection quantized as ``mode`` asks (int4: groups of 32; else int8 per channel); one
-    quantized already (as it was read) is kept."""
-
-    mode: str
-    dtype: torch.dtype
-    device: torch.device
-
-    def __call__(self, weight: Weight) -> Weight:
-        if not isinstance(weight, torch.Tensor):
-            return weight
-        if self.mode == "int4":
-            return Int4Weight.quantize(weight, self.device)
-        return Int8Weight.quantize(weight, self.dtype, self.device)
-
-
-def _prepare(w: Qwen3Weights, linear: LinearOp, grouped_moe: bool) -> None:
-    """Every projection and the lm_head in its kernel's layout, in place (the embedding gather
-    keeps its own tensor, so a tied lm_head is then a packed copy). ``grouped_moe``: a sparse
-    layer's 16-bit experts, all held here, stacked for the grouped GEMMs."""
-    for lw in w.layers:
-        for name in ("qkv", "o_proj", "gate_up", "down", "router"):
-            if getattr(lw, name) is not None:
-                setattr(lw, name, linear.prepare(getattr(lw, name)))
-        if (grouped_moe and lw.experts is not None and all(isinstance(ex, tuple) for ex in lw.experts)
-                and all(isinstance(t, torch.Tensor) for ex in lw.experts for t in ex)):
-            lw.expert_stack = (torch.stack([gu for gu, _ in lw.experts]),
-                               torch.stack([d for _, d in lw.experts]))
-            lw.experts = [(lw.expert_stack[0][e], lw.expert_stack[1][e]) for e in range(len(lw.experts))]
-        elif lw.experts is not None:
-            lw.experts = [None if ex is None else (linear.prepare(ex[0]), linear.prepare(ex[1]))
-                          for ex in lw.experts]
-    w.lm_head = linear.prepare_head(w.lm_head)
-
-
-def _to_device(w: Qwen3Weights, device: torch.device) -> Qwen3Weights:
-    if device.type == "cpu":
-        return w
-    embed = w.embed.to(device)
-
-    def move(t):
-        if isinstance(t, list):  # a sparse layer's experts
-            return [None if ex is None else (ex[0].to(device), ex[1].to(device)) for ex in t]
-        return None if t is None else t.to(device)
-
-    return Qwen3Weights(
-        embed=embed,
-        layers=[type(lw)(**{k: move(t) for k, t in vars(lw).items()}) for lw in w.layers],
-        final_norm=w.final_norm.to(device),
-        lm_head=embed if w.lm_head is w.embed else w.lm_head.to(device),
-    )

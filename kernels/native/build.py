@@ -1,6 +1,6 @@
 """The native CPU kernels: picked from the running CPU's flags, JIT-built once, cached.
 
-``kernels/csrc/*.cpp`` are compiled by ``torch.utils.cpp_extension`` (ninja)
+``kernels/native/csrc/*.cpp`` are compiled by ``torch.utils.cpp_extension`` (ninja)
 for the best instruction set this CPU has: ``avx512bf16`` (AVX-512 with bf16 dot
 products), ``avx512vnni``, ``avx512``, ``avxvnni`` (AVX2 with 256-bit VNNI), ``avx2`` (with
 FMA and F16C), else plain C++. The build lands
@@ -206,6 +206,18 @@ def kernels() -> ModuleType | None:
     except NativeUnavailable as exc:
         log.warning("native CPU kernels unavailable, using ATen's: %s", exc)
         return None
+
+
+def expected() -> bool:
+    """Whether the native kernels will run here, answered without building or loading them (what
+    config resolution may ask in the coordinator): on, a toolchain present, the ISA available."""
+    if not enabled() or missing_toolchain() is not None:
+        return False
+    try:
+        chosen_isa()
+    except NativeUnavailable:
+        return False
+    return True
 
 
 def require() -> ModuleType | None:

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from kernels.native import build as native
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -219,3 +221,21 @@ class Qwen3Config:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ConfigError(f"{path}: malformed config.json: {exc}") from None
         return cls.from_dict(raw, source=str(path))
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, checkpoint: torch.dtype, device_type: str) -> torch.dtype:
+    """None: the checkpoint's dtype. ``"auto"``: the fastest here for this checkpoint.
+
+    On an accelerator, the checkpoint's 16-bit dtype (bf16 for an fp32 checkpoint). On the
+    CPU with the native kernels, the same (they stream 16-bit weights, half fp32's bytes);
+    without them, bf16 where the CPU has AVX-512 BF16 (oneDNN's bf16 matmul), else fp32
+    (ATen's bf16 matmul is several times slower than its fp32 one there).
+    """
+    if dtype is None:
+        return checkpoint
+    if dtype != "auto":
+        return parse_dtype(dtype)
+    sixteen = checkpoint if checkpoint in (torch.bfloat16, torch.float16) else torch.bfloat16
+    if device_type != "cpu" or native.expected():
+        return sixteen
+    return torch.bfloat16 if "avx512_bf16" in native.cpu_flags() else torch.float32

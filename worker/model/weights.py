@@ -1,0 +1,119 @@
+"""The loaded weights of a model, as records, and their preparation for the kernels: moved to
+the device, quantized at load where asked, each projection packed into its kernel's layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.linear import Int4Weight, Int8Weight, LinearOp, Weight
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor  # [head_dim]
+    k_norm: torch.Tensor  # [head_dim]
+    o_proj: torch.Tensor  # [hidden, q_size]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None in a sparse (MoE) layer
+    down: torch.Tensor | None  # [hidden, intermediate]
+    router: torch.Tensor | None = None  # [experts, hidden]: a sparse layer's gate
+    # A sparse layer's experts: each its (gate_up [2 * moe_intermediate, hidden], down); None for
+    # an expert another rank holds (expert parallelism).
+    experts: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
+    # The same experts stacked, (gate_up [E, 2 * moe_intermediate, hidden], down [E, hidden, mi]),
+    # where the grouped-GEMM path runs them (``experts`` are then views into these).
+    expert_stack: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
+class Qwen3Weights:
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+
+
+@dataclass(frozen=True)
+class Quantizer:
+    """A projection quantized as ``mode`` asks (int4: groups of 32; else int8 per channel); one
+    quantized already (as it was read) is kept."""
+
+    mode: str
+    dtype: torch.dtype
+    device: torch.device
+
+    def __call__(self, weight: Weight) -> Weight:
+        if not isinstance(weight, torch.Tensor):
+            return weight
+        if self.mode == "int4":
+            return Int4Weight.quantize(weight, self.device)
+        return Int8Weight.quantize(weight, self.dtype, self.device)
+
+
+def prepare_weights(w: Qwen3Weights, linear: LinearOp, quantization: str | None, dtype: torch.dtype,
+                    device: torch.device, grouped_moe: bool) -> Qwen3Weights:
+    """The loaded weights as the kernels run them: on ``device``, quantized at load where asked
+    (``int8``, ``int8-weight-only``, ``int4``), then each projection packed into its kernel's
+    layout (and a MoE layer's experts stacked where ``grouped_moe``)."""
+    w = _to_device(w, device)
+    if quantization:
+        _quantize(w, quantization, dtype, device)
+    _prepare(w, linear, grouped_moe)
+    return w
+
+
+def _quantize(w: Qwen3Weights, mode: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Every projection (and the lm_head) quantized in place, one tensor at a time (peak memory
+    stays near the 16-bit model's). int8: per channel, everything. int4: groups of 32 for the
+    projections, the lm_head int8 (the logits keep 8 bits, as llama.cpp keeps 6 there). The
+    embedding gather stays 16-bit."""
+    q = Quantizer(mode, dtype, device)
+    for lw in w.layers:
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            if getattr(lw, name) is not None:
+                setattr(lw, name, q(getattr(lw, name)))
+        if lw.experts is not None:  # the experts; the router stays 16-bit (routing is sensitive)
+            lw.experts = [None if ex is None else (q(ex[0]), q(ex[1])) for ex in lw.experts]
+    w.lm_head = Int8Weight.quantize(w.lm_head, dtype, device)
+
+
+def _prepare(w: Qwen3Weights, linear: LinearOp, grouped_moe: bool) -> None:
+    """Every projection and the lm_head in its kernel's layout, in place (the embedding gather
+    keeps its own tensor, so a tied lm_head is then a packed copy). ``grouped_moe``: a sparse
+    layer's 16-bit experts, all held here, stacked for the grouped GEMMs."""
+    for lw in w.layers:
+        for name in ("qkv", "o_proj", "gate_up", "down", "router"):
+            if getattr(lw, name) is not None:
+                setattr(lw, name, linear.prepare(getattr(lw, name)))
+        if (grouped_moe and lw.experts is not None and all(isinstance(ex, tuple) for ex in lw.experts)
+                and all(isinstance(t, torch.Tensor) for ex in lw.experts for t in ex)):
+            lw.expert_stack = (torch.stack([gu for gu, _ in lw.experts]),
+                               torch.stack([d for _, d in lw.experts]))
+            lw.experts = [(lw.expert_stack[0][e], lw.expert_stack[1][e]) for e in range(len(lw.experts))]
+        elif lw.experts is not None:
+            lw.experts = [None if ex is None else (linear.prepare(ex[0]), linear.prepare(ex[1]))
+                          for ex in lw.experts]
+    w.lm_head = linear.prepare_head(w.lm_head)
+
+
+def _to_device(w: Qwen3Weights, device: torch.device) -> Qwen3Weights:
+    if device.type == "cpu":
+        return w
+    embed = w.embed.to(device)
+
+    def move(t):
+        if isinstance(t, list):  # a sparse layer's experts
+            return [None if ex is None else (ex[0].to(device), ex[1].to(device)) for ex in t]
+        return None if t is None else t.to(device)
+
+    return Qwen3Weights(
+        embed=embed,
+        layers=[type(lw)(**{k: move(t) for k, t in vars(lw).items()}) for lw in w.layers],
+        final_norm=w.final_norm.to(device),
+        lm_head=embed if w.lm_head is w.embed else w.lm_head.to(device),
+    )
