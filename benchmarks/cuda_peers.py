@@ -47,7 +47,8 @@ def _save(res: dict, path: str | None) -> None:
 
 def measure(batches: list[int], input_len: int, new: int, json_path: str | None = None, device: str = "cuda",
             model_dir: Path | None = None) -> dict:
-    """Every figure, on ``device`` (the CPU only to check the code runs: tests/test_decode_step.py)."""
+    """Every figure, on ``device`` (the CPU only to check that the code runs:
+    tests/kernels/test_decode_step.py)."""
     label = str(model_dir) if model_dir else f"default:{PRESET}"
     model_dir = model_dir or default_model_dir(PRESET)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]

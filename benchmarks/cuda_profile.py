@@ -57,7 +57,7 @@ ATTENTION_KERNELS = ("_split_kernel", "_merge_kernel")  # kernels/triton/decode_
 
 def _gpu_ms(fn, n: int) -> float:
     """Mean GPU milliseconds of ``fn`` over ``n`` calls (CUDA events, after a warm-up; wall time
-    off CUDA, where this runs only to check the code: tests/test_decode_step.py)."""
+    off CUDA, where this runs only to check the code: tests/kernels/test_decode_step.py)."""
     for _ in range(3):
         fn()
     if not torch.cuda.is_available():

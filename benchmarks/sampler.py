@@ -15,7 +15,8 @@ import time
 import torch
 
 from benchmarks.common import fmt, machine, spread
-from kernels.sampler import SamplingPlan, sample
+from kernels.sampler import sample
+from shared_memory.sampling_row import SamplingPlan
 
 KINDS = {  # (temperature, top_p, min_p, top_k) of every row
     "greedy": (0.0, 1.0, 0.0, 0),

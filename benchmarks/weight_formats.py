@@ -3,8 +3,8 @@ error of each as served: top-1 agreement and max |logit error| at 50 positions o
 against transformers in fp32 on (a) the format's own dequantized weights (the kernel's error)
 and (b) the original bf16 checkpoint (the format's whole error), with the bytes on disk.
 
-The writers are the tests' (``tests/test_checkpoint_formats.py``, ``tests/test_group_quant.py``,
-``tests/test_gguf.py``): FP8 as Qwen writes it, AWQ and GPTQ as AutoAWQ and GPTQ pack, GGUF
+The writers are the tests' (``tests/model/test_checkpoint_formats.py``, ``tests/model/test_group_quant.py``,
+``tests/model/test_gguf.py``): FP8 as Qwen writes it, AWQ and GPTQ as AutoAWQ and GPTQ pack, GGUF
 with the ``gguf`` package's writer. With ``--llama-cpp DIR`` (a build, ``benchmarks/llama_cpp.py``),
 llama.cpp's ``llama-quantize`` also makes Q4_K_M and Q6_K files from the F16 one: the K-quants
 fusedserve dequantizes and re-quantizes (the ``gguf`` writer cannot make them).
@@ -23,10 +23,10 @@ from pathlib import Path
 
 from coordinator.model_files.default_model import TRAINED_DIR, resolve_model
 from kernels.model_description.checkpoint_format import checkpoint_format
-from tests.test_checkpoint_formats import _tensors, write_dequantized, write_fp8
-from tests.test_gguf import write_gguf
-from tests.test_group_quant import write_group_quant
-from tests.test_quantization import _last_logits, agreement, heldout_positions, hf_logits
+from tests.model.test_checkpoint_formats import _tensors, write_dequantized, write_fp8
+from tests.model.test_gguf import write_gguf
+from tests.model.test_group_quant import write_group_quant
+from tests.model.test_quantization import _last_logits, agreement, heldout_positions, hf_logits
 from worker.model.qwen3 import Qwen3Model
 
 

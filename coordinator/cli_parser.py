@@ -25,7 +25,7 @@ def read_file(path: str | None) -> str | None:
         return f.read().strip() or None
 
 
-def _bytes(value: str) -> int:
+def parse_size(value: str) -> int:
     """A size: bytes, or a number with KiB/MiB/GiB/TiB (or K/M/G/T, KB/MB/GB: powers of 1024)."""
     units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     text = value.strip().upper().removesuffix("IB").removesuffix("B")
@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "the cache, twice the tokens in the same memory")
         p.add_argument("--num-blocks", type=int, default=None,
                        help="KV blocks per worker (default: sized from memory, see --kv-cache-memory)")
-        p.add_argument("--kv-cache-memory", type=_bytes, default=None,
+        p.add_argument("--kv-cache-memory", type=parse_size, default=None,
                        help="KV cache per worker, in bytes or with a suffix (8GiB, 512MiB); default on the "
                        "CPU: 40%% of this host's available memory over its workers")
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9,

@@ -86,6 +86,32 @@ def _model_cache(tmp_path_factory):
     yield
 
 
+# Rooms whose every module starts Ray (a fixture's cluster or a served process's own head).
+RAY_ROOMS = ("server", "http", "deploy")
+# Modules that take most of the suite's time on 2 cores (measured with --durations=0): every ISA
+# build of the native kernels, Ray heads of their own, jobs, network namespaces, tensor-parallel
+# process groups, a 0.6B-shaped checkpoint. ``-m "not slow"`` leaves them out.
+SLOW_MODULES = frozenset({
+    "test_native_kernels", "test_kv_cache_int8", "test_triton_kernels",  # kernels/
+    "test_tensor_parallel",  # model/
+    "test_ray_cluster", "test_network_exposure", "test_multinode", "test_worker_faults",  # server/
+    "test_tensor_parallel_serving",
+    "test_real_use",  # http/
+    "test_deploy", "test_cli",  # deploy/
+})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The ``ray`` and ``slow`` markers, from where a test sits and what it uses (``gpu`` is
+    written on the tests that need a device)."""
+    for item in items:
+        path = Path(str(item.path))
+        if path.parent.name in RAY_ROOMS or "ray_session" in item.fixturenames:
+            item.add_marker(pytest.mark.ray)
+        if path.stem in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local heads default to token auth: choose
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 

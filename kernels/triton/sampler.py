@@ -25,7 +25,7 @@ alone by it, so a row draws the same under any ``SamplingPlan``. Probabilities c
 ATen's softmax in the last bit (``exp`` and summation order), so a draw within ~1e-7 of a
 boundary may differ between the two samplers; within this one, the same inputs give the same
 token.
-Tested under ``TRITON_INTERPRET=1`` against ``kernels.sampler`` (tests/test_triton_kernels.py).
+Tested under ``TRITON_INTERPRET=1`` against ``kernels.sampler`` (tests/kernels/test_triton_kernels.py).
 """
 
 from __future__ import annotations
