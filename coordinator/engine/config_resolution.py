@@ -51,9 +51,9 @@ def resolve_config(cfg: EngineConfig, device_kind: str, ranks_on_node: int = 1) 
     if c.kv_cache_dtype == "int8" and device_kind != "cpu":
         raise ValueError(f"kv_cache_dtype int8 runs on the native CPU kernels; this engine's device is "
                          f"{device_kind}: use kv_cache_dtype auto there")
-    kv = kv_sizing.plan(model, dtype, c.block_size, c.num_blocks, c.kv_cache_memory, c.gpu_memory_utilization,
-                        device_kind, cfg.scheduler.max_batch, max_len, kv_sizing.weight_bytes(model_dir),
-                        ranks_on_node, p.tensor_parallel_size, c.kv_cache_dtype)
+    kv = kv_sizing.plan(model, dtype, c, device_kind=device_kind, max_batch=cfg.scheduler.max_batch,
+                        max_model_len=max_len, weight_bytes=kv_sizing.weight_bytes(model_dir),
+                        ranks_on_node=ranks_on_node, tp=p.tensor_parallel_size)
     resolved = cfg.replace(model=model_dir, max_model_len=kv.max_model_len, quantization=quantization,
                            dtype=dtype_name(dtype), num_blocks=kv.num_blocks,
                            speculative_model=_draft_dir(cfg, model))

@@ -21,6 +21,7 @@ import torch
 from kernels.model_description.checkpoint_format import checkpoint_format
 from kernels.model_description.config import Qwen3Config
 from kernels.model_description.kv_layout import kv_element
+from shared_memory.engine_config import CacheConfig
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +95,13 @@ def _budget(kv_memory: int | None, gpu_util: float, device_kind: str, weight_byt
     return share, f"{CPU_KV_SHARE:.0%} of this host's available memory over {ranks_on_node} worker ranks"
 
 
-def plan(model: Qwen3Config, dtype: torch.dtype, block_size: int, num_blocks: int | None,
-         kv_memory: int | None, gpu_util: float, device_kind: str, max_batch: int, max_model_len: int | None,
-         weight_bytes: int, ranks_on_node: int, tp: int, kv_cache_dtype: str = "auto") -> KVPlan:
-    """The worker's blocks and the context length, or ValueError naming what does not fit."""
+def plan(model: Qwen3Config, dtype: torch.dtype, cache: CacheConfig, *, device_kind: str, max_batch: int,
+         max_model_len: int | None, weight_bytes: int, ranks_on_node: int, tp: int) -> KVPlan:
+    """The worker's blocks and the context length, or ValueError naming what does not fit.
+    ``cache`` as asked (its blocks, or the memory to size them from); ``max_model_len`` None: the
+    model's own context; ``weight_bytes``: the checkpoint's, which a GPU's share leaves out."""
+    block_size, num_blocks, kv_cache_dtype = cache.block_size, cache.num_blocks, cache.kv_cache_dtype
+    kv_memory, gpu_util = cache.kv_cache_memory, cache.gpu_memory_utilization
     per_block = bytes_per_token(model, dtype, tp, kv_cache_dtype) * block_size
     context = max_model_len or model.max_context
     if num_blocks is not None:

@@ -80,10 +80,9 @@ class LLMEngine:
                               quantization=model.quantization)
             cfg.check()
             if cfg.cache.num_blocks is None:  # sized from memory, for this model as it is
-                c = cfg.cache
-                kv = kv_sizing.plan(model.config, model.dtype, c.block_size, None, c.kv_cache_memory,
-                                    c.gpu_memory_utilization, model.device.type, cfg.scheduler.max_batch,
-                                    model.max_model_len, 0, 1, model.tp.size, c.kv_cache_dtype)
+                kv = kv_sizing.plan(model.config, model.dtype, cfg.cache, device_kind=model.device.type,
+                                    max_batch=cfg.scheduler.max_batch, max_model_len=model.max_model_len,
+                                    weight_bytes=0, ranks_on_node=1, tp=model.tp.size)
                 cfg = cfg.replace(num_blocks=kv.num_blocks)
         else:
             device = probe(cfg.device.device)

@@ -20,7 +20,7 @@ from coordinator.sampling_params import SamplingParams
 from kernels.kv_cache import KV8_SCALE_BYTES, dequantize_rows
 from kernels.model_description.config import Qwen3Config
 from kernels.native import build as native
-from shared_memory.engine_config import EngineConfig
+from shared_memory.engine_config import CacheConfig, EngineConfig
 from tests.kernels.test_native_kernels import ISAS, _module, _paged, needs_native
 
 
@@ -169,10 +169,10 @@ def test_an_int8_cache_holds_a_byte_per_value_and_a_scale_per_head_row():
                     num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096)
     assert kv_sizing.bytes_per_token(c, torch.bfloat16, 1, "int8") == 28 * 2 * 8 * (128 + 4)
     assert kv_sizing.bytes_per_token(c, torch.bfloat16, 2, "int8") == 28 * 2 * 4 * (128 + 4)
-    args = dict(block_size=16, num_blocks=None, kv_memory=1 << 30, gpu_util=0.9, device_kind="cpu",
-                max_batch=64, max_model_len=1024, weight_bytes=0, ranks_on_node=1, tp=1)
-    auto = kv_sizing.plan(c, torch.bfloat16, **args)
-    int8 = kv_sizing.plan(c, torch.bfloat16, **args, kv_cache_dtype="int8")
+    args = dict(device_kind="cpu", max_batch=64, max_model_len=1024, weight_bytes=0, ranks_on_node=1, tp=1)
+    auto = kv_sizing.plan(c, torch.bfloat16, CacheConfig(16, kv_cache_memory=1 << 30), **args)
+    int8_cache = CacheConfig(16, kv_cache_memory=1 << 30, kv_cache_dtype="int8")
+    int8 = kv_sizing.plan(c, torch.bfloat16, int8_cache, **args)
     assert int8.num_blocks == (1 << 30) // (16 * 28 * 2 * 8 * 132) and int8.num_blocks > 1.9 * auto.num_blocks
     assert int8.describe().startswith("KV cache (int8): ") and auto.describe().startswith("KV cache: ")
 

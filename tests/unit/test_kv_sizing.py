@@ -14,6 +14,7 @@ from coordinator.engine import kv_sizing
 from coordinator.model_files.default_model import default_model_dir
 from coordinator.server.core_slots import CoreSlots, usable_cpus
 from kernels.model_description.config import Qwen3Config
+from shared_memory.engine_config import CacheConfig
 
 GIB = 1 << 30
 
@@ -23,10 +24,12 @@ def qwen3_06b() -> Qwen3Config:
     return Qwen3Config.from_dir(default_model_dir("qwen3-0.6b"))
 
 
-def _plan(c: Qwen3Config, **kw) -> kv_sizing.KVPlan:
-    args = dict(dtype=torch.bfloat16, block_size=16, num_blocks=None, kv_memory=None, gpu_util=0.9,
-                device_kind="cpu", max_batch=128, max_model_len=None, weight_bytes=0, ranks_on_node=1, tp=1)
-    return kv_sizing.plan(c, **{**args, **kw})
+def _plan(c: Qwen3Config, dtype: torch.dtype = torch.bfloat16, block_size: int = 16,
+          num_blocks: int | None = None, kv_memory: int | None = None, gpu_util: float = 0.9,
+          **kw) -> kv_sizing.KVPlan:
+    cache = CacheConfig(block_size, num_blocks, kv_memory, gpu_util)
+    args = dict(device_kind="cpu", max_batch=128, max_model_len=None, weight_bytes=0, ranks_on_node=1, tp=1)
+    return kv_sizing.plan(c, dtype, cache, **{**args, **kw})
 
 
 def test_bytes_per_token_is_every_layers_k_and_v_on_one_rank(qwen3_06b):

@@ -131,3 +131,10 @@ def test_the_offline_engine_and_the_gpu_tests_import_no_server_dependencies():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().splitlines()[-1] == "[]", run.stdout
+
+
+def test_no_product_file_is_over_400_lines():
+    """A file past 400 lines holds more than one job: split it by what its parts hold."""
+    long = {p.relative_to(ROOT).as_posix(): n for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long
