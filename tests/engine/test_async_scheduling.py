@@ -12,6 +12,7 @@ from coordinator.engine.llm_engine import LLMEngine
 from coordinator.engine.scheduler import Scheduler
 from coordinator.engine.step_outputs import StepOutputs
 from coordinator.sampling_params import SamplingParams
+from tests.engine.echo_engine import echo_seq
 from tests.support import queue, read_step
 
 PROMPTS = ["The history of", "In the beginning", "Python is a", "Once upon a time there",
@@ -119,24 +120,23 @@ def test_stop_strings_and_max_tokens_are_exact_and_the_extra_token_is_never_stre
     assert sched.blocks.num_used == 0
 
 
-def test_abort_with_two_launches_in_flight_frees_everything():
-    eng = LLMEngine("default", dtype="float32", **dict(max_batch=4, block_size=4, num_blocks=32))
-    try:
-        sched, core = eng.core.scheduler, eng.core
-        a = eng.add_request("The history of", SamplingParams(max_tokens=20), "a")
-        b = eng.add_request("Python is a", SamplingParams(max_tokens=20), "b")
-        core.step()  # the prefill is read; the decode launched behind it is in flight
-        assert len(core.inflight) == 1 and core.wants_launch() and core.launch()
-        assert len(core.inflight) == 2
-        n_a = len(a.output_ids)
-        sched.abort("a")
-        events = core.finish(core.executor.wait()) + core.finish(core.executor.wait())
-        assert all(ev.seq is b for ev in events) and len(a.output_ids) == n_a
-        while core.has_work():
-            core.step()
-    finally:
-        eng.close()
-    assert b.finish_reason == "length" and len(b.output_ids) == 20
+def test_abort_with_two_launches_in_flight_frees_everything(echo_engine):
+    """The core's bookkeeping, not the model, is what is tested: model-free (``EchoRunner``)."""
+    core = echo_engine(max_batch=4, block_size=4, num_blocks=32).core
+    sched = core.scheduler
+    a, b = echo_seq(0, [10, 11, 12], max_tokens=20), echo_seq(1, [50, 51], max_tokens=20)
+    sched.enqueue(a)
+    sched.enqueue(b)
+    core.step()  # the prefill is read; the decode launched behind it is in flight
+    assert len(core.inflight) == 1 and core.wants_launch() and core.launch()
+    assert len(core.inflight) == 2
+    n_a = len(a.output_ids)
+    sched.abort(a.seq_id)
+    events = core.finish(core.executor.wait()) + core.finish(core.executor.wait())
+    assert all(ev.seq is b for ev in events) and len(a.output_ids) == n_a
+    while core.has_work():
+        core.step()
+    assert b.finish_reason == "length" and b.output_ids == list(range(52, 72))
     assert sched.blocks.num_used == 0
 
 
