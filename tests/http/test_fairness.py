@@ -6,21 +6,17 @@ from __future__ import annotations
 import threading
 
 import httpx
-import pytest
 
 from coordinator.client import Client
 from coordinator.server.config import Limits
-from tests.support import running_server, serving_http, settled
+from tests.support import settled
 
 PER_CLIENT = 2
 
 
-@pytest.fixture(scope="module")
-def http(ray_session):
-    with running_server(dtype="float32", max_batch=8, block_size=16, num_blocks=128, max_model_len=512,
-                        limits=Limits(max_requests_per_client=PER_CLIENT)) as coord:
-        with serving_http(coord, max_prompt_chars=2000) as server:
-            yield coord, server.url
+SERVER = dict(dtype="float32", max_batch=8, block_size=16, num_blocks=128, max_model_len=512,
+              limits=Limits(max_requests_per_client=PER_CLIENT))
+GATEWAY = dict(max_prompt_chars=2000)
 
 
 def _client(url: str, source: str) -> httpx.Client:
@@ -28,7 +24,7 @@ def _client(url: str, source: str) -> httpx.Client:
 
 
 def test_a_client_at_its_limit_gets_429s_while_another_is_served(http):
-    coord, url = http
+    coord, url = http.coord, http.url
     greedy, other = _client(url, "127.0.0.2"), _client(url, "127.0.0.1")
     opened = threading.Barrier(PER_CLIENT + 1)
     streams: list[int] = []
@@ -64,7 +60,7 @@ def test_a_client_at_its_limit_gets_429s_while_another_is_served(http):
 
 
 def test_text_past_the_character_cap_is_refused_before_tokenizing(http):
-    _, url = http
+    url = http.url
     with httpx.Client(base_url=url, timeout=60) as c:
         r = c.post("/v1/completions", json={"prompt": "x" * 2001})
         assert r.status_code == 413 and r.json()["error"]["code"] == "prompt_too_long"

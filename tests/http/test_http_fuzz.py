@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from coordinator.client import Client
 from coordinator.server.config import Limits
-from tests.support import running_server, serving_http, settled
+from tests.support import settled
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 # Any code point, lone surrogates included (JSON's \ud800 escapes make them).
@@ -66,12 +66,8 @@ def _bodies(fields: dict, required: str) -> st.SearchStrategy[dict]:
     return st.tuples(valid, wild).map(lambda vw: vw[0] if vw[1] is None else {**vw[0], vw[1][0]: vw[1][1]})
 
 
-@pytest.fixture(scope="module")
-def http(ray_session):
-    with running_server(dtype="float32", max_batch=8, block_size=8, num_blocks=96, sampler_candidates=16,
-                        max_model_len=256, limits=Limits(max_tokens=16)) as coord:
-        with serving_http(coord) as server, httpx.Client(base_url=server.url, timeout=60) as client:
-            yield coord, server.gw, client
+SERVER = dict(dtype="float32", max_batch=8, block_size=8, num_blocks=96, sampler_candidates=16,
+              max_model_len=256, limits=Limits(max_tokens=16))
 
 
 def _post(client: httpx.Client, path: str, raw: bytes) -> None:
@@ -91,19 +87,19 @@ def _post(client: httpx.Client, path: str, raw: bytes) -> None:
 @FUZZ
 @given(_bodies(COMPLETION, "prompt"))
 def test_completion_bodies(http, body):
-    _post(http[2], "/v1/completions", json.dumps(body).encode())
+    _post(http.client, "/v1/completions", json.dumps(body).encode())
 
 
 @FUZZ
 @given(_bodies(CHAT, "messages"))
 def test_chat_bodies(http, body):
-    _post(http[2], "/v1/chat/completions", json.dumps(body).encode())
+    _post(http.client, "/v1/chat/completions", json.dumps(body).encode())
 
 
 @FUZZ
 @given(values)
 def test_any_json_value(http, value):
-    _post(http[2], "/v1/chat/completions", json.dumps(value).encode())
+    _post(http.client, "/v1/chat/completions", json.dumps(value).encode())
 
 
 @pytest.mark.parametrize("path,raw,code", [
@@ -118,12 +114,12 @@ def test_any_json_value(http, value):
      "bad_field"),
 ])
 def test_inputs_that_gave_500s_are_coded_400s(http, path, raw, code):
-    r = http[2].post(path, content=raw, headers={"content-type": "application/json"})
+    r = http.client.post(path, content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text[:300]
 
 
 def test_zeromq_structured_values_json_cannot_hold_are_refused(http):
-    coord = http[0]
+    coord = http.coord
     with Client(coord.address) as c:
         for value in ({1: "a", "b": 2}, {"type": "object", "properties": {"a": {b"raw": 1}}}):
             c.send({"type": "generate", "id": "s", "prompt": "x", "max_tokens": 2,
@@ -133,7 +129,7 @@ def test_zeromq_structured_values_json_cannot_hold_are_refused(http):
 
 
 def test_nothing_reached_the_generic_handler_and_the_server_is_whole(http):
-    coord, gw, client = http
+    coord, gw, client = http.coord, http.gw, http.client
     assert gw.metrics.internal_errors._value.get() == 0
     assert 'fusedserve:http_internal_errors_total{model_name="default"} 0.0' in client.get("/metrics").text
     assert coord.alive()

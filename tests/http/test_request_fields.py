@@ -18,12 +18,7 @@ CHAT = {"messages": [{"role": "user", "content": "What does the with statement d
         "temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def http(ray_session):
-    with running_server(dtype="float32", max_batch=8, block_size=16, num_blocks=256,
-                        max_model_len=512) as coord:
-        with serving_http(coord) as server, httpx.Client(base_url=server.url, timeout=120) as client:
-            yield client, coord.tokenizer
+SERVER = dict(dtype="float32", max_batch=8, block_size=16, num_blocks=256, max_model_len=512)
 
 
 def _post(client: httpx.Client, chat: bool, body: dict) -> httpx.Response:
@@ -58,7 +53,7 @@ REFUSED = [  # (chat, field, value)
 
 @pytest.mark.parametrize("chat,field,value", REFUSED, ids=[f[1] for f in REFUSED])
 def test_fields_this_server_does_not_do_are_refused(http, chat, field, value):
-    client, _ = http
+    client = http.client
     r = _post(client, chat, {**(CHAT if chat else BASE), field: value})
     assert r.status_code == 400, (field, r.status_code, r.text[:300])
     assert r.json()["error"]["param"] == field
@@ -105,7 +100,7 @@ HONOURED = [
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_documented_fields_change_the_response_as_they_say(http, chat):
-    client, tok = http
+    client, tok = http.client, http.coord.tokenizer
     base = CHAT if chat else BASE
     plain = _post(client, chat, base).json()
     for field, value, check in HONOURED:
@@ -125,7 +120,7 @@ def test_documented_fields_change_the_response_as_they_say(http, chat):
 
 
 def test_logprobs_echo_stream_stop_and_field_specific_ones(http, caplog):
-    client, tok = http
+    client, tok = http.client, http.coord.tokenizer
     r = _post(client, False, {**BASE, "logprobs": 2}).json()
     assert len(r["choices"][0]["logprobs"]["top_logprobs"]) == N
     r = _post(client, True, {**CHAT, "logprobs": True, "top_logprobs": 2}).json()
@@ -176,7 +171,7 @@ def test_a_trusted_server_renders_a_request_s_own_chat_template(ray_session):
 
 
 def test_tokenize_detokenize_and_version(http):
-    client, tok = http
+    client, tok = http.client, http.coord.tokenizer
     text = "The year 4096 and 東京 🙂"
     r = client.post("/tokenize", json={"prompt": text}).json()
     assert r["tokens"] == tok.encode(text) and r["count"] == len(r["tokens"]) and r["max_model_len"] == 512
@@ -197,7 +192,7 @@ def test_the_grafana_dashboard_names_only_exported_metrics(http):
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    client, _ = http
+    client = http.client
     assert _post(client, False, BASE).status_code == 200
     text = client.get("/metrics").text
     exported = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}

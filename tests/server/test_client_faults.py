@@ -9,16 +9,12 @@ import pytest
 import zmq
 
 from coordinator.client import Client
-from tests.support import dealer, running_server, settled
+from tests.support import dealer, settled
 
 RC = dict(max_batch=16, block_size=16, num_blocks=1200, sampler_candidates=16)
 
 
-@pytest.fixture(scope="module")
-def server(ray_session):
-    with running_server(**RC, dtype="float32", max_model_len=2048, send_hwm=64,
-                        send_buffer_bytes=65536) as coord:
-        yield coord
+SERVER = dict(**RC, dtype="float32", max_model_len=2048, send_hwm=64, send_buffer_bytes=65536)
 
 
 def _request(rid: int, stream: bool, max_tokens: int) -> bytes:

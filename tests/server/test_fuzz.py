@@ -16,7 +16,7 @@ from coordinator.client import Client
 from coordinator.server.config import Limits
 from coordinator.server.protocol import MAX_FRAME_BYTES, REQUEST_TYPES
 from coordinator.structured.structured_spec import KINDS
-from tests.support import dealer, running_server
+from tests.support import dealer
 
 RC = dict(max_batch=8, block_size=8, num_blocks=64, sampler_candidates=16)
 FINAL = {"error", "done", "stats", "health", "workers", "scale"}
@@ -53,11 +53,7 @@ field_mixes = st.dictionaries(st.sampled_from(sorted(FIELDS)), st.none(), max_si
     lambda keys: st.fixed_dictionaries({k: FIELDS[k] for k in keys}))
 
 
-@pytest.fixture(scope="module")
-def server(ray_session):
-    with running_server(**RC, dtype="float32", max_model_len=256, max_workers=1,
-                        limits=Limits(max_tokens=12)) as coord:
-        yield coord
+SERVER = dict(**RC, dtype="float32", max_model_len=256, max_workers=1, limits=Limits(max_tokens=12))
 
 
 STORM_PROBE = ("after the storm", {"max_tokens": 10, "ignore_eos": True})

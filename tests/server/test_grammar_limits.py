@@ -19,7 +19,7 @@ from coordinator.sampling_params import SamplingParams
 from shared_memory.arena import HostArena
 from shared_memory.engine_config import EngineConfig
 from shared_memory.slots import step_table
-from tests.support import EchoRunner, running_server, settled
+from tests.support import EchoRunner, settled
 
 ALTERNATIVES = " | ".join(json.dumps(f"w{i}x") for i in range(12_000))
 # The four that reached "sampling failed" (HTTP 500) mid-generation before the limits were explicit.
@@ -33,11 +33,7 @@ PAST_THE_LIMITS = {
 }
 
 
-@pytest.fixture(scope="module")
-def server(ray_session):
-    with running_server(dtype="float32", max_batch=8, block_size=16, num_blocks=128,
-                        max_model_len=512) as coord:
-        yield coord
+SERVER = dict(dtype="float32", max_batch=8, block_size=16, num_blocks=128, max_model_len=512)
 
 
 def test_grammars_past_the_limits_are_refused_while_other_streams_go_on(server):

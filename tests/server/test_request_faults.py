@@ -18,7 +18,7 @@ from coordinator.engine.scheduler import Scheduler
 from coordinator.engine.step_outputs import StepOutputs
 from coordinator.sampling_params import SamplingError, SamplingParams
 from tests.engine.test_sampling import draw
-from tests.support import queue, read_step, running_server, settled, wait_for
+from tests.support import queue, read_step, settled, wait_for
 
 RC = dict(max_batch=8, block_size=8, num_blocks=96, sampler_candidates=16)
 PROPS = settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), database=None)
@@ -88,10 +88,7 @@ def test_offline_engine_isolates_a_failing_request():
     assert [outs[0].token_ids, outs[2].token_ids] == [o.token_ids for o in want]
 
 
-@pytest.fixture(scope="module")
-def server(ray_session):
-    with running_server(**RC, dtype="float32", max_model_len=256) as coord:
-        yield coord
+SERVER = dict(**RC, dtype="float32", max_model_len=256)
 
 
 @pytest.fixture(scope="module")
