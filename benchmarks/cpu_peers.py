@@ -45,11 +45,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-from benchmarks import llama_cpp
-from benchmarks.common import RUNS, fmt, machine, read_bandwidth, spread
-from coordinator.model_files.default_model import cache_root, default_model_dir
-from kernels.native.build import cpu_flags
+from fusedserve.benchmarks import llama_cpp
+from fusedserve.benchmarks.common import RUNS, fmt, machine, read_bandwidth, spread
+from fusedserve.coordinator.model_files.default_model import cache_root, default_model_dir
+from fusedserve.kernels.native.build import cpu_flags
 
 PRESET = "qwen3-0.6b"
 # Environment that caps every engine at an instruction set (``--isa``); "native" leaves each its best.
@@ -80,8 +79,8 @@ def fusedserve_generate(model_dir: Path, batch: list[list[int]], new: int, quant
                         device: str = "cpu", runs: int = RUNS, dtype: str = "bfloat16",
                         kv_cache_dtype: str = "auto") -> list[float]:
     """Output tokens/s of ``runs`` ``LLMEngine.generate`` calls over ``batch`` (a warm-up first)."""
-    from coordinator.engine.llm_engine import LLMEngine
-    from coordinator.sampling_params import SamplingParams
+    from fusedserve.coordinator.engine.llm_engine import LLMEngine
+    from fusedserve.coordinator.sampling_params import SamplingParams
 
     total = len(batch[0]) + new + 1
     rc = dict(max_batch=len(batch), block_size=16, num_blocks=len(batch) * -(-total // 16) + 4,
@@ -142,8 +141,7 @@ def run_engine(engine: str, model_dir: Path, ov_root: Path, batch: list[list[int
         return fusedserve_generate(path, batch, new, None, runs=runs)
     if engine == "transformers-bf16":
         import torch
-
-        from benchmarks.throughput import transformers_generate
+        from fusedserve.benchmarks.throughput import transformers_generate
 
         return transformers_generate(batch, new, "bfloat16", torch.get_num_threads(), model_dir, runs=runs)
     if engine.startswith("openvino-"):
@@ -173,7 +171,7 @@ def weight_bytes_per_token(model_dir: Path, quantization: str | None) -> int:
     """Bytes of weights fusedserve's decode step streams (lm_head included, the embedding gather
     not): 2 a parameter in 16 bits, 1 in int8; int4 layers 0.5625 (an fp16 scale per 32) and an
     int8 lm_head."""
-    from kernels.model_description.config import Qwen3Config
+    from fusedserve.kernels.model_description.config import Qwen3Config
 
     c = Qwen3Config.from_dir(model_dir)
     per_layer = (c.q_size + 2 * c.kv_size) * c.hidden_size + c.hidden_size * c.q_size \
@@ -215,7 +213,7 @@ def measure(engines: list[str], batches: list[int], input_len: int, new: int, th
                 continue
             python = openvino_python if engine.startswith("openvino-") else sys.executable
             for b in batches:
-                cmd = [python, "-m", "benchmarks.cpu_peers", "--one", engine, "--batches", str(b),
+                cmd = [python, "-m", "fusedserve.benchmarks.cpu_peers", "--one", engine, "--batches", str(b),
                        "--input-len", str(input_len), "--new-tokens", str(new), "--runs", "1", "--isa", isa]
                 r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
                 if r.returncode != 0:

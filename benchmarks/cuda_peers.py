@@ -6,9 +6,9 @@ ignored) at batch 1/16/64: fusedserve's ``LLMEngine`` (captured decode graphs, a
 scheduling, device sampling) and transformers' static-batch ``generate``. Then the decode
 step alone (the launch path with its copies and counters), graphs against eager, against
 the GPU's measured read bandwidth, with its h2d/d2h bytes per step. Where a step spends its time,
-per kernel path and model, is ``benchmarks.cuda_profile``.
+per kernel path and model, is ``fusedserve.benchmarks.cuda_profile``.
 
-Needs a CUDA GPU; writes ``--json`` for ``benchmarks.report`` to fold into BENCHMARKS.md.
+Needs a CUDA GPU; writes ``--json`` for ``fusedserve.benchmarks.report`` to fold into BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -21,12 +21,11 @@ import traceback
 from pathlib import Path
 
 import torch
-
-from benchmarks import decode_step
-from benchmarks.common import fmt, machine, spread
-from benchmarks.cpu_peers import PRESET, fusedserve_generate, prompts
-from benchmarks.throughput import transformers_generate
-from coordinator.model_files.default_model import default_model_dir
+from fusedserve.benchmarks import decode_step
+from fusedserve.benchmarks.common import fmt, machine, spread
+from fusedserve.benchmarks.cpu_peers import PRESET, fusedserve_generate, prompts
+from fusedserve.benchmarks.throughput import transformers_generate
+from fusedserve.coordinator.model_files.default_model import default_model_dir
 
 
 def medians(row: dict) -> dict[int, float]:
@@ -128,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks.cuda_peers needs a CUDA GPU")
+        raise SystemExit("fusedserve.benchmarks.cuda_peers needs a CUDA GPU")
     res = measure([int(b) for b in args.batches.split(",")], args.input_len, args.new_tokens, args.json)
     print(f"{res['machine']}; {res['gpu']}")
     print("\n".join(table(res)))

@@ -1,6 +1,6 @@
 """Where a CUDA decode step spends its time, on the ATen path and the Triton path in one run.
 
-    python -m benchmarks.cuda_profile [--json OUT] [--models 0.6b,8b] [--calls 20]
+    python -m fusedserve.benchmarks.cuda_profile [--json OUT] [--models 0.6b,8b] [--calls 20]
 
 For each kernel path (ATen's ops, and ``FUSEDSERVE_TRITON=1``'s fused kernels and paged
 attention) and each model (Qwen3-0.6B's shape from the project-written checkpoint; Qwen3-8B's
@@ -35,16 +35,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from fusedserve.benchmarks.common import machine, read_bandwidth
+from fusedserve.benchmarks.decode_step import bench_runner, greedy_batch, launch, weight_bytes
+from fusedserve.coordinator.model_files.default_model import default_model_dir
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.kernels.model_description.config import Qwen3Config
+from fusedserve.worker.graphs import EVERY_STAGE, GREEDY
+from fusedserve.worker.model.qwen3 import Qwen3Model
+from fusedserve.worker.model.weights import LayerWeights, Qwen3Weights
 from torch.profiler import ProfilerActivity, profile
-
-from benchmarks.common import machine, read_bandwidth
-from benchmarks.decode_step import bench_runner, greedy_batch, launch, weight_bytes
-from coordinator.model_files.default_model import default_model_dir
-from coordinator.sampling_params import SamplingParams
-from kernels.model_description.config import Qwen3Config
-from worker.graphs import EVERY_STAGE, GREEDY
-from worker.model.qwen3 import Qwen3Model
-from worker.model.weights import LayerWeights, Qwen3Weights
 
 CASES = [(1, 128), (16, 128), (64, 128), (32, 4096)]  # (batch, context)
 LONG_CASE, LONG_MAX_LEN = (32, 4096), 40960  # Qwen3's max_model_len, against CASES' context + 32
@@ -198,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks.cuda_profile needs a CUDA GPU")
+        raise SystemExit("fusedserve.benchmarks.cuda_profile needs a CUDA GPU")
     read_bw = read_bandwidth(device="cuda")
     res: dict = {"machine": machine(), "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
                  "read_bw_gbps": read_bw / 1e9, "cases": CASES, "results": {}, "errors": {}}

@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from benchmarks.common import machine
-from coordinator.engine.llm_engine import LLMEngine
-from coordinator.model_files.default_model import resolve_model
-from coordinator.sampling_params import SamplingParams
+from fusedserve.benchmarks.common import machine
+from fusedserve.coordinator.engine.llm_engine import LLMEngine
+from fusedserve.coordinator.model_files.default_model import resolve_model
+from fusedserve.coordinator.sampling_params import SamplingParams
 
 
 def batches(n: int) -> dict[str, list[SamplingParams]]:

@@ -15,19 +15,18 @@ import time
 
 import numpy as np
 import torch
-
-from benchmarks.common import checkpoint, copy_bandwidth, fmt, machine, read_bandwidth, spread
-from coordinator.engine.batch_io import write_batch
-from coordinator.engine.scheduled_batch import ScheduledBatch
-from coordinator.engine.sequence import Sequence
-from coordinator.sampling_params import SamplingParams
-from kernels.linear import Int8Weight, PackedWeight
-from shared_memory.arena import HostArena
-from shared_memory.engine_config import EngineConfig
-from shared_memory.slots import step_table
-from worker.model.qwen3 import Qwen3Model
-from worker.model.tensor_parallel import SINGLE, TensorParallel
-from worker.model_runner import ModelRunner
+from fusedserve.benchmarks.common import checkpoint, copy_bandwidth, fmt, machine, read_bandwidth, spread
+from fusedserve.coordinator.engine.batch_io import write_batch
+from fusedserve.coordinator.engine.scheduled_batch import ScheduledBatch
+from fusedserve.coordinator.engine.sequence import Sequence
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.kernels.linear import Int8Weight, PackedWeight
+from fusedserve.shared_memory.arena import HostArena
+from fusedserve.shared_memory.engine_config import EngineConfig
+from fusedserve.shared_memory.slots import step_table
+from fusedserve.worker.model.qwen3 import Qwen3Model
+from fusedserve.worker.model.tensor_parallel import SINGLE, TensorParallel
+from fusedserve.worker.model_runner import ModelRunner
 
 
 def weight_bytes(model: Qwen3Model) -> int:

@@ -11,7 +11,7 @@ matmul, oneDNN's brgemm micro-kernel over prepacked weights, SDPA for attention;
 a load on this host picks. Nothing is read from
 or written to the user's cache: a fresh measurement every run.
 
-    python -m benchmarks.gemm_choice [--threads 2]
+    python -m fusedserve.benchmarks.gemm_choice [--threads 2]
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-
-from benchmarks.common import machine
-from kernels.linear import Int8Weight, LinearOp
-from kernels.native import build as native
-from kernels.native.gemm_choice import HEAD_ROWS, NATIVE, REPEATS, ROW_BUCKETS, GemmChooser
-from kernels.native.prompt_choice import choose_prompt_attention, prompt_kind
+from fusedserve.benchmarks.common import machine
+from fusedserve.kernels.linear import Int8Weight, LinearOp
+from fusedserve.kernels.native import build as native
+from fusedserve.kernels.native.gemm_choice import HEAD_ROWS, NATIVE, REPEATS, ROW_BUCKETS, GemmChooser
+from fusedserve.kernels.native.prompt_choice import choose_prompt_attention, prompt_kind
 
 # Qwen3-0.6B: hidden 1024, 16 query / 8 KV heads of 128, MLP 3072, vocab 151,936.
 SHAPES = {"qkv": (1024, 4096), "o_proj": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024),

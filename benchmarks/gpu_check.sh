@@ -3,7 +3,7 @@
 # torch, triton and transformers: a preflight (every import's version, the GPU), the GPU tests
 # (graphs, the sampler without a host sync and inside a captured graph, async scheduling, prefix
 # caching, chunked prefill, d2h counts, kernels vs transformers, the Triton kernels compiled),
-# then benchmarks.cuda_peers and benchmarks.cuda_profile, each writing its JSON as each case ends.
+# then fusedserve.benchmarks.cuda_peers and fusedserve.benchmarks.cuda_profile, each writing its JSON as each case ends.
 #
 # Usage: bash benchmarks/gpu_check.sh [--quick | --dry-run] [--out DIR] [--wheels DIR] [--python PY]
 #   --quick    a subset that fits 300 s (the whole check fits 480 s)
@@ -11,7 +11,7 @@
 #              ahead-of-time sm_90 compile of every Triton kernel (CI runs this, in a venv holding
 #              only what the device image holds)
 #   --out      where the logs and JSON go (default gpu_out); copy cuda_peers.json and
-#              cuda_profile.json to benchmarks/results/ for benchmarks.report
+#              cuda_profile.json to benchmarks/results/ for fusedserve.benchmarks.report
 #   --wheels   wheels of what the image lacks, installed into a scratch site dir first (checked)
 # Ray, ZeroMQ and llguidance are not needed: the engine runs in-process (the same EngineCore the
 # server drives). FUSEDSERVE_NATIVE=0: the CPU kernels are not what this checks.
@@ -33,7 +33,11 @@ done
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TORCH_DEVICE_BACKEND_AUTOLOAD=0 FUSEDSERVE_NATIVE=0 TRITON_DEFAULT_FP_FUSION=1
 export FUSEDSERVE_CACHE=${FUSEDSERVE_CACHE:-/tmp/fusedserve-cache}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# The image does not install this project: fusedserve.* resolves through links to its folders.
+shim=$(mktemp -d)
+mkdir -p "$shim/fusedserve"
+for d in coordinator worker shared_memory kernels deploy benchmarks; do ln -s "$PWD/$d" "$shim/fusedserve/$d"; done
+export PYTHONPATH=$shim:$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [ -n "$wheels" ]; then
   if ! compgen -G "$wheels/*.whl" > /dev/null; then
     echo "gpu_check: no wheels in $wheels" >&2; exit 2
@@ -47,7 +51,7 @@ fi
 
 gpu_flag=""
 [ "$mode" = dry ] && gpu_flag=--no-gpu
-"$py" -m benchmarks.gpu_preflight $gpu_flag --json "$out/preflight.json" 2>&1 | tee "$out/preflight.log"
+"$py" -m fusedserve.benchmarks.gpu_preflight $gpu_flag --json "$out/preflight.json" 2>&1 | tee "$out/preflight.log"
 
 GPU_TESTS=(tests/kernels/test_cuda.py tests/kernels/test_graphs.py tests/model/test_quantization.py)
 if [ "$mode" = dry ]; then
@@ -56,8 +60,8 @@ if [ "$mode" = dry ]; then
   for f in "${GPU_TESTS[@]}" tests/kernels/test_triton_kernels.py; do  # a module skipped at collection lists nothing
     grep -q "^$f::" "$out/collect.log" || { echo "gpu_check --dry-run: no test of $f was collected" >&2; exit 1; }
   done
-  "$py" -c "import benchmarks.cuda_peers, benchmarks.cuda_profile"
-  env -u TRITON_INTERPRET "$py" -m kernels.triton.aot_check --arch 90 2>&1 | tee "$out/aot.log"
+  "$py" -c "import fusedserve.benchmarks.cuda_peers, fusedserve.benchmarks.cuda_profile"
+  env -u TRITON_INTERPRET "$py" -m fusedserve.kernels.triton.aot_check --arch 90 2>&1 | tee "$out/aot.log"
   echo "gpu_check --dry-run: preflight, collection, imports and the sm_90 compile passed"
   exit 0
 fi
@@ -76,14 +80,14 @@ if [ "$mode" = quick ]; then  # 80 + 50 + 70 + 70 s
   step tests 80 "$py" -m pytest -q -p no:cacheprovider -rs tests/kernels/test_cuda.py -k "cuda or aten"
   step triton_tests 50 env FUSEDSERVE_TRITON_COMPILED=1 "$py" -m pytest -q -p no:cacheprovider -rs \
     tests/kernels/test_triton_kernels.py
-  step bench 70 "$py" -m benchmarks.cuda_peers --batches 1,16 --new-tokens 32 --json "$out/cuda_peers.json"
-  step profile 70 "$py" -m benchmarks.cuda_profile --models 0.6b --calls 10 --json "$out/cuda_profile.json"
+  step bench 70 "$py" -m fusedserve.benchmarks.cuda_peers --batches 1,16 --new-tokens 32 --json "$out/cuda_peers.json"
+  step profile 70 "$py" -m fusedserve.benchmarks.cuda_profile --models 0.6b --calls 10 --json "$out/cuda_profile.json"
 else  # 140 + 70 + 140 + 110 s
   step tests 140 "$py" -m pytest -q -p no:cacheprovider -rs "${GPU_TESTS[@]}" -k "cuda or aten"
   step triton_tests 70 env FUSEDSERVE_TRITON_COMPILED=1 "$py" -m pytest -q -p no:cacheprovider -rs \
     tests/kernels/test_triton_kernels.py
-  step bench 140 "$py" -m benchmarks.cuda_peers --json "$out/cuda_peers.json"
-  step profile 110 "$py" -m benchmarks.cuda_profile --json "$out/cuda_profile.json"
+  step bench 140 "$py" -m fusedserve.benchmarks.cuda_peers --json "$out/cuda_peers.json"
+  step profile 110 "$py" -m fusedserve.benchmarks.cuda_profile --json "$out/cuda_profile.json"
 fi
 if [ ${#failed[@]} -gt 0 ]; then
   echo "gpu_check: failed or timed out: ${failed[*]} (logs in $out)" >&2

@@ -1,7 +1,7 @@
 """What a device image has, before any GPU minute is spent: every import the GPU check needs,
 with its version, and the GPU itself. Exits 3 with the list of what is missing.
 
-    python -m benchmarks.gpu_preflight [--no-gpu] [--json OUT]
+    python -m fusedserve.benchmarks.gpu_preflight [--no-gpu] [--json OUT]
 
 ``REQUIRED`` is what the GPU tests and benchmarks import (the offline engine, transformers as
 the reference, pytest); ``OPTIONAL`` is what only other paths need (the served path's ZeroMQ

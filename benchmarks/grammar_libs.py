@@ -2,7 +2,7 @@
 build a constraint's matcher (on the coordinator's loop, before a request's first token) and
 the time to fill one row's token mask, per generated token.
 
-    python -m benchmarks.grammar_libs            # needs xgrammar too: pip install xgrammar
+    python -m fusedserve.benchmarks.grammar_libs            # needs xgrammar too: pip install xgrammar
 
 Vocabularies: the default model's (4,096 tokens) and a Qwen3-sized one (151,643 byte-level
 BPE tokens, trained here once on the Python standard library's sources and cached: Qwen3's
@@ -22,11 +22,10 @@ import sysconfig
 import time
 from pathlib import Path
 
+from fusedserve.benchmarks.common import fmt, machine, spread
+from fusedserve.coordinator.model_files.default_model import cache_root, resolve_model
+from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-from benchmarks.common import fmt, machine, spread
-from coordinator.model_files.default_model import cache_root, resolve_model
-from coordinator.model_files.tokenizer import TextTokenizer
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "address"],
           "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
@@ -48,7 +47,7 @@ BOUNDED_WORDS = ["𝆹𝅥 abel", "∸▸▸▸▸▸▸▸▸▒", "僽FDPass",
 
 
 def workloads() -> dict[str, tuple[dict, str]]:
-    from benchmarks.structured_decode import SCHEMA as BOUNDED
+    from fusedserve.benchmarks.structured_decode import SCHEMA as BOUNDED
 
     items = [{"id": 17 * i % 1000, "word": w} for i, w in enumerate(BOUNDED_WORDS)]
     return {"natural JSON": (SCHEMA, json.dumps(DOC)),
@@ -83,8 +82,7 @@ def wide_tokenizer() -> Path:
 def _llguidance(tok: TextTokenizer, vocab: int, schema: dict):
     import llguidance
     import llguidance.numpy as llnp
-
-    from coordinator.structured.grammar_compiler import JSON_LAYOUT
+    from fusedserve.coordinator.structured.grammar_compiler import JSON_LAYOUT
 
     lltok = llguidance.LLTokenizer(tok.to_json(), n_vocab=vocab, eos_token=0)
     grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)

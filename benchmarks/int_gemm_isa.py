@@ -9,7 +9,7 @@ vpdpbusd EVEX-encoded): a measure of the code on this CPU's 256-bit units, not o
 Figures: GOP/s (2 x rows x K x N per call) for Qwen3-0.6B's projections at 1, 16 and 64 rows, each
 the median of ``--repeats`` timings of a loop of calls, builds interleaved within each repeat.
 
-    python -m benchmarks.int_gemm_isa [--threads 2] [--json out.json]
+    python -m fusedserve.benchmarks.int_gemm_isa [--threads 2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ import time
 from pathlib import Path
 
 import torch
-
-from benchmarks.common import machine
-from kernels.linear import Int4Weight, Int8Weight, PackedWeight
-from kernels.native import build as native
+from fusedserve.benchmarks.common import machine
+from fusedserve.kernels.linear import Int4Weight, Int8Weight, PackedWeight
+from fusedserve.kernels.native import build as native
 
 SHAPES = {"qkv": (1024, 4096), "o_proj": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024)}
 ROWS = (1, 16, 64)

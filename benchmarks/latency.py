@@ -10,15 +10,14 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from benchmarks.common import RUNS, fmt, machine, percentile, spread
-from benchmarks.throughput import prompts
+from fusedserve.benchmarks.common import RUNS, fmt, machine, percentile, spread
+from fusedserve.benchmarks.throughput import prompts
 
 
 def _server(transport: str, max_batch: int, threads: int, dtype: str, async_scheduling: bool = True):
     import ray
-
-    from coordinator.server.config import ServerConfig
-    from coordinator.server.server import Server
+    from fusedserve.coordinator.server.config import ServerConfig
+    from fusedserve.coordinator.server.server import Server
 
     if not ray.is_initialized():
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -33,7 +32,7 @@ def _server(transport: str, max_batch: int, threads: int, dtype: str, async_sche
 
 
 def _stream_one(address: str, prompt: list[int], output_len: int) -> tuple[float, float]:
-    from coordinator.client import Client
+    from fusedserve.coordinator.client import Client
 
     with Client(address, timeout_s=600) as c:
         t0 = time.perf_counter()
@@ -86,7 +85,7 @@ def overhead(batches: list[int], output_len: int, dtype: str, threads: int) -> l
     the IPC); the rest of the gap is the worker's own (sending its reply, decoding the next
     descriptor). ``step_ms`` (gap + launch) is what async scheduling must shorten. Steady
     decode steps at the full batch only."""
-    from coordinator.client import Client
+    from fusedserve.coordinator.client import Client
 
     rows = []
     for transport, async_on in OVERHEAD_SETUPS:

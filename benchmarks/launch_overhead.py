@@ -1,11 +1,11 @@
 """The host side of a launch, alone: the launch runtime around a step that does nothing.
 
-    python -m benchmarks.launch_overhead [--device cpu|cuda] [--launches 2000] [--batch 1]
+    python -m fusedserve.benchmarks.launch_overhead [--device cpu|cuda] [--launches 2000] [--batch 1]
 
 A decode launch at Qwen3's vocabulary (151,936) and 64 rows of capacity: its HOST_SHARED
 inputs copied in, the (empty) step, its ids copied back, counted, and on CUDA the one event
 waited on. What it prints is what every launch costs before the model runs, per launch, the
-median of 3 runs (with their range). On a GPU, ``benchmarks.cuda_profile``'s launch minus replay
+median of 3 runs (with their range). On a GPU, ``fusedserve.benchmarks.cuda_profile``'s launch minus replay
 adds the id feed and the graph launch to it.
 """
 
@@ -15,12 +15,12 @@ import argparse
 import statistics
 import time
 
-from benchmarks.common import machine
-from shared_memory.arena import HostArena
-from shared_memory.engine_config import EngineConfig
-from shared_memory.slots import step_table
-from worker.launch_runtime import LaunchRuntime
-from worker.scratch_pool import DeviceScratchPool
+from fusedserve.benchmarks.common import machine
+from fusedserve.shared_memory.arena import HostArena
+from fusedserve.shared_memory.engine_config import EngineConfig
+from fusedserve.shared_memory.slots import step_table
+from fusedserve.worker.launch_runtime import LaunchRuntime
+from fusedserve.worker.scratch_pool import DeviceScratchPool
 
 
 def run(device: str = "cpu", launches: int = 2000, batch: int = 1) -> dict:

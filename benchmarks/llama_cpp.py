@@ -28,7 +28,7 @@ AVX-512 on and AMX off, and the report names the build of every llama.cpp figure
 (Those flags are for a CPU with every one of those extensions, as AMX Xeons have; drop the ones
 a CPU lacks.)
 
-``--llama-cpp DIR`` (of ``benchmarks.cpu_peers``) names that ``llama.cpp`` folder; the
+``--llama-cpp DIR`` (of ``fusedserve.benchmarks.cpu_peers``) names that ``llama.cpp`` folder; the
 conversion needs a Python with torch, transformers, numpy and sentencepiece (``--llama-python``).
 The checkpoint's tokenizer is the project's own byte-level BPE, which the converter does not
 know by hash: it is declared qwen2's (the same pre-tokenizer kind). GGUF files are cached next

@@ -1,6 +1,6 @@
 """The Qwen3-MoE decode step against a dense Qwen3 step that reads the same active weight bytes.
 
-    python -m benchmarks.moe_decode [--batches 1,16]
+    python -m fusedserve.benchmarks.moe_decode [--batches 1,16]
 
 Two random checkpoints written with transformers (cached): a MoE model (hidden 1024, 6
 layers, 32 experts of intermediate 256, top 4 per token) and a dense one whose MLP has
@@ -19,10 +19,9 @@ import json
 from pathlib import Path
 
 import torch
-
-from benchmarks import decode_step
-from benchmarks.common import fmt, machine, median, spread
-from coordinator.model_files.default_model import cache_root
+from fusedserve.benchmarks import decode_step
+from fusedserve.benchmarks.common import fmt, machine, median, spread
+from fusedserve.coordinator.model_files.default_model import cache_root
 
 SHAPE = dict(vocab_size=32768, hidden_size=1024, num_hidden_layers=6, num_attention_heads=16,
              num_key_value_heads=4, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True)

@@ -10,7 +10,7 @@ the previous turn's prompt (what that worker computed and cached). Load is the t
 worker computed over the run, prompt tokens not found cached plus tokens generated (``stats``);
 the spread is the busiest worker's over the mean.
 
-    python -m benchmarks.multiturn --workers 2,4 --sessions 16 --turns 3 --others 0,4
+    python -m fusedserve.benchmarks.multiturn --workers 2,4 --sessions 16 --turns 3 --others 0,4
 
 It also times the routing choice itself at 64 workers and 8,000-token prompts (``--choice-only``).
 """
@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from benchmarks.common import RUNS, fmt, machine, spread
-from coordinator.model_files.default_model import default_model_dir
+from fusedserve.benchmarks.common import RUNS, fmt, machine, spread
+from fusedserve.coordinator.model_files.default_model import default_model_dir
 
 POLICIES = ("least-loaded", "cache-aware", "session")
 BLOCK = 16
@@ -149,7 +149,8 @@ async def run_workload(url: str, w: Workload) -> RunResult:
 
 def serve(workers: int, policy: str, num_blocks: int, threads: int,
           extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, str]:
-    cmd = [sys.executable, "-m", "coordinator.cli", "serve", "--workers", str(workers), "--routing", policy,
+    cmd = [sys.executable, "-m", "fusedserve.coordinator.cli", "serve", "--workers", str(workers),
+           "--routing", policy,
            *extra, "--port", "0", "--http-port", "0", "--block-size", str(BLOCK), "--num-blocks",
            str(num_blocks), "--threads-per-worker", str(threads), "--dtype", "float32"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -165,7 +166,7 @@ def serve(workers: int, policy: str, num_blocks: int, threads: int,
 def _worker_tokens(addr: str) -> dict[str, int]:
     """Each worker's work so far: prompt tokens it computed (queried less found cached) and
     tokens it generated."""
-    from coordinator.client import Client
+    from fusedserve.coordinator.client import Client
 
     with Client(addr, timeout_s=60) as c:
         workers = c.stats()["workers"]
@@ -251,10 +252,10 @@ def choice_cost(workers: int = 64, prompt_tokens: int = 8000, cached_workers: in
                 calls: int = 200) -> dict:
     """Microseconds one routing choice takes: a fresh request's hashes (once) and ``workers`` block
     managers walked, ``cached_workers`` of them holding all but the last block of its prompt."""
-    from coordinator.engine.block_manager import BlockManager
-    from coordinator.engine.sequence import Sequence
-    from coordinator.sampling_params import SamplingParams
-    from coordinator.server.routing_policy import RoutingConfig, RoutingPolicy
+    from fusedserve.coordinator.engine.block_manager import BlockManager
+    from fusedserve.coordinator.engine.sequence import Sequence
+    from fusedserve.coordinator.sampling_params import SamplingParams
+    from fusedserve.coordinator.server.routing_policy import RoutingConfig, RoutingPolicy
 
     @dataclass
     class _Scheduler:
@@ -284,7 +285,7 @@ def choice_cost(workers: int = 64, prompt_tokens: int = 8000, cached_workers: in
             policy.choose(Sequence("q", prompt, SamplingParams()), pool)
         per_call.append((time.perf_counter() - t0) / calls * 1e6)
     hashing = []
-    from coordinator.engine.block_manager import prefix_hashes
+    from fusedserve.coordinator.engine.block_manager import prefix_hashes
     for _ in range(RUNS):
         t0 = time.perf_counter()
         for _ in range(calls):

@@ -8,7 +8,7 @@ write the bank, read the ids, detokenize, match stop strings, stream deltas. Eac
 same streams with no stop strings are the reference. Each figure is the median (min-max) of
 ``--runs`` runs.
 
-    python -m benchmarks.output_processing --streams 64 --tokens 128
+    python -m fusedserve.benchmarks.output_processing --streams 64 --tokens 128
 """
 
 from __future__ import annotations
@@ -17,18 +17,19 @@ import argparse
 import json
 import time
 
-from benchmarks.common import RUNS, fmt, machine, spread
-from coordinator.engine.detokenizer import Detokenizer
-from coordinator.engine.engine_core import EngineCore
-from coordinator.engine.executor import InProcessExecutor
-from coordinator.engine.output_processor import OutputProcessor
-from coordinator.engine.sequence import Sequence
-from coordinator.model_files.default_model import resolve_model
-from coordinator.model_files.tokenizer import TextTokenizer
-from coordinator.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
-from shared_memory.arena import HostArena
-from shared_memory.engine_config import EngineConfig
-from shared_memory.slots import step_table
+from fusedserve.benchmarks.common import RUNS, fmt, machine, spread
+from fusedserve.coordinator.engine.detokenizer import Detokenizer
+from fusedserve.coordinator.engine.engine_core import EngineCore
+from fusedserve.coordinator.engine.executor import InProcessExecutor
+from fusedserve.coordinator.engine.output_processor import OutputProcessor
+from fusedserve.coordinator.engine.sequence import Sequence
+from fusedserve.coordinator.model_files.default_model import resolve_model
+from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
+from fusedserve.coordinator.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
+from fusedserve.shared_memory.arena import HostArena
+from fusedserve.shared_memory.engine_config import EngineConfig
+from fusedserve.shared_memory.slots import step_table
+
 from tests.support import EchoRunner
 
 VOCAB = 4096  # the default model's

@@ -1,7 +1,7 @@
 """Held-out perplexity of the embedded default model in fp32, bf16, int8 and int4, computed by
 fusedserve's own engine and kernels.
 
-    python -m benchmarks.perplexity
+    python -m fusedserve.benchmarks.perplexity
 
 The held-out text ships with the model (``coordinator/model_files/default_model/heldout.txt``: documents
 of its corpus it was not trained on). Each window of 256 predictions is one request through
@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 import math
 
-from coordinator.engine.llm_engine import LLMEngine
-from coordinator.model_files.default_model import resolve_model
-from coordinator.model_files.tokenizer import TextTokenizer
-from coordinator.sampling_params import SamplingParams
+from fusedserve.coordinator.engine.llm_engine import LLMEngine
+from fusedserve.coordinator.model_files.default_model import resolve_model
+from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
+from fusedserve.coordinator.sampling_params import SamplingParams
 
 WINDOW = 256
 SETTINGS = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},

@@ -27,10 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-from benchmarks.common import RUNS, fmt, machine, spread
-from benchmarks.cpu_peers import PRESET, prompts
-from coordinator.model_files.default_model import default_model_dir
+from fusedserve.benchmarks.common import RUNS, fmt, machine, spread
+from fusedserve.benchmarks.cpu_peers import PRESET, prompts
+from fusedserve.coordinator.model_files.default_model import default_model_dir
 
 PARTS = ("GEMMs", "attention", "fused ops", "rest")
 
@@ -79,8 +78,8 @@ def gemm_flops(_op: object, x: torch.Tensor, _w: object, out: torch.Tensor, *arg
 def measure(tokens: int, runs: int = RUNS, preset: str = PRESET) -> dict:
     """``runs`` prefills of one ``tokens``-token prompt on the ``preset`` embedded model, each split
     into ``PARTS``."""
-    from coordinator.engine.llm_engine import LLMEngine
-    from coordinator.sampling_params import SamplingParams
+    from fusedserve.coordinator.engine.llm_engine import LLMEngine
+    from fusedserve.coordinator.sampling_params import SamplingParams
 
     model_dir = default_model_dir(preset)
     config = json.loads((model_dir / "config.json").read_text())

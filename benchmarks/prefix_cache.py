@@ -13,11 +13,10 @@ import json
 import time
 
 import numpy as np
-
-from benchmarks.common import RUNS, fmt, machine, spread
-from coordinator.engine.llm_engine import LLMEngine
-from coordinator.model_files.default_model import resolve_model
-from coordinator.sampling_params import SamplingParams
+from fusedserve.benchmarks.common import RUNS, fmt, machine, spread
+from fusedserve.coordinator.engine.llm_engine import LLMEngine
+from fusedserve.coordinator.model_files.default_model import resolve_model
+from fusedserve.coordinator.sampling_params import SamplingParams
 
 
 def ttft(eng: LLMEngine, prompt: list[int]) -> float:

@@ -1,4 +1,4 @@
-"""Regenerate BENCHMARKS.md and its plots: ``python -m benchmarks.report``.
+"""Regenerate BENCHMARKS.md and its plots: ``python -m fusedserve.benchmarks.report``.
 
 Runs every benchmark on the project-written checkpoints and writes the commands, the
 machine (and the instruction set its kernels were built for), the figures and the targets
@@ -14,7 +14,7 @@ import logging
 import time
 from pathlib import Path
 
-from benchmarks import (
+from fusedserve.benchmarks import (
     chunked_prefill,
     cpu_peers,
     cuda_peers,
@@ -29,8 +29,8 @@ from benchmarks import (
     throughput,
     tp_decode,
 )
-from benchmarks.common import RUNS, checkpoint, fmt, median, spread
-from coordinator.model_files.default_model import default_model_dir
+from fusedserve.benchmarks.common import RUNS, checkpoint, fmt, median, spread
+from fusedserve.coordinator.model_files.default_model import default_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -181,7 +181,7 @@ def peer_section(args, t: list) -> list[str]:
     plot(peers["results"], "Qwen3-0.6B shape, 32 in / 64 out, 2 CPU threads", png)
     r = cpu_peers.medians(peers)
     lines = ["", PEERS_HEADING, "", host_line(), "",
-             f"`python -m benchmarks.cpu_peers --openvino-python PY --llama-cpp DIR` ({peers['model']}: the real "
+             f"`python -m fusedserve.benchmarks.cpu_peers --openvino-python PY --llama-cpp DIR` ({peers['model']}: the real "
              f"config, random weights; 32 prompt / 64 new tokens, greedy, {peers['threads']} threads; every run a "
              f"fresh process per engine and batch, runs round robin, {RUNS} runs). Read bandwidth in this run: "
              f"{peers['read_bw_gbps']:.1f} GB/s. fusedserve kernels: 16-bit `{steps[None]['kernels']['linear']}`, "
@@ -225,7 +225,7 @@ def avx2_peer_section(args, t: list) -> list[str]:
     plot(peers["results"], "held to AVX2: Qwen3-0.6B shape, 32 in / 64 out, 2 CPU threads", png)
     r = cpu_peers.medians(peers)
     lines = ["", "## CPU peers held to AVX2", "",
-             "`python -m benchmarks.cpu_peers --isa avx2 ...`: the same run with every engine capped at AVX2 + FMA "
+             "`python -m fusedserve.benchmarks.cpu_peers --isa avx2 ...`: the same run with every engine capped at AVX2 + FMA "
              "+ F16C, standing in for an AVX2-only CPU: fusedserve's kernels built for `avx2`, "
              "`ATEN_CPU_CAPABILITY=avx2`, `ONEDNN_MAX_CPU_ISA=AVX2` with OpenVINO computing in f32 without dynamic "
              "int8 activations (as on an AVX2 CPU without VNNI), llama.cpp built with `GGML_NATIVE=OFF GGML_AVX2=ON GGML_AVX512=OFF`. The memory system is this "
@@ -244,12 +244,12 @@ def engine_section(args, t: list) -> list[str]:
     gaps = [chunked_prefill.repeated(model, b, 8, 2, 2000, args.dtype) for b in (0, 256)]
     dh = d2h.run("default:benchmark", 16, args.dtype)
     lines = ["", "## Prefix caching, chunked prefill, device sampling", "",
-             "`python -m benchmarks.prefix_cache` (a 1,000-token shared system prompt + 24 tokens per request, "
+             "`python -m fusedserve.benchmarks.prefix_cache` (a 1,000-token shared system prompt + 24 tokens per request, "
              f"{args.dtype}, one token out; {pc['runs']} runs): cache on, first request "
              f"{fmt(pc['on_first_ms'], '.0f')} ms, cached requests {fmt(pc['on_later_ms'], '.0f')} ms, "
              f"**{fmt(pc['speedup'])}x**; cache off {fmt(pc['off_first_ms'], '.0f')} / "
              f"{fmt(pc['off_later_ms'], '.0f')} ms.", "",
-             "`python -m benchmarks.chunked_prefill` (8 streams decoding while 2 prompts of 2,000 tokens arrive; "
+             "`python -m fusedserve.benchmarks.chunked_prefill` (8 streams decoding while 2 prompts of 2,000 tokens arrive; "
              "*whole prompts*: a budget that never splits them, the reference without chunking):", "",
              "| setting | inter-token gap p50 ms | p99 ms | max ms | long prompts' first token s |",
              "|---|---|---|---|---|"]
@@ -257,7 +257,7 @@ def engine_section(args, t: list) -> list[str]:
         name = "whole prompts" if not g["budget"] else f"--max-num-batched-tokens {g['budget']}"
         lines.append(f"| {name} | {fmt(g['p50_ms'], '.0f')} | {fmt(g['p99_ms'], '.0f')} "
                      f"| {fmt(g['max_ms'], '.0f')} | {fmt(g['window_s'], '.2f')} |")
-    lines += ["", f"`python -m benchmarks.d2h` (batch {dh['batch']}, vocab {dh['vocab']}; mixed = greedy, top-p, "
+    lines += ["", f"`python -m fusedserve.benchmarks.d2h` (batch {dh['batch']}, vocab {dh['vocab']}; mixed = greedy, top-p, "
               "top-k and min-p with top-5 logprobs, one each of four rows): d2h bytes per decode step, exact", "",
               "| batch | fusedserve | anchor's full logits |", "|---|---|---|"]
     lines += [f"| {name} | {r['device']} | {r['anchor_full_logits']} |" for name, r in dh["rows"].items()]
@@ -276,7 +276,7 @@ def structured_section(args, t: list) -> list[str]:
     sd = structured_decode.main(["--models", "default,benchmark,qwen3-0.6b", "--runs", "5", "--dtype", args.dtype])
     gl = grammar_libs.main(["--runs", "5"])
     lines = ["", STRUCTURED_HEADING, "",
-             f"`python -m benchmarks.structured_decode` (offline engine, async scheduling, batch {sd['batch']}, "
+             f"`python -m fusedserve.benchmarks.structured_decode` (offline engine, async scheduling, batch {sd['batch']}, "
              f"{sd['tokens']} tokens a row, {args.dtype}, sampled at temperature 0.8): every row under a JSON schema "
              "(at least 64 objects `{id: 0..999, word: string of at most 10}`, so every row runs to its last "
              "token) against the same prompts free. Decode throughput, output tokens/s:", "",
@@ -296,7 +296,7 @@ def structured_section(args, t: list) -> list[str]:
               "is milliseconds."]
     t.append(("reasoning and tool parsing add no measurable per-token cost (< 1% of a 1 ms step)",
               median(p["parsed_us"]) < 10, f"{fmt(p['parsed_us'], '.2f')} us/token"))
-    lines += ["", "`python -m benchmarks.grammar_libs`: building a constraint's matcher, and filling one row's "
+    lines += ["", "`python -m fusedserve.benchmarks.grammar_libs`: building a constraint's matcher, and filling one row's "
               "token mask per generated token (the coordinator does both on its loop), llguidance (used) against "
               "xgrammar, on the default model's vocabulary and a Qwen3-sized one:", "",
               "| workload | vocabulary | library | build ms | mask us/token, mean | worst |", "|---|---|---|---|---|---|"]
@@ -325,7 +325,7 @@ def parallel_section(args, t: list) -> list[str]:
     moe = moe_decode.main(["--out", str(RESULTS / "moe_decode.json")])
     isa = tp["benchmark"]["isa"]
     lines = ["", PARALLEL_HEADING, "",
-             f"`python -m benchmarks.tp_decode` (ISA `{isa}`, {args.dtype}, context 128, greedy): the decode step "
+             f"`python -m fusedserve.benchmarks.tp_decode` (ISA `{isa}`, {args.dtype}, context 128, greedy): the decode step "
              f"of rank 0 with TP=2 (two processes of {args.threads // 2} thread(s) each, shared-memory collectives, as a "
              f"served group runs them) against TP=1 (one process of {args.threads} threads), back to back in "
              f"alternating order, {tp['benchmark']['runs']} runs: each step figure the median (min-max) of the "
@@ -349,7 +349,7 @@ def parallel_section(args, t: list) -> list[str]:
               + ", ".join(f"batch {b}: {gloo['ratios'][b]:.2f}x TP=1" for b in gloo["ratios"])
               + ". A gloo round trip costs about a millisecond on this host, and a step makes two per layer: "
               "that is why CPU groups meet in shared memory.", "",
-              "`python -m benchmarks.moe_decode`: a Qwen3-MoE step (hidden 1024, 6 layers, 32 experts of width 256, "
+              "`python -m fusedserve.benchmarks.moe_decode`: a Qwen3-MoE step (hidden 1024, 6 layers, 32 experts of width 256, "
               "top 4) against a dense step whose MLP (width 1024) reads the same weight bytes per token, "
               "alternating, medians of 3:", "",
               "| batch | dense ms | MoE ms | MoE / dense |", "|---|---|---|---|"]
@@ -366,10 +366,10 @@ ROUTING_RESULTS = RESULTS / "multiturn.json"
 
 
 def routing_lines(res: dict, t: list) -> list[str]:
-    """``benchmarks.multiturn``'s figures: each routing policy in the same run, per case."""
+    """``fusedserve.benchmarks.multiturn``'s figures: each routing policy in the same run, per case."""
     c = res["choice"]
     lines = ["", ROUTING_HEADING, "",
-             "`python -m benchmarks.multiturn`: 16 concurrent sessions x 3 turns through the HTTP API on the "
+             "`python -m fusedserve.benchmarks.multiturn`: 16 concurrent sessions x 3 turns through the HTTP API on the "
              "default model, each turn resending its history (about 300-450 tokens) with an `X-Session-Id`; "
              "with 0 or 4 other clients sending unrelated one-off prompts; a server per policy, the same "
              "prompts for each. A follow-up *hits* when its cached tokens cover the previous turn's full "
@@ -402,7 +402,7 @@ def routing_lines(res: dict, t: list) -> list[str]:
 
 
 def routing_section(args: argparse.Namespace, t: list) -> list[str]:
-    from benchmarks import multiturn
+    from fusedserve.benchmarks import multiturn
 
     res = multiturn.main(["--json", str(ROUTING_RESULTS)])
     return routing_lines(res, t)
@@ -413,13 +413,13 @@ FORMATS_RESULTS = RESULTS / "weight_formats.json"
 
 
 def formats_section(args: argparse.Namespace, t: list) -> list[str]:
-    """``benchmarks.weight_formats``: every format written from the trained model, its error."""
-    from benchmarks import weight_formats
+    """``fusedserve.benchmarks.weight_formats``: every format written from the trained model, its error."""
+    from fusedserve.benchmarks import weight_formats
 
     res = weight_formats.main(["--json", str(FORMATS_RESULTS)]
                               + (["--llama-cpp", args.llama_cpp] if args.llama_cpp else []))
     return ["", FORMATS_HEADING, "",
-            "`python -m benchmarks.weight_formats` (with `--llama-cpp DIR`: llama-quantize's K-quants too): each "
+            "`python -m fusedserve.benchmarks.weight_formats` (with `--llama-cpp DIR`: llama-quantize's K-quants too): each "
             "format written from the embedded trained model as its tools write it, served by fusedserve, against "
             "transformers in fp32 on the format's own dequantized weights (the kernels' error) and on the bf16 "
             "original (the format's whole error).", "", *weight_formats.table(res)]
@@ -434,10 +434,10 @@ DECODE_AT_ENGINES = "fusedserve-bf16-kv8," + LONG_ENGINES
 
 
 def long_section(args: argparse.Namespace, t: list) -> list[str]:
-    """The per-host GEMM choice (``benchmarks.gemm_choice``), one 4,096-token prompt to its first
+    """The per-host GEMM choice (``fusedserve.benchmarks.gemm_choice``), one 4,096-token prompt to its first
     token and batch-1 decode after it (``cpu_peers --prefill / --decode-at``), every weight class
     against its peers."""
-    from benchmarks import cpu_peers, gemm_choice, prefill_parts
+    from fusedserve.benchmarks import cpu_peers, gemm_choice, prefill_parts
 
     g = gemm_choice.main(["--json", str(RESULTS / "gemm_choice.json")])
     chosen = sorted({n for n, s in g["shapes"].items() if set(s["choice"]) - {"native"}})
@@ -451,18 +451,18 @@ def long_section(args: argparse.Namespace, t: list) -> list[str]:
     parts = prefill_parts.main(["--tokens", "4096", "--threads", str(args.threads)])
     LONG_RESULTS.write_text(json.dumps({"prefill": pre, "decode_at": dec, "prefill_parts": parts}, indent=1))
     lines = ["", LONG_HEADING, "", host_line(), "",
-             f"`python -m benchmarks.gemm_choice` (build `{g['isa']}`, AMX {'yes' if g['amx'] else 'no'}): the "
+             f"`python -m fusedserve.benchmarks.gemm_choice` (build `{g['isa']}`, AMX {'yes' if g['amx'] else 'no'}): the "
              "load-time measurement of the native GEMMs against oneDNN's matmul and brgemm micro-kernel at "
              "row buckets 1-512, Qwen3-0.6B's shapes, bf16 and W8A8, and of its prompt attention against "
              f"SDPA, {g['measure_s']:.1f} s in all. A matrix path chosen for: "
              f"{', '.join(chosen) if chosen else 'nothing (the native kernels win every bucket here)'}.", "",
-             "`python -m benchmarks.cpu_peers --prefill 4096` and `--decode-at 4096` (default:qwen3-0.6b, 2 "
+             "`python -m fusedserve.benchmarks.cpu_peers --prefill 4096` and `--decode-at 4096` (default:qwen3-0.6b, 2 "
              "threads, a fresh process per engine and run, 3 runs round robin; decode: "
              f"{cpu_peers.DECODE_TOKENS} tokens / (the median time to {cpu_peers.DECODE_TOKENS + 1} tokens - "
              "the median time to 1); `fusedserve-bf16-kv8`: bf16 weights over an int8 KV cache; peers as in the "
              f"CPU-peers section, llama.cpp's builds: {cpu_peers.llama_builds(pre) or 'none given'}):", "",
              *cpu_peers.prefill_table(pre), "", *cpu_peers.decode_table(dec), "",
-             "`python -m benchmarks.prefill_parts` (fusedserve-bf16's 4,096-token prefill in one process, "
+             "`python -m fusedserve.benchmarks.prefill_parts` (fusedserve-bf16's 4,096-token prefill in one process, "
              f"{parts['calls']['GEMMs']} GEMM and {parts['calls']['attention']} attention calls, each timed "
              "on the wall clock; the rest: embedding, rotary gathers, sampling, scheduling):", "",
              *prefill_parts.table(parts)]
@@ -477,12 +477,12 @@ ISA_HEADING = "## CPU: the integer GEMMs on each native build"
 
 
 def isa_section(args: argparse.Namespace, t: list) -> list[str]:
-    """``benchmarks.int_gemm_isa``: W8A8 and W4A8 on every build this CPU runs, VNNI against none."""
-    from benchmarks import int_gemm_isa
+    """``fusedserve.benchmarks.int_gemm_isa``: W8A8 and W4A8 on every build this CPU runs, VNNI against none."""
+    from fusedserve.benchmarks import int_gemm_isa
 
     res = int_gemm_isa.main(["--threads", str(args.threads), "--json", str(RESULTS / "int_gemm_isa.json")])
     return ["", ISA_HEADING, "", host_line(), "",
-            "`python -m benchmarks.int_gemm_isa`: Qwen3-0.6B's projections, bf16 activations quantized per row "
+            "`python -m fusedserve.benchmarks.int_gemm_isa`: Qwen3-0.6B's projections, bf16 activations quantized per row "
             f"in the call, builds interleaved. {evex_note(res['builds'])}", "", *int_gemm_isa.table(res)]
 
 
@@ -502,12 +502,12 @@ SPEC_RESULTS = RESULTS / "speculative.json"
 
 
 def spec_lines(res: dict, t: list) -> list[str]:
-    """``benchmarks.speculative``'s stored results as the section, its targets into ``t``."""
-    from benchmarks import speculative
+    """``fusedserve.benchmarks.speculative``'s stored results as the section, its targets into ``t``."""
+    from fusedserve.benchmarks import speculative
 
     t.extend(speculative.targets(res))
     return ["", SPEC_HEADING, "",
-            "`python -m benchmarks.speculative`: speculation off, n-gram prompt lookup and a small draft model "
+            "`python -m fusedserve.benchmarks.speculative`: speculation off, n-gram prompt lookup and a small draft model "
             "(the embedded trained model, run inside the launch), k = 4, on a code edit, tool-call JSON and free "
             "prose. The target runs Qwen3-0.6B's shape in full every launch and its token is then set to the "
             "workload's text (random weights copy nothing): the figures are fusedserve's for a model that writes "
@@ -516,7 +516,7 @@ def spec_lines(res: dict, t: list) -> list[str]:
 
 
 def spec_section(args: argparse.Namespace, t: list) -> list[str]:
-    from benchmarks import speculative
+    from fusedserve.benchmarks import speculative
 
     return spec_lines(speculative.main(["--json", str(SPEC_RESULTS)]), t)
 
@@ -524,7 +524,7 @@ def spec_section(args: argparse.Namespace, t: list) -> list[str]:
 def host_line() -> str:
     """The machine a section was measured on: sections re-run alone (``--only``) may come from
     another host than the rest of the file."""
-    from benchmarks.common import isa_line, machine
+    from fusedserve.benchmarks.common import isa_line, machine
 
     return f"Host of this section: {machine()}; {isa_line()}."
 
@@ -563,11 +563,11 @@ PROFILE_RESULTS = RESULTS / "cuda_profile.json"
 
 
 def cuda_profile_section(t: list) -> list[str]:
-    """The stored ``benchmarks.cuda_profile`` run (a GPU machine's), with the decode-step targets."""
+    """The stored ``fusedserve.benchmarks.cuda_profile`` run (a GPU machine's), with the decode-step targets."""
     if not PROFILE_RESULTS.is_file():
         return []
     res = json.loads(PROFILE_RESULTS.read_text())
-    lines = ["", f"Where a decode step spends its time (`python -m benchmarks.cuda_profile`, {res['gpu']}, "
+    lines = ["", f"Where a decode step spends its time (`python -m fusedserve.benchmarks.cuda_profile`, {res['gpu']}, "
              f"{res['date']}; read bandwidth {res['read_bw_gbps']:.0f} GB/s): the launch path (wall) and the graph "
              "replay alone (CUDA events), the host side (launch minus replay), the sampled replay (every row "
              "temperature 0.8, top-p 0.9) over the greedy one, kernels per replay and per layer, the step's bytes "
@@ -627,7 +627,7 @@ def cuda_section(t: list) -> list[str]:
     res = json.loads(CUDA_RESULTS.read_text())
     lines = ["", f"## On a CUDA GPU ({res['gpu']}; stored run of {res['date']})", "",
              "Not measured on this machine: `bash benchmarks/gpu_check.sh OUT` ran the CUDA tests and "
-             "`python -m benchmarks.cuda_peers` on a GPU machine, and its JSON is kept in "
+             "`python -m fusedserve.benchmarks.cuda_peers` on a GPU machine, and its JSON is kept in "
              f"`benchmarks/results/cuda_peers.json`. Machine there: {res['machine']}. Model: `{res['model']}` "
              f"(bf16), {res['input_len']} in / {res['new_tokens']} out, greedy; fusedserve's `LLMEngine` "
              "(decode graphs, async scheduling, device sampling) and transformers' `generate` on the same GPU "
@@ -670,15 +670,15 @@ def main(argv: list[str] | None = None) -> None:
         splice(out, heading, section, t)
         return
     t0 = time.time()
-    from benchmarks.common import isa_line, machine
-    from kernels.native import build as native
+    from fusedserve.benchmarks.common import isa_line, machine
+    from fusedserve.kernels.native import build as native
 
     isa = native.chosen_isa() if native.kernels() is not None else "none (ATen)"
     t: list = []
     lines = ["# Benchmarks", "",
-             "Regenerate everything here with one command: `.venv/bin/python -m benchmarks.report` "
-             "(needs `pip install -e '.[bench]'`). Each part also runs alone: `python -m benchmarks.decode_step`, "
-             "`python -m benchmarks.throughput`, `python -m benchmarks.latency`, ... Every figure is the median "
+             "Regenerate everything here with one command: `.venv/bin/python -m fusedserve.benchmarks.report` "
+             "(needs `pip install -e '.[bench]'`). Each part also runs alone: `python -m fusedserve.benchmarks.decode_step`, "
+             "`python -m fusedserve.benchmarks.throughput`, `python -m fusedserve.benchmarks.latency`, ... Every figure is the median "
              f"of at least {RUNS} runs, written `median (min-max)`; every ratio is of medians measured in the "
              "same run.", "", f"Machine (every section without a host line of its own): {machine()}; "
              f"{isa_line()}; native CPU kernels built for `{isa}`.", ""]

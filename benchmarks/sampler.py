@@ -1,6 +1,6 @@
 """The sampler's cost per launch on this device, by kind of row.
 
-    python -m benchmarks.sampler --batch 16 --vocab 151936
+    python -m fusedserve.benchmarks.sampler --batch 16 --vocab 151936
 
 Every row of the batch asks for the same kind; each figure is the median (min-max) of
 ``--runs`` calls after a warm-up. Greedy is one argmax; top-k within the candidates sorts 64
@@ -13,10 +13,9 @@ import argparse
 import time
 
 import torch
-
-from benchmarks.common import fmt, machine, spread
-from kernels.sampler import sample
-from shared_memory.sampling_row import SamplingPlan
+from fusedserve.benchmarks.common import fmt, machine, spread
+from fusedserve.kernels.sampler import sample
+from fusedserve.shared_memory.sampling_row import SamplingPlan
 
 KINDS = {  # (temperature, top_p, min_p, top_k) of every row
     "greedy": (0.0, 1.0, 0.0, 0),

@@ -2,7 +2,7 @@
 --http-port`` on the benchmark checkpoint, at several concurrency levels; each figure the
 median (min-max) of ``RUNS`` runs against the same server.
 
-    python -m benchmarks.serving --concurrency 1,8,32
+    python -m fusedserve.benchmarks.serving --concurrency 1,8,32
 """
 
 from __future__ import annotations
@@ -14,14 +14,15 @@ import signal
 import subprocess
 import sys
 
-from benchmarks.common import RUNS, checkpoint, fmt, machine, spread
-from coordinator.openai.bench_serve import BenchConfig, run
+from fusedserve.benchmarks.common import RUNS, checkpoint, fmt, machine, spread
+from fusedserve.coordinator.openai.bench_serve import BenchConfig, run
 
 HTTP = re.compile(r"OpenAI API on (http://\S+)")
 
 
 def serve(dtype: str, threads: int, max_batch: int) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "coordinator.cli", "serve", "--model", str(checkpoint()), "--workers", "1",
+    cmd = [sys.executable, "-m", "fusedserve.coordinator.cli", "serve", "--model", str(checkpoint()),
+           "--workers", "1",
            "--dtype", dtype, "--threads-per-worker", str(threads), "--max-batch", str(max_batch),
            "--num-blocks", str(max_batch * 8 + 8), "--port", "0", "--http-port", "0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

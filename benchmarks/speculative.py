@@ -33,15 +33,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from fusedserve.benchmarks.common import RUNS, fmt, machine, median, spread
+from fusedserve.coordinator.engine.llm_engine import LLMEngine, load_model
+from fusedserve.coordinator.model_files.default_model import TRAINED_DIR, cache_root, default_model_dir
+from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.kernels.forward_batch import ForwardBatch
+from fusedserve.worker.model.qwen3 import Qwen3Model
 from safetensors.torch import load_file, save_file
-
-from benchmarks.common import RUNS, fmt, machine, median, spread
-from coordinator.engine.llm_engine import LLMEngine, load_model
-from coordinator.model_files.default_model import TRAINED_DIR, cache_root, default_model_dir
-from coordinator.model_files.tokenizer import TextTokenizer
-from coordinator.sampling_params import SamplingParams
-from kernels.forward_batch import ForwardBatch
-from worker.model.qwen3 import Qwen3Model
 
 TARGET_FORMAT = 1
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 same prompts unconstrained, through the offline engine (the same scheduler, arena and
 device-side mask as the server).
 
-    python -m benchmarks.structured_decode [--models default,qwen3-0.6b]
+    python -m fusedserve.benchmarks.structured_decode [--models default,qwen3-0.6b]
 
 Target: the constrained batch keeps >= 90% of the unconstrained decode throughput.
 ``benchmark`` is the random-weight preset between them (12 layers, hidden 1024, 32k vocabulary). The
@@ -21,12 +21,12 @@ import os
 import time
 from pathlib import Path
 
-from benchmarks.common import fmt, machine, median, spread
-from benchmarks.grammar_libs import wide_tokenizer
-from coordinator.engine.llm_engine import LLMEngine
-from coordinator.model_files.default_model import cache_root, default_model_dir
-from coordinator.sampling_params import SamplingParams
-from coordinator.structured.structured_spec import StructuredSpec
+from fusedserve.benchmarks.common import fmt, machine, median, spread
+from fusedserve.benchmarks.grammar_libs import wide_tokenizer
+from fusedserve.coordinator.engine.llm_engine import LLMEngine
+from fusedserve.coordinator.model_files.default_model import cache_root, default_model_dir
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.coordinator.structured.structured_spec import StructuredSpec
 
 SCHEMA = {"type": "array", "minItems": 64, "items": {
     "type": "object", "additionalProperties": False, "required": ["id", "word"],
@@ -82,10 +82,10 @@ def parser_cost(runs: int) -> dict:
     """The gateway's reasoning split and tool-call parsing, per streamed token: a Qwen3 turn
     (a think block, prose, two calls) pushed through ``ChatStream`` one token's text at a time,
     against the same text passed through as plain content."""
-    from coordinator.model_files.default_model import resolve_model
-    from coordinator.model_files.tokenizer import TextTokenizer
-    from coordinator.openai.chat_output import ChatStream
-    from coordinator.openai.tool_choice import ToolPlan
+    from fusedserve.coordinator.model_files.default_model import resolve_model
+    from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
+    from fusedserve.coordinator.openai.chat_output import ChatStream
+    from fusedserve.coordinator.openai.tool_choice import ToolPlan
 
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s", "unit": "C"}}\n</tool_call>'
     turn = ("<think>\nThe user wants the weather in two cities, so I call the tool twice and compare "

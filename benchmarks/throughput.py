@@ -16,8 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from benchmarks.common import RUNS, checkpoint, fmt, machine, spread
+from fusedserve.benchmarks.common import RUNS, checkpoint, fmt, machine, spread
 
 
 def prompts(n: int, input_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -53,10 +52,9 @@ def transformers_generate(batch: list[list[int]], output_len: int, dtype: str, t
 def server_generate(batch: list[list[int]], output_len: int, dtype: str, threads: int,
                     max_batch: int) -> dict:
     import ray
-
-    from coordinator.client import Client
-    from coordinator.server.config import ServerConfig
-    from coordinator.server.server import Server
+    from fusedserve.coordinator.client import Client
+    from fusedserve.coordinator.server.config import ServerConfig
+    from fusedserve.coordinator.server.server import Server
 
     if not ray.is_initialized():
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

@@ -1,7 +1,7 @@
 """The tensor-parallel decode step on the CPU: TP=2 (two processes of T/2 threads, gloo) against
 TP=1 (one process of T threads), at equal total threads.
 
-    python -m benchmarks.tp_decode [--model benchmark] [--batches 1,16] [--threads 2]
+    python -m fusedserve.benchmarks.tp_decode [--model benchmark] [--batches 1,16] [--threads 2]
 
 Each rank runs the real launch path (``decode_step.run``: arena, its share of the forward with
 the all-reduces and the logits gather, the sampler, rank 0's counted copy-back), greedy, context
@@ -22,14 +22,13 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-
-from benchmarks import decode_step
-from benchmarks.common import fmt, machine, spread
-from coordinator.model_files.default_model import default_model_dir
-from coordinator.server.ray_cluster import free_port
-from kernels.native import build as native
-from worker.model.tensor_parallel import TensorParallel
-from worker.tensor_group import GroupRank, TensorGroup
+from fusedserve.benchmarks import decode_step
+from fusedserve.benchmarks.common import fmt, machine, spread
+from fusedserve.coordinator.model_files.default_model import default_model_dir
+from fusedserve.coordinator.server.ray_cluster import free_port
+from fusedserve.kernels.native import build as native
+from fusedserve.worker.model.tensor_parallel import TensorParallel
+from fusedserve.worker.tensor_group import GroupRank, TensorGroup
 
 
 def _rank(rank: int, size: int, port: int, threads: int, args: dict, result) -> None:

@@ -9,7 +9,7 @@ with the ``gguf`` package's writer. With ``--llama-cpp DIR`` (a build, ``benchma
 llama.cpp's ``llama-quantize`` also makes Q4_K_M and Q6_K files from the F16 one: the K-quants
 fusedserve dequantizes and re-quantizes (the ``gguf`` writer cannot make them).
 
-    python -m benchmarks.weight_formats [--llama-cpp DIR] [--json PATH]
+    python -m fusedserve.benchmarks.weight_formats [--llama-cpp DIR] [--json PATH]
 """
 
 from __future__ import annotations
@@ -21,18 +21,19 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from coordinator.model_files.default_model import TRAINED_DIR, resolve_model
-from kernels.model_description.checkpoint_format import checkpoint_format
+from fusedserve.coordinator.model_files.default_model import TRAINED_DIR, resolve_model
+from fusedserve.kernels.model_description.checkpoint_format import checkpoint_format
+from fusedserve.worker.model.qwen3 import Qwen3Model
+
 from tests.model.test_checkpoint_formats import _tensors, write_dequantized, write_fp8
 from tests.model.test_gguf import write_gguf
 from tests.model.test_group_quant import write_group_quant
 from tests.model.test_quantization import _last_logits, agreement, heldout_positions, hf_logits
-from worker.model.qwen3 import Qwen3Model
 
 
 def _gguf_dequantized(path: Path, out: Path) -> Path:
     """A GGUF file's weights as fp32 safetensors under Hugging Face names (fusedserve's own read)."""
-    from worker.model.gguf_tensors import GGUFTensors
+    from fusedserve.worker.model.gguf_tensors import GGUFTensors
 
     t = GGUFTensors(path)
     names = [n for n in _tensors(TRAINED_DIR) if t.has(n)]

@@ -15,15 +15,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import zmq
-
-from coordinator.cli_parser import build_parser, read_file, server_config
-from coordinator.client import TOKEN_ENV, Client, ServerError
-from coordinator.model_files.default_model import resolve_model
-from coordinator.server.core_slots import CoreSlots
-from coordinator.server.ray_cluster import EmbeddedHead, RayPorts, connect, embedded_env
+from fusedserve.coordinator.cli_parser import build_parser, read_file, server_config
+from fusedserve.coordinator.client import TOKEN_ENV, Client, ServerError
+from fusedserve.coordinator.model_files.default_model import resolve_model
+from fusedserve.coordinator.server.core_slots import CoreSlots
+from fusedserve.coordinator.server.ray_cluster import EmbeddedHead, RayPorts, connect, embedded_env
 
 if TYPE_CHECKING:
-    from coordinator.server.server import Server
+    from fusedserve.coordinator.server.server import Server
 
 DEMO_PROMPTS = [
     "The with statement",
@@ -61,8 +60,8 @@ def _leave_ray(head: EmbeddedHead | None) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from coordinator.server.config import LOOPBACK, MIN_TOKEN_CHARS
-    from coordinator.server.server import Server
+    from fusedserve.coordinator.server.config import LOOPBACK, MIN_TOKEN_CHARS
+    from fusedserve.coordinator.server.server import Server
 
     token = _read_token(args)
     if args.host not in LOOPBACK and token is None:
@@ -121,9 +120,9 @@ def _serve(coord: Server, args: argparse.Namespace, token: str | None) -> int:
         auth = "token auth on every frame" if token else "no auth (loopback only)"
         print(f"fusedserve: serving on {coord.address} with {len(coord.workers)} workers; {auth}", flush=True)
         if not args.no_http:
-            from coordinator.openai.gateway import Gateway, GatewayConfig
-            from coordinator.openai.generation_defaults import generation_defaults
-            from coordinator.openai.http_server import HttpServer
+            from fusedserve.coordinator.openai.gateway import Gateway, GatewayConfig
+            from fusedserve.coordinator.openai.generation_defaults import generation_defaults
+            from fusedserve.coordinator.openai.http_server import HttpServer
 
             config = GatewayConfig.for_server(
                 coord, args.served_model_name or args.model, token=token,
@@ -213,7 +212,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from coordinator.server.server import Server
+    from fusedserve.coordinator.server.server import Server
 
     args.port = 0
     coord = Server(server_config(args))
@@ -242,7 +241,7 @@ def _demo(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("FUSEDSERVE_LOG", "WARNING"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from coordinator.openai import bench_serve
+    from fusedserve.coordinator.openai import bench_serve
 
     args = build_parser().parse_args(argv)
     if args.cmd in ("serve", "demo") and not args.ray_address:

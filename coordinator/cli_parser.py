@@ -7,12 +7,12 @@ import argparse
 import json
 from dataclasses import fields
 
-from coordinator.client import DEFAULT_ADDRESS, TOKEN_ENV
-from coordinator.server.config import Limits, ServerConfig
-from coordinator.server.routing_policy import POLICIES, RoutingConfig
-from coordinator.structured.grammar_compiler import GrammarLimits
-from kernels.model_description.quantization import QUANTIZATIONS
-from shared_memory.engine_config import EngineConfig, SchedulerConfig
+from fusedserve.coordinator.client import DEFAULT_ADDRESS, TOKEN_ENV
+from fusedserve.coordinator.server.config import Limits, ServerConfig
+from fusedserve.coordinator.server.routing_policy import POLICIES, RoutingConfig
+from fusedserve.coordinator.structured.grammar_compiler import GrammarLimits
+from fusedserve.kernels.model_description.quantization import QUANTIZATIONS
+from fusedserve.shared_memory.engine_config import EngineConfig, SchedulerConfig
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = SchedulerConfig.max_num_batched_tokens
 
@@ -272,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stream", action="store_true")
     bench = sub.add_parser("bench", help="benchmarks against a running server")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from coordinator.openai import bench_serve
+    from fusedserve.coordinator.openai import bench_serve
 
     bench_serve.add_arguments(bench_sub.add_parser("serve", help="load the OpenAI API; print TTFT/TPOT"))
     s = sub.add_parser("stats")

@@ -20,8 +20,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.structured.structured_spec import StructuredSpec
-from shared_memory.slots import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
+from fusedserve.coordinator.structured.structured_spec import StructuredSpec
+from fusedserve.shared_memory.slots import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 
 
 class SamplingError(ValueError):

@@ -1,7 +1,7 @@
 """Ray job entry point.
 
     ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
-        exec python -m deploy.serve --model default --workers auto
+        exec python -m fusedserve.deploy.serve --model default --workers auto
 
 Connects to the running cluster, places one worker per device it reports (every
 NPU/GPU, or one CPU worker per node), serves the ZeroMQ front end and logs the
@@ -17,8 +17,8 @@ import logging
 import os
 import sys
 
-from coordinator import cli
-from shared_memory.arena import close_all
+from fusedserve.coordinator import cli
+from fusedserve.shared_memory.arena import close_all
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,4 +12,4 @@ export PATH="$(pwd)/.venv/bin:$PATH"
 export RAY_AUTH_MODE=token RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 ray get-auth-token --generate >/dev/null
 ray start --head --node-ip-address=127.0.0.1 --dashboard-host=127.0.0.1 --dashboard-port=8265 "$@"
-echo "submit with: RAY_AUTH_MODE=token ray job submit --address http://127.0.0.1:8265 --working-dir . -- exec python -m deploy.serve --model default --workers auto"
+echo "submit with: RAY_AUTH_MODE=token ray job submit --address http://127.0.0.1:8265 --working-dir . -- exec python -m fusedserve.deploy.serve --model default --workers auto"

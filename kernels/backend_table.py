@@ -19,17 +19,16 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
-
-from kernels.ascend import backend as ascend
-from kernels.aten import backend as aten
-from kernels.attention import AttentionBackend
-from kernels.layer_ops import LayerOps
-from kernels.linear import LinearOp
-from kernels.model_description.config import Qwen3Config
-from kernels.native import backend as native
-from kernels.native import build as native_build
-from kernels.sampler import Sampler
-from kernels.triton import backend as triton
+from fusedserve.kernels.ascend import backend as ascend
+from fusedserve.kernels.aten import backend as aten
+from fusedserve.kernels.attention import AttentionBackend
+from fusedserve.kernels.layer_ops import LayerOps
+from fusedserve.kernels.linear import LinearOp
+from fusedserve.kernels.model_description.config import Qwen3Config
+from fusedserve.kernels.native import backend as native
+from fusedserve.kernels.native import build as native_build
+from fusedserve.kernels.sampler import Sampler
+from fusedserve.kernels.triton import backend as triton
 
 BACKENDS: dict[str, ModuleType] = {m.NAME: m for m in (native, aten, triton, ascend)}
 PREFERRED = {"cpu": native, "cuda": triton, "npu": ascend}  # where usable; aten otherwise

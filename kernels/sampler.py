@@ -19,8 +19,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-
-from shared_memory.sampling_row import MIN_P, TEMPERATURE, TOP_K, TOP_P, SamplingPlan, row_paths
+from fusedserve.shared_memory.sampling_row import MIN_P, TEMPERATURE, TOP_K, TOP_P, SamplingPlan, row_paths
 
 # splitmix64's constants as signed int64 (torch has no uint64 arithmetic).
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)

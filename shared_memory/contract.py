@@ -26,7 +26,7 @@ class LaunchDescriptor:
     ``prompt_query_lens`` and ``prompt_seq_lens`` are host copies of the prompt chunks' new
     tokens and contexts (rows ``num_decode``..B-1), so the worker plans their attention without
     reading the device. ``sampling`` names the sampler stages the launch's rows need
-    (``kernels.sampler.SamplingPlan``), known here from their settings.
+    (``fusedserve.kernels.sampler.SamplingPlan``), known here from their settings.
     """
 
     dims: dict[str, int]

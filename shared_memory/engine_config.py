@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from shared_memory.slots import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, bitmask_words, table_width
+from fusedserve.shared_memory.slots import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, bitmask_words, table_width
 
 MAX_SPECULATIVE_TOKENS = 16  # proposals per row and launch
 

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 import torch
-
-from shared_memory.sampling_row import COLUMNS
+from fusedserve.shared_memory.sampling_row import COLUMNS
 
 MAX_TOP_LOGPROBS = 20  # N and NP at most (coordinator.sampling_params refuses more)
 MAX_LOGIT_BIAS = 300  # logit_bias entries of one request (OpenAI's limit): LB is at most B times this

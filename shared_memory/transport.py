@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
-from shared_memory.arena import HostArena
-from shared_memory.slots import Slot, SlotError, SlotTable
+from fusedserve.shared_memory.arena import HostArena
+from fusedserve.shared_memory.slots import Slot, SlotError, SlotTable
 
 
 def _views(arena: HostArena, slots: list[Slot], dims: dict[str, int]):

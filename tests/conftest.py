@@ -71,7 +71,7 @@ def moe_dir(tmp_path_factory):
 def _native_kernels():
     """Build the native CPU kernels once, before any worker process would (they load the cache).
     Where a compiler is present a failed build fails every test: it is a bug, never a skip."""
-    from kernels.native import build as native
+    from fusedserve.kernels.native import build as native
 
     native.require()
     yield

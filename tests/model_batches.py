@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import torch
-
-from kernels.forward_batch import ForwardBatch
+from fusedserve.kernels.forward_batch import ForwardBatch
 
 
 def _slot(table: list[int], p: int, bs: int) -> int:

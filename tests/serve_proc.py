@@ -34,7 +34,7 @@ class ServeProcess:
         """Start ``fusedserve serve ARGS`` and wait for its "serving on" line; it joins the
         test session's Ray cluster unless ``join_session`` is False (its own embedded head).
         ``new_session``: the process leads a session of its own (its processes can be counted)."""
-        cmd = [sys.executable, "-m", "coordinator.cli", "serve", "--port", "0", *args]
+        cmd = [sys.executable, "-m", "fusedserve.coordinator.cli", "serve", "--port", "0", *args]
         if "--http-port" not in args:  # ZeroMQ alone: never the default HTTP port 8000
             cmd.append("--no-http")
         if join_session:

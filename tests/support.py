@@ -13,21 +13,20 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import zmq
-
-from coordinator.client import Client
-from coordinator.engine.output_processor import OutputProcessor
-from coordinator.engine.scheduled_batch import ScheduledBatch
-from coordinator.engine.scheduler import Scheduler
-from coordinator.engine.sequence import Sequence, TokenEvent
-from coordinator.engine.step_outputs import StepOutputs
-from coordinator.sampling_params import SamplingParams
-from coordinator.server.config import ServerConfig
-from coordinator.server.server import Server
-from shared_memory.arena import HostArena
-from shared_memory.contract import LaunchDescriptor, LaunchReply
+from fusedserve.coordinator.client import Client
+from fusedserve.coordinator.engine.output_processor import OutputProcessor
+from fusedserve.coordinator.engine.scheduled_batch import ScheduledBatch
+from fusedserve.coordinator.engine.scheduler import Scheduler
+from fusedserve.coordinator.engine.sequence import Sequence, TokenEvent
+from fusedserve.coordinator.engine.step_outputs import StepOutputs
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.coordinator.server.config import ServerConfig
+from fusedserve.coordinator.server.server import Server
+from fusedserve.shared_memory.arena import HostArena
+from fusedserve.shared_memory.contract import LaunchDescriptor, LaunchReply
 
 if TYPE_CHECKING:
-    from coordinator.openai.http_server import HttpServer
+    from fusedserve.coordinator.openai.http_server import HttpServer
 
 
 def wait_for(pred: Callable[[], object], timeout_s: float, what: str, every_s: float = 0.005) -> None:
@@ -167,8 +166,8 @@ def serving_http(coord: Server, ssl_keyfile: str | None = None, ssl_certfile: st
                  **settings: object) -> Iterator[HttpServer]:
     """The OpenAI gateway of a running coordinator on an ephemeral port, as ``serve`` builds it
     (``settings``: ``GatewayConfig`` fields)."""
-    from coordinator.openai.gateway import Gateway, GatewayConfig
-    from coordinator.openai.http_server import HttpServer
+    from fusedserve.coordinator.openai.gateway import Gateway, GatewayConfig
+    from fusedserve.coordinator.openai.http_server import HttpServer
 
     gw = Gateway(GatewayConfig.for_server(coord, "default", **settings), coord.tokenizer)
     http = HttpServer(gw, "127.0.0.1", 0, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)

@@ -18,18 +18,17 @@ import msgpack
 import ray
 import torch
 import zmq
-
-from shared_memory import transport
-from shared_memory.arena import HostArena
-from shared_memory.contract import LaunchDescriptor, LaunchReply
-from shared_memory.engine_config import EngineConfig
-from shared_memory.slots import step_table
-from worker.device import torch_device
-from worker.load_progress import weight_progress
-from worker.model.qwen3 import Qwen3Model
-from worker.model.tensor_parallel import SINGLE, GroupBroken
-from worker.model_runner import ModelRunner
-from worker.tensor_group import STOP, GroupRank, TensorGroup, rendezvous_address
+from fusedserve.shared_memory import transport
+from fusedserve.shared_memory.arena import HostArena
+from fusedserve.shared_memory.contract import LaunchDescriptor, LaunchReply
+from fusedserve.shared_memory.engine_config import EngineConfig
+from fusedserve.shared_memory.slots import step_table
+from fusedserve.worker.device import torch_device
+from fusedserve.worker.load_progress import weight_progress
+from fusedserve.worker.model.qwen3 import Qwen3Model
+from fusedserve.worker.model.tensor_parallel import SINGLE, GroupBroken
+from fusedserve.worker.model_runner import ModelRunner
+from fusedserve.worker.tensor_group import STOP, GroupRank, TensorGroup, rendezvous_address
 
 log = logging.getLogger(__name__)
 

@@ -18,12 +18,11 @@ Every op has a shape fixed by the launch, with no host read.
 from __future__ import annotations
 
 import torch
-
-from kernels.forward_batch import ForwardBatch
-from kernels.speculation import request_rows
-from shared_memory.contract import LaunchDescriptor
-from shared_memory.engine_config import EngineConfig
-from worker.model.qwen3 import Qwen3Model
+from fusedserve.kernels.forward_batch import ForwardBatch
+from fusedserve.kernels.speculation import request_rows
+from fusedserve.shared_memory.contract import LaunchDescriptor
+from fusedserve.shared_memory.engine_config import EngineConfig
+from fusedserve.worker.model.qwen3 import Qwen3Model
 
 
 class DraftError(ValueError):

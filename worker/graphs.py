@@ -19,12 +19,11 @@ import logging
 from collections.abc import Callable
 
 import torch
-
-from kernels.forward_batch import ForwardBatch
-from kernels.kv_cache import PagedKVCache
-from shared_memory.sampling_row import SamplingPlan
-from worker.model.qwen3 import Qwen3Model
-from worker.model.workspace import Workspace
+from fusedserve.kernels.forward_batch import ForwardBatch
+from fusedserve.kernels.kv_cache import PagedKVCache
+from fusedserve.shared_memory.sampling_row import SamplingPlan
+from fusedserve.worker.model.qwen3 import Qwen3Model
+from fusedserve.worker.model.workspace import Workspace
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 import logging
 
 import torch
-
-from shared_memory.arena import HostArena
+from fusedserve.shared_memory.arena import HostArena
 
 log = logging.getLogger(__name__)
 

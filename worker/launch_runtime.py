@@ -17,12 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-
-from shared_memory.arena import HostArena
-from shared_memory.contract import LaunchReply, launch_kind
-from shared_memory.slots import SlotError, SlotTable
-from worker.host_pinning import HostPinning
-from worker.scratch_pool import DeviceScratchPool
+from fusedserve.shared_memory.arena import HostArena
+from fusedserve.shared_memory.contract import LaunchReply, launch_kind
+from fusedserve.shared_memory.slots import SlotError, SlotTable
+from fusedserve.worker.host_pinning import HostPinning
+from fusedserve.worker.scratch_pool import DeviceScratchPool
 
 
 @dataclass

@@ -9,8 +9,7 @@ otherwise.
 from __future__ import annotations
 
 import tqdm
-
-from worker.model.loader import Progress
+from fusedserve.worker.model.loader import Progress
 
 
 def weight_progress(desc: str, in_ray_worker: bool) -> tuple[Progress, object]:

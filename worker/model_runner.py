@@ -12,21 +12,20 @@ next one starts: rows whose input the coordinator has not read yet are fed from 
 from __future__ import annotations
 
 import torch
-
-from kernels import sampler
-from kernels.forward_batch import ForwardBatch
-from kernels.penalties import PenaltyState, apply_logit_bias
-from kernels.speculation import accept_prefix
-from shared_memory.arena import HostArena
-from shared_memory.contract import LaunchDescriptor, LaunchReply
-from shared_memory.engine_config import EngineConfig
-from shared_memory.sampling_row import SamplingPlan
-from shared_memory.slots import step_table
-from worker.drafter import Drafter
-from worker.graphs import DecodeGraphs
-from worker.launch_runtime import LaunchRuntime
-from worker.model.qwen3 import Qwen3Model
-from worker.scratch_pool import DeviceScratchPool
+from fusedserve.kernels import sampler
+from fusedserve.kernels.forward_batch import ForwardBatch
+from fusedserve.kernels.penalties import PenaltyState, apply_logit_bias
+from fusedserve.kernels.speculation import accept_prefix
+from fusedserve.shared_memory.arena import HostArena
+from fusedserve.shared_memory.contract import LaunchDescriptor, LaunchReply
+from fusedserve.shared_memory.engine_config import EngineConfig
+from fusedserve.shared_memory.sampling_row import SamplingPlan
+from fusedserve.shared_memory.slots import step_table
+from fusedserve.worker.drafter import Drafter
+from fusedserve.worker.graphs import DecodeGraphs
+from fusedserve.worker.launch_runtime import LaunchRuntime
+from fusedserve.worker.model.qwen3 import Qwen3Model
+from fusedserve.worker.scratch_pool import DeviceScratchPool
 
 # The slots a forward reads (the decode graphs capture the pool's tensors of these).
 FORWARD_SLOTS = ("token_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables")

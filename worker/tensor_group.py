@@ -27,11 +27,10 @@ from pathlib import Path
 
 import torch
 import zmq
-
-from kernels.native import build as native
-from kernels.native.shm_comm import ShmComm
-from shared_memory.arena import PREFIX, SHM_DIR
-from worker.model.tensor_parallel import GroupBroken, TensorParallel
+from fusedserve.kernels.native import build as native
+from fusedserve.kernels.native.shm_comm import ShmComm
+from fusedserve.shared_memory.arena import PREFIX, SHM_DIR
+from fusedserve.worker.model.tensor_parallel import GroupBroken, TensorParallel
 
 log = logging.getLogger(__name__)
 

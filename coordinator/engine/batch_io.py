@@ -13,15 +13,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
-from coordinator.engine.scheduled_batch import PromptSpan, ScheduledBatch
-from coordinator.engine.step_outputs import StepOutputs
-from coordinator.errors import RequestError
-from coordinator.structured.grammar_state import fill_rows
-from shared_memory.arena import HostArena
-from shared_memory.contract import LaunchDescriptor
-from shared_memory.sampling_row import COLUMNS, SamplingPlan, row_values
-from shared_memory.slots import bitmask_words
+from fusedserve.coordinator.engine.scheduled_batch import PromptSpan, ScheduledBatch
+from fusedserve.coordinator.engine.step_outputs import StepOutputs
+from fusedserve.coordinator.errors import RequestError
+from fusedserve.coordinator.structured.grammar_state import fill_rows
+from fusedserve.shared_memory.arena import HostArena
+from fusedserve.shared_memory.contract import LaunchDescriptor
+from fusedserve.shared_memory.sampling_row import COLUMNS, SamplingPlan, row_values
+from fusedserve.shared_memory.slots import bitmask_words
 
 
 @dataclass(frozen=True)

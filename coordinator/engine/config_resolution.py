@@ -11,14 +11,13 @@ import logging
 from dataclasses import dataclass
 
 import torch
-
-from coordinator.engine import kv_sizing
-from coordinator.engine.kv_sizing import KVPlan
-from coordinator.model_files.default_model import resolve_model
-from kernels.model_description.checkpoint_format import checkpoint_format, parameter_count
-from kernels.model_description.config import Qwen3Config, parse_dtype, resolve_dtype
-from kernels.model_description.quantization import check_quantization
-from shared_memory.engine_config import EngineConfig
+from fusedserve.coordinator.engine import kv_sizing
+from fusedserve.coordinator.engine.kv_sizing import KVPlan
+from fusedserve.coordinator.model_files.default_model import resolve_model
+from fusedserve.kernels.model_description.checkpoint_format import checkpoint_format, parameter_count
+from fusedserve.kernels.model_description.config import Qwen3Config, parse_dtype, resolve_dtype
+from fusedserve.kernels.model_description.quantization import check_quantization
+from fusedserve.shared_memory.engine_config import EngineConfig
 
 log = logging.getLogger(__name__)
 

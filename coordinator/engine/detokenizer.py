@@ -8,8 +8,8 @@ string, so a stop string never reaches a client, even when it spans two tokens.
 
 from __future__ import annotations
 
-from coordinator.engine.stop_strings import StopMatcher
-from coordinator.model_files.tokenizer import TextTokenizer
+from fusedserve.coordinator.engine.stop_strings import StopMatcher
+from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
 
 
 class Detokenizer:

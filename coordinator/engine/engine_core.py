@@ -18,17 +18,17 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from coordinator.engine.batch_io import OutputPlan, read_outputs, write_batch
-from coordinator.engine.executor import Executor
-from coordinator.engine.output_processor import OutputProcessor
-from coordinator.engine.penalty_slots import PenaltySlots
-from coordinator.engine.scheduled_batch import ScheduledBatch
-from coordinator.engine.scheduler import Scheduler
-from coordinator.engine.sequence import Sequence, TokenEvent
-from coordinator.errors import RequestError
-from shared_memory.arena import HostArena
-from shared_memory.contract import LaunchDescriptor, LaunchReply
-from shared_memory.engine_config import EngineConfig
+from fusedserve.coordinator.engine.batch_io import OutputPlan, read_outputs, write_batch
+from fusedserve.coordinator.engine.executor import Executor
+from fusedserve.coordinator.engine.output_processor import OutputProcessor
+from fusedserve.coordinator.engine.penalty_slots import PenaltySlots
+from fusedserve.coordinator.engine.scheduled_batch import ScheduledBatch
+from fusedserve.coordinator.engine.scheduler import Scheduler
+from fusedserve.coordinator.engine.sequence import Sequence, TokenEvent
+from fusedserve.coordinator.errors import RequestError
+from fusedserve.shared_memory.arena import HostArena
+from fusedserve.shared_memory.contract import LaunchDescriptor, LaunchReply
+from fusedserve.shared_memory.engine_config import EngineConfig
 
 
 @dataclass

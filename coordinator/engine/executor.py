@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Protocol
 
-from shared_memory.contract import LaunchDescriptor, LaunchReply
+from fusedserve.shared_memory.contract import LaunchDescriptor, LaunchReply
 
 
 class WorkerGone(RuntimeError):
@@ -20,7 +20,7 @@ class WorkerGone(RuntimeError):
 
 
 class Runner(Protocol):
-    """What the in-process executor drives (``worker.model_runner.ModelRunner``)."""
+    """What the in-process executor drives (``fusedserve.worker.model_runner.ModelRunner``)."""
 
     def execute(self, desc: LaunchDescriptor) -> LaunchReply: ...
 

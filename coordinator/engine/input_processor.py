@@ -8,16 +8,16 @@ here runs before a request enters any queue, so a refusal costs nothing and name
 
 from __future__ import annotations
 
-from coordinator.engine.detokenizer import Detokenizer
-from coordinator.engine.request_limits import RequestLimits
-from coordinator.engine.sequence import Sequence
-from coordinator.engine.token_rules import TokenRules
-from coordinator.errors import RequestError
-from coordinator.model_files.tokenizer import TextTokenizer
-from coordinator.sampling_params import SamplingParams
-from coordinator.structured.grammar_compiler import GrammarCompiler, GrammarLimits
-from coordinator.structured.structured_spec import StructuredError
-from kernels.model_description.config import Qwen3Config
+from fusedserve.coordinator.engine.detokenizer import Detokenizer
+from fusedserve.coordinator.engine.request_limits import RequestLimits
+from fusedserve.coordinator.engine.sequence import Sequence
+from fusedserve.coordinator.engine.token_rules import TokenRules
+from fusedserve.coordinator.errors import RequestError
+from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.coordinator.structured.grammar_compiler import GrammarCompiler, GrammarLimits
+from fusedserve.coordinator.structured.structured_spec import StructuredError
+from fusedserve.kernels.model_description.config import Qwen3Config
 
 
 class InputProcessor:

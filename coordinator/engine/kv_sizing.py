@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from kernels.model_description.checkpoint_format import checkpoint_format
-from kernels.model_description.config import Qwen3Config
-from kernels.model_description.kv_layout import kv_element
-from shared_memory.engine_config import CacheConfig
+from fusedserve.kernels.model_description.checkpoint_format import checkpoint_format
+from fusedserve.kernels.model_description.config import Qwen3Config
+from fusedserve.kernels.model_description.kv_layout import kv_element
+from fusedserve.shared_memory.engine_config import CacheConfig
 
 log = logging.getLogger(__name__)
 

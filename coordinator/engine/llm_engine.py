@@ -12,25 +12,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-from coordinator.engine import kv_sizing
-from coordinator.engine.config_resolution import dtype_name, resolve_config
-from coordinator.engine.engine_core import EngineCore
-from coordinator.engine.executor import InProcessExecutor
-from coordinator.engine.input_processor import InputProcessor
-from coordinator.engine.output_processor import OutputProcessor
-from coordinator.engine.request_limits import RequestLimits
-from coordinator.engine.sequence import Sequence
-from coordinator.model_files.tokenizer import TextTokenizer
-from coordinator.sampling_params import SamplingParams
-from shared_memory.arena import HostArena
-from shared_memory.engine_config import EngineConfig
-from shared_memory.slots import step_table
-from worker.device import probe, torch_device
-from worker.launch_runtime import LaunchRuntime
-from worker.load_progress import weight_progress
-from worker.model.qwen3 import Qwen3Model
-from worker.model_runner import ModelRunner
+from fusedserve.coordinator.engine import kv_sizing
+from fusedserve.coordinator.engine.config_resolution import dtype_name, resolve_config
+from fusedserve.coordinator.engine.engine_core import EngineCore
+from fusedserve.coordinator.engine.executor import InProcessExecutor
+from fusedserve.coordinator.engine.input_processor import InputProcessor
+from fusedserve.coordinator.engine.output_processor import OutputProcessor
+from fusedserve.coordinator.engine.request_limits import RequestLimits
+from fusedserve.coordinator.engine.sequence import Sequence
+from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.shared_memory.arena import HostArena
+from fusedserve.shared_memory.engine_config import EngineConfig
+from fusedserve.shared_memory.slots import step_table
+from fusedserve.worker.device import probe, torch_device
+from fusedserve.worker.launch_runtime import LaunchRuntime
+from fusedserve.worker.load_progress import weight_progress
+from fusedserve.worker.model.qwen3 import Qwen3Model
+from fusedserve.worker.model_runner import ModelRunner
 
 
 @dataclass

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import logging
 
-from coordinator.engine.scheduled_batch import ScheduledBatch
-from coordinator.engine.sequence import Sequence, TokenEvent
-from coordinator.engine.step_outputs import StepOutputs
-from coordinator.errors import RequestError
+from fusedserve.coordinator.engine.scheduled_batch import ScheduledBatch
+from fusedserve.coordinator.engine.sequence import Sequence, TokenEvent
+from fusedserve.coordinator.engine.step_outputs import StepOutputs
+from fusedserve.coordinator.errors import RequestError
 
 log = logging.getLogger(__name__)
 

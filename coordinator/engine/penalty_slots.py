@@ -5,8 +5,8 @@ rebuilds its counts, so a slot never has to outlive a stay in the running batch.
 
 from __future__ import annotations
 
-from coordinator.engine.scheduled_batch import ScheduledBatch
-from coordinator.engine.sequence import Sequence
+from fusedserve.coordinator.engine.scheduled_batch import ScheduledBatch
+from fusedserve.coordinator.engine.sequence import Sequence
 
 
 class PenaltySlots:

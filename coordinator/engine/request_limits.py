@@ -4,9 +4,9 @@ and names the bound that was hit."""
 
 from __future__ import annotations
 
-from coordinator.errors import RequestError
-from coordinator.sampling_params import SamplingParams, is_kind
-from shared_memory.engine_config import EngineConfig
+from fusedserve.coordinator.errors import RequestError
+from fusedserve.coordinator.sampling_params import SamplingParams, is_kind
+from fusedserve.shared_memory.engine_config import EngineConfig
 
 
 class RequestLimits:

@@ -7,8 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from coordinator.engine.sequence import Sequence
+from fusedserve.coordinator.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)

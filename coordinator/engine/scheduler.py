@@ -23,12 +23,11 @@ from __future__ import annotations
 from collections import deque
 
 import numpy as np
-
-from coordinator.engine.block_manager import BlockManager, OutOfBlocks
-from coordinator.engine.scheduled_batch import ScheduledBatch
-from coordinator.engine.sequence import Sequence, TokenEvent
-from coordinator.engine.speculative.speculation_policy import SpecState, Speculation
-from shared_memory.engine_config import EngineConfig
+from fusedserve.coordinator.engine.block_manager import BlockManager, OutOfBlocks
+from fusedserve.coordinator.engine.scheduled_batch import ScheduledBatch
+from fusedserve.coordinator.engine.sequence import Sequence, TokenEvent
+from fusedserve.coordinator.engine.speculative.speculation_policy import SpecState, Speculation
+from fusedserve.shared_memory.engine_config import EngineConfig
 
 
 class Scheduler:

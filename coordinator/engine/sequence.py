@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coordinator.engine.block_manager import prefix_hashes
-from coordinator.engine.detokenizer import Detokenizer
-from coordinator.engine.speculative.speculation_policy import SpecState
-from coordinator.engine.token_rules import TokenRules
-from coordinator.errors import RequestError
-from coordinator.sampling_params import SamplingParams
-from coordinator.structured.grammar_state import GrammarState
+from fusedserve.coordinator.engine.block_manager import prefix_hashes
+from fusedserve.coordinator.engine.detokenizer import Detokenizer
+from fusedserve.coordinator.engine.speculative.speculation_policy import SpecState
+from fusedserve.coordinator.engine.token_rules import TokenRules
+from fusedserve.coordinator.errors import RequestError
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.coordinator.structured.grammar_state import GrammarState
 
 
 @dataclass(eq=False)

@@ -6,12 +6,11 @@ from collections import deque
 
 import msgpack
 import zmq
-
-from coordinator.engine.executor import WorkerGone
-from shared_memory import transport
-from shared_memory.arena import HostArena
-from shared_memory.contract import LaunchDescriptor, LaunchReply
-from shared_memory.slots import step_table
+from fusedserve.coordinator.engine.executor import WorkerGone
+from fusedserve.shared_memory import transport
+from fusedserve.shared_memory.arena import HostArena
+from fusedserve.shared_memory.contract import LaunchDescriptor, LaunchReply
+from fusedserve.shared_memory.slots import step_table
 
 
 class SocketExecutor:

@@ -9,10 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from coordinator.engine.scheduled_batch import PromptSpan
-from coordinator.engine.sequence import Sequence
-from coordinator.errors import RequestError
+from fusedserve.coordinator.engine.scheduled_batch import PromptSpan
+from fusedserve.coordinator.engine.sequence import Sequence
+from fusedserve.coordinator.errors import RequestError
 
 
 class MissingRowError(RuntimeError):

@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from shared_memory.slots import bitmask_words
+from fusedserve.shared_memory.slots import bitmask_words
 
 
 def _words(token_ids: list[int], vocab: int) -> np.ndarray:

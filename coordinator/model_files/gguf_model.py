@@ -19,7 +19,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from kernels.model_description.config import ConfigError
+from fusedserve.kernels.model_description.config import ConfigError
 
 MAGIC = b"GGUF"
 # llama.cpp's pre-tokenizer names -> the split pattern before byte-level BPE.

@@ -1,7 +1,8 @@
 """Train the embedded default model (never run by install, tests or CI).
 
     apt-get install python3.11-doc      # the corpus: Python 3.11's documentation sources
-    python -m coordinator.model_files.train_default --out coordinator/model_files/default_model --minutes 25
+    python -m fusedserve.coordinator.model_files.train_default \
+        --out coordinator/model_files/default_model --minutes 25
 
 Corpus: the reStructuredText sources of the Python 3.11 documentation, as Debian's
 ``python3.11-doc`` installs them (``/usr/share/doc/python3.11/html/_sources``; PSF
@@ -23,8 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-
-from coordinator.model_files.default_model import SPECIAL_TOKENS, tokenizer_config
+from fusedserve.coordinator.model_files.default_model import SPECIAL_TOKENS, tokenizer_config
 
 log = logging.getLogger(__name__)
 

@@ -20,13 +20,12 @@ from collections.abc import AsyncIterator
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-
-from coordinator.client import ServerError
-from coordinator.openai import chat_output
-from coordinator.openai import protocol as oa
-from coordinator.openai import response_fields as rf
-from coordinator.openai.gateway import Gateway
-from coordinator.sampling_params import is_kind
+from fusedserve.coordinator.client import ServerError
+from fusedserve.coordinator.openai import chat_output
+from fusedserve.coordinator.openai import protocol as oa
+from fusedserve.coordinator.openai import response_fields as rf
+from fusedserve.coordinator.openai.gateway import Gateway
+from fusedserve.coordinator.sampling_params import is_kind
 
 log = logging.getLogger(__name__)
 

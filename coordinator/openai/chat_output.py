@@ -4,9 +4,9 @@ forced). Streamed and whole outputs go through the same parsers, so they always 
 
 from __future__ import annotations
 
-from coordinator.openai import reasoning_parser, tool_parser
-from coordinator.openai.tool_choice import ToolPlan
-from coordinator.openai.tool_parser import ToolCall, ToolStream
+from fusedserve.coordinator.openai import reasoning_parser, tool_parser
+from fusedserve.coordinator.openai.tool_choice import ToolPlan
+from fusedserve.coordinator.openai.tool_parser import ToolCall, ToolStream
 
 
 def message(text: str, finish_reason: str, reasoning: bool, opened: bool,

@@ -9,15 +9,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fastapi import Request
-
-from coordinator.client import MAX_CLIENT_CHARS, AsyncClient
-from coordinator.model_files.tokenizer import TextTokenizer
-from coordinator.openai import protocol as oa
-from coordinator.openai.chat_template import ChatTemplate
-from coordinator.openai.metrics import Metrics
+from fusedserve.coordinator.client import MAX_CLIENT_CHARS, AsyncClient
+from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
+from fusedserve.coordinator.openai import protocol as oa
+from fusedserve.coordinator.openai.chat_template import ChatTemplate
+from fusedserve.coordinator.openai.metrics import Metrics
 
 if TYPE_CHECKING:
-    from coordinator.server.server import Server
+    from fusedserve.coordinator.server.server import Server
 
 log = logging.getLogger(__name__)
 

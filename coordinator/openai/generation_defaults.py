@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from coordinator.sampling_params import GENERATION_CONFIG, SamplingParams, is_kind
+from fusedserve.coordinator.sampling_params import GENERATION_CONFIG, SamplingParams, is_kind
 
 # generation_config.json's own name for a field where it differs (as vLLM reads the file).
 FILE_NAMES = {"max_tokens": "max_new_tokens"}

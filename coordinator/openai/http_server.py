@@ -7,10 +7,9 @@ import threading
 import time
 
 import uvicorn
-
-from coordinator.client import AsyncClient
-from coordinator.openai.api import build_app
-from coordinator.openai.gateway import Gateway
+from fusedserve.coordinator.client import AsyncClient
+from fusedserve.coordinator.openai.api import build_app
+from fusedserve.coordinator.openai.gateway import Gateway
 
 
 class HttpServer:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from coordinator.openai.api_error import ApiError
+from fusedserve.coordinator.openai.api_error import ApiError
 
 VLLM_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",

@@ -13,13 +13,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.model_files.tokenizer import TextTokenizer
-from coordinator.openai import output_constraint, tool_choice
-from coordinator.openai.api_error import ApiError
-from coordinator.openai.chat_template import ChatTemplate, ChatTemplateError
-from coordinator.openai.tool_choice import ToolPlan
-from coordinator.sampling_params import OPENAI, SamplingError, SamplingParams, check_stops, is_kind
-from coordinator.structured.structured_spec import StructuredError, StructuredSpec
+from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
+from fusedserve.coordinator.openai import output_constraint, tool_choice
+from fusedserve.coordinator.openai.api_error import ApiError
+from fusedserve.coordinator.openai.chat_template import ChatTemplate, ChatTemplateError
+from fusedserve.coordinator.openai.tool_choice import ToolPlan
+from fusedserve.coordinator.sampling_params import OPENAI, SamplingError, SamplingParams, check_stops, is_kind
+from fusedserve.coordinator.structured.structured_spec import StructuredError, StructuredSpec
 
 MAX_BODY_BYTES = 4 << 20  # the ZeroMQ front end's frame limit
 MAX_PROMPT_CHARS = 1 << 19  # text a request may ask to tokenize (the server's --max-prompt-chars)

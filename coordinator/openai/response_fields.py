@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 
-from coordinator.model_files.tokenizer import TextTokenizer
+from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
 
 
 def new_id(prefix: str) -> str:

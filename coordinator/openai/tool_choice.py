@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.openai.api_error import ApiError
+from fusedserve.coordinator.openai.api_error import ApiError
 
 # Calls' JSON as json.dumps writes it (free whitespace could run on until max_tokens).
 LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

@@ -12,7 +12,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from coordinator.openai.reasoning_parser import _prefix_tail
+from fusedserve.coordinator.openai.reasoning_parser import _prefix_tail
 
 START, END = "<tool_call>", "</tool_call>"
 

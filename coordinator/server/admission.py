@@ -7,17 +7,17 @@ server nothing and names the limit that was hit.
 
 from __future__ import annotations
 
-from coordinator.engine.input_processor import InputProcessor
-from coordinator.engine.request_limits import RequestLimits
-from coordinator.engine.sequence import Sequence
-from coordinator.errors import RequestError
-from coordinator.model_files.tokenizer import TextTokenizer
-from coordinator.server.config import Limits
-from coordinator.server.protocol import GenerateRequest
-from coordinator.server.request_table import RequestTable
-from coordinator.structured.grammar_compiler import GrammarLimits
-from kernels.model_description.config import Qwen3Config
-from shared_memory.engine_config import EngineConfig
+from fusedserve.coordinator.engine.input_processor import InputProcessor
+from fusedserve.coordinator.engine.request_limits import RequestLimits
+from fusedserve.coordinator.engine.sequence import Sequence
+from fusedserve.coordinator.errors import RequestError
+from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
+from fusedserve.coordinator.server.config import Limits
+from fusedserve.coordinator.server.protocol import GenerateRequest
+from fusedserve.coordinator.server.request_table import RequestTable
+from fusedserve.coordinator.structured.grammar_compiler import GrammarLimits
+from fusedserve.kernels.model_description.config import Qwen3Config
+from fusedserve.shared_memory.engine_config import EngineConfig
 
 
 class Admission:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from coordinator.server.routing_policy import RoutingConfig
-from coordinator.structured.grammar_compiler import GrammarLimits
-from kernels.model_description.quantization import check_quantization
-from shared_memory.engine_config import EngineConfig
+from fusedserve.coordinator.server.routing_policy import RoutingConfig
+from fusedserve.coordinator.structured.grammar_compiler import GrammarLimits
+from fusedserve.kernels.model_description.quantization import check_quantization
+from fusedserve.shared_memory.engine_config import EngineConfig
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 MIN_TOKEN_CHARS = 16

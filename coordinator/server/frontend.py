@@ -19,9 +19,8 @@ import time
 from dataclasses import dataclass, field
 
 import zmq
+from fusedserve.coordinator.server import protocol
 from zmq.utils.monitor import recv_monitor_message
-
-from coordinator.server import protocol
 
 log = logging.getLogger(__name__)
 

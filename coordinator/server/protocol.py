@@ -17,12 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-
-from coordinator.client import ADMIN_TYPES, MAX_CLIENT_CHARS
-from coordinator.engine.sequence import Sequence, TokenEvent
-from coordinator.errors import RequestError
-from coordinator.sampling_params import ZMQ, SamplingError, SamplingParams, is_kind
-from coordinator.structured.structured_spec import StructuredError, StructuredSpec
+from fusedserve.coordinator.client import ADMIN_TYPES, MAX_CLIENT_CHARS
+from fusedserve.coordinator.engine.sequence import Sequence, TokenEvent
+from fusedserve.coordinator.errors import RequestError
+from fusedserve.coordinator.sampling_params import ZMQ, SamplingError, SamplingParams, is_kind
+from fusedserve.coordinator.structured.structured_spec import StructuredError, StructuredSpec
 
 MAX_FRAME_BYTES = 4 << 20
 REQUEST_TYPES = ("generate", "abort", "stats", "health", "workers", "scale")

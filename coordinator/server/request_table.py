@@ -7,10 +7,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from coordinator.engine.sequence import Sequence
+from fusedserve.coordinator.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from coordinator.server.worker_pool import WorkerHandle
+    from fusedserve.coordinator.server.worker_pool import WorkerHandle
 
 
 @dataclass

@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from coordinator.engine.sequence import Sequence
-from coordinator.errors import RequestError
-from coordinator.server.request_table import ClientRequest, RequestTable
-from coordinator.server.routing_policy import RoutingPolicy
-from coordinator.server.worker_pool import WorkerHandle, WorkerPool
+from fusedserve.coordinator.engine.sequence import Sequence
+from fusedserve.coordinator.errors import RequestError
+from fusedserve.coordinator.server.request_table import ClientRequest, RequestTable
+from fusedserve.coordinator.server.routing_policy import RoutingPolicy
+from fusedserve.coordinator.server.worker_pool import WorkerHandle, WorkerPool
 
 
 class Router:

@@ -26,10 +26,10 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from coordinator.engine.sequence import Sequence
+from fusedserve.coordinator.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from coordinator.server.worker_pool import WorkerHandle
+    from fusedserve.coordinator.server.worker_pool import WorkerHandle
 
 POLICIES = ("cache-aware", "session", "least-loaded")
 REASONS = ("session", "prefix_hit", "least_loaded", "load_bound")

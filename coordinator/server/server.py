@@ -21,27 +21,26 @@ import threading
 import time
 
 import zmq
-
-from coordinator.engine.config_resolution import resolve_config
-from coordinator.engine.engine_core import EngineCore
-from coordinator.engine.executor import WorkerGone
-from coordinator.engine.output_processor import OutputProcessor
-from coordinator.engine.sequence import TokenEvent
-from coordinator.engine.socket_executor import SocketExecutor
-from coordinator.errors import RequestError
-from coordinator.model_files.tokenizer import TextTokenizer
-from coordinator.server import protocol
-from coordinator.server.admission import Admission
-from coordinator.server.config import ServerConfig
-from coordinator.server.frontend import Delivery, Frontend
-from coordinator.server.protocol import ControlRequest, GenerateRequest
-from coordinator.server.request_table import ClientRequest, RequestTable
-from coordinator.server.router import Router
-from coordinator.server.routing_policy import RoutingPolicy
-from coordinator.server.stats import FaultCounters, ServerCounters, server_stats
-from coordinator.server.worker_pool import PoolConfig, WorkerHandle, WorkerPool, probe_device
-from coordinator.structured.compile_queue import CompileQueue
-from shared_memory.arena import HostArena, remove_stale
+from fusedserve.coordinator.engine.config_resolution import resolve_config
+from fusedserve.coordinator.engine.engine_core import EngineCore
+from fusedserve.coordinator.engine.executor import WorkerGone
+from fusedserve.coordinator.engine.output_processor import OutputProcessor
+from fusedserve.coordinator.engine.sequence import TokenEvent
+from fusedserve.coordinator.engine.socket_executor import SocketExecutor
+from fusedserve.coordinator.errors import RequestError
+from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
+from fusedserve.coordinator.server import protocol
+from fusedserve.coordinator.server.admission import Admission
+from fusedserve.coordinator.server.config import ServerConfig
+from fusedserve.coordinator.server.frontend import Delivery, Frontend
+from fusedserve.coordinator.server.protocol import ControlRequest, GenerateRequest
+from fusedserve.coordinator.server.request_table import ClientRequest, RequestTable
+from fusedserve.coordinator.server.router import Router
+from fusedserve.coordinator.server.routing_policy import RoutingPolicy
+from fusedserve.coordinator.server.stats import FaultCounters, ServerCounters, server_stats
+from fusedserve.coordinator.server.worker_pool import PoolConfig, WorkerHandle, WorkerPool, probe_device
+from fusedserve.coordinator.structured.compile_queue import CompileQueue
+from fusedserve.shared_memory.arena import HostArena, remove_stale
 
 log = logging.getLogger(__name__)
 

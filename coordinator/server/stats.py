@@ -6,11 +6,11 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
-from coordinator.engine.speculative.speculation_policy import Speculation
-from coordinator.server.frontend import Frontend
-from coordinator.server.request_table import RequestTable
-from coordinator.server.router import Router
-from coordinator.server.worker_pool import WorkerHandle, WorkerPool
+from fusedserve.coordinator.engine.speculative.speculation_policy import Speculation
+from fusedserve.coordinator.server.frontend import Frontend
+from fusedserve.coordinator.server.request_table import RequestTable
+from fusedserve.coordinator.server.router import Router
+from fusedserve.coordinator.server.worker_pool import WorkerHandle, WorkerPool
 
 
 @dataclass

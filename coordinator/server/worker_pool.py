@@ -21,22 +21,21 @@ from typing import Any
 
 import ray
 import zmq
+from fusedserve.coordinator.engine.engine_core import EngineCore
+from fusedserve.coordinator.engine.scheduler import Scheduler
+from fusedserve.coordinator.engine.sequence import Sequence
+from fusedserve.coordinator.engine.socket_executor import SocketExecutor
+from fusedserve.coordinator.server.core_slots import CoreSlots
+from fusedserve.kernels.model_description.config import Qwen3Config
+from fusedserve.shared_memory.arena import HostArena
+from fusedserve.shared_memory.engine_config import EngineConfig
+from fusedserve.shared_memory.slots import step_table
+from fusedserve.worker.actor import WorkerActor
+from fusedserve.worker.device import DeviceInfo
+from fusedserve.worker.device import probe as probe_device  # noqa: F401 - the server's one way to the device probe
+from fusedserve.worker.tensor_group import GroupRank
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from zmq.utils.monitor import recv_monitor_message
-
-from coordinator.engine.engine_core import EngineCore
-from coordinator.engine.scheduler import Scheduler
-from coordinator.engine.sequence import Sequence
-from coordinator.engine.socket_executor import SocketExecutor
-from coordinator.server.core_slots import CoreSlots
-from kernels.model_description.config import Qwen3Config
-from shared_memory.arena import HostArena
-from shared_memory.engine_config import EngineConfig
-from shared_memory.slots import step_table
-from worker.actor import WorkerActor
-from worker.device import DeviceInfo
-from worker.device import probe as probe_device  # noqa: F401 - the server's one way to the device probe
-from worker.tensor_group import GroupRank
 
 log = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from coordinator.errors import RequestError
-from coordinator.structured.grammar_compiler import GrammarCompiler
-from coordinator.structured.grammar_state import GrammarState
-from coordinator.structured.structured_spec import StructuredError, StructuredSpec
+from fusedserve.coordinator.errors import RequestError
+from fusedserve.coordinator.structured.grammar_compiler import GrammarCompiler
+from fusedserve.coordinator.structured.grammar_state import GrammarState
+from fusedserve.coordinator.structured.structured_spec import StructuredError, StructuredSpec
 
 
 @dataclass

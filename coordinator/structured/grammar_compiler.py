@@ -24,11 +24,10 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
-
-from coordinator.model_files.tokenizer import TextTokenizer
-from coordinator.structured.grammar_state import GrammarState
-from coordinator.structured.structured_spec import StructuredError, StructuredSpec
-from kernels.model_description.config import Qwen3Config
+from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
+from fusedserve.coordinator.structured.grammar_state import GrammarState
+from fusedserve.coordinator.structured.structured_spec import StructuredError, StructuredSpec
+from fusedserve.kernels.model_description.config import Qwen3Config
 
 if TYPE_CHECKING:
     import llguidance

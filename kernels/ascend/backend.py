@@ -8,11 +8,10 @@ from __future__ import annotations
 import os
 
 import torch
-
-from kernels import ascend as ascend_kernels
-from kernels.model_description.config import Qwen3Config
-from kernels.native.gemm_choice import GemmChooser
-from kernels.sampler import Sampler, sample
+from fusedserve.kernels import ascend as ascend_kernels
+from fusedserve.kernels.model_description.config import Qwen3Config
+from fusedserve.kernels.native.gemm_choice import GemmChooser
+from fusedserve.kernels.sampler import Sampler, sample
 
 NAME = "ascend"
 CAPTURABLE = False
@@ -32,7 +31,7 @@ def attention_name() -> str:
 
 
 def layer_ops(c: Qwen3Config, device: torch.device):
-    from kernels.ascend.layer_ops import AscendLayerOps
+    from fusedserve.kernels.ascend.layer_ops import AscendLayerOps
 
     return AscendLayerOps(c.rms_norm_eps, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
                           c.head_dim, device)
@@ -40,7 +39,7 @@ def layer_ops(c: Qwen3Config, device: torch.device):
 
 def attention(c: Qwen3Config, dtype: torch.dtype, device: torch.device, max_batch: int, max_ctx: int,
               block_size: int, kv_cache_dtype: str = "auto", chooser: GemmChooser | None = None):
-    from kernels.ascend.attention import AscendAttention
+    from fusedserve.kernels.ascend.attention import AscendAttention
 
     return AscendAttention(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.head_dim ** -0.5,
                            device)

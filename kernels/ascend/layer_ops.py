@@ -11,9 +11,8 @@
 from __future__ import annotations
 
 import torch
-
-from kernels.aten.backend import TorchLayerOps
-from kernels.layer_ops import NormScratch
+from fusedserve.kernels.aten.backend import TorchLayerOps
+from fusedserve.kernels.layer_ops import NormScratch
 
 
 class AscendLayerOps(TorchLayerOps):

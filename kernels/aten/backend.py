@@ -7,14 +7,13 @@ chunks go through ``prompt_rows``."""
 from __future__ import annotations
 
 import torch
-
-from kernels import sampler
-from kernels.attention.prompt_rows import PromptChunk, attend_chunks, plan_chunks
-from kernels.forward_batch import ForwardBatch
-from kernels.layer_ops import NormScratch, rms_norm, rotary
-from kernels.model_description.config import Qwen3Config
-from kernels.native.gemm_choice import GemmChooser
-from kernels.sampler import Sampler, sample
+from fusedserve.kernels import sampler
+from fusedserve.kernels.attention.prompt_rows import PromptChunk, attend_chunks, plan_chunks
+from fusedserve.kernels.forward_batch import ForwardBatch
+from fusedserve.kernels.layer_ops import NormScratch, rms_norm, rotary
+from fusedserve.kernels.model_description.config import Qwen3Config
+from fusedserve.kernels.native.gemm_choice import GemmChooser
+from fusedserve.kernels.sampler import Sampler, sample
 
 NAME = "aten"
 CAPTURABLE = True

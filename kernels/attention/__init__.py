@@ -14,8 +14,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-
-from kernels.forward_batch import ForwardBatch
+from fusedserve.kernels.forward_batch import ForwardBatch
 
 
 class AttentionBackend(Protocol):

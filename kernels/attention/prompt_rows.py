@@ -12,9 +12,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from kernels.forward_batch import ForwardBatch
-from kernels.kv_cache import dequantize_rows
+from fusedserve.kernels.forward_batch import ForwardBatch
+from fusedserve.kernels.kv_cache import dequantize_rows
 
 
 @dataclass

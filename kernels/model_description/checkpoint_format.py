@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernels.model_description.config import ConfigError
+from fusedserve.kernels.model_description.config import ConfigError
 
 SUPPORTED = ("16-bit safetensors, block-wise FP8 (quant_method 'fp8' with weight_block_size), AWQ (GEMM, "
              "4-bit), GPTQ (4/8-bit) and GGUF files")

@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from kernels.native import build as native
+from fusedserve.kernels.native import build as native
 
 _DTYPES = {
     "float32": torch.float32,

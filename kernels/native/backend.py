@@ -11,15 +11,14 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
-
-from kernels.attention.prompt_rows import PromptChunk, attend_chunks, plan_chunk
-from kernels.forward_batch import ForwardBatch
-from kernels.layer_ops import NormScratch
-from kernels.model_description.config import Qwen3Config
-from kernels.native import build as native_build
-from kernels.native.gemm_choice import ROW_BUCKETS, GemmChooser, bucket
-from kernels.native.prompt_choice import choose_prompt_attention
-from kernels.sampler import Sampler, sample
+from fusedserve.kernels.attention.prompt_rows import PromptChunk, attend_chunks, plan_chunk
+from fusedserve.kernels.forward_batch import ForwardBatch
+from fusedserve.kernels.layer_ops import NormScratch
+from fusedserve.kernels.model_description.config import Qwen3Config
+from fusedserve.kernels.native import build as native_build
+from fusedserve.kernels.native.gemm_choice import ROW_BUCKETS, GemmChooser, bucket
+from fusedserve.kernels.native.prompt_choice import choose_prompt_attention
+from fusedserve.kernels.sampler import Sampler, sample
 
 NAME = "native"
 CAPTURABLE = True

@@ -21,10 +21,9 @@ from collections.abc import Callable
 from types import ModuleType
 
 import torch
-
-from kernels.attention.prompt_rows import PromptChunk, attend_chunks
-from kernels.model_description.kv_layout import KV8_SCALE_BYTES
-from kernels.native.gemm_choice import NATIVE, ROW_BUCKETS, GemmChooser
+from fusedserve.kernels.attention.prompt_rows import PromptChunk, attend_chunks
+from fusedserve.kernels.model_description.kv_layout import KV8_SCALE_BYTES
+from fusedserve.kernels.native.gemm_choice import NATIVE, ROW_BUCKETS, GemmChooser
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 needed (ptxas ships with triton), and register, shared-memory and layout errors the CPU
 interpreter cannot see show here.
 
-    python -m kernels.triton.aot_check [--arch 90]
+    python -m fusedserve.kernels.triton.aot_check [--arch 90]
 
 Run it outside ``TRITON_INTERPRET``. Every variant the runtime launches is compiled: the
 decode split kernel for each GQA group from 1 to 16 (Qwen3's run 1-8, the 235B 16) at the
@@ -21,10 +21,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kernels.triton import decode_attention as attn
-from kernels.triton import layer_kernels as k
-from kernels.triton import prompt_attention as prompt
-from kernels.triton import sampler as samp
+from fusedserve.kernels.triton import decode_attention as attn
+from fusedserve.kernels.triton import layer_kernels as k
+from fusedserve.kernels.triton import prompt_attention as prompt
+from fusedserve.kernels.triton import sampler as samp
 
 P16, I32, F32 = "*bf16", "i32", "fp32"
 C = "constexpr"

@@ -5,10 +5,9 @@ of a cached prefix). Chosen on CUDA by default after a self-check (``kernels/tri
 from __future__ import annotations
 
 import torch
-
-from kernels.forward_batch import ForwardBatch
-from kernels.triton.decode_attention import DecodeAttentionScratch, decode_attention
-from kernels.triton.prompt_attention import prompt_attention
+from fusedserve.kernels.forward_batch import ForwardBatch
+from fusedserve.kernels.triton.decode_attention import DecodeAttentionScratch, decode_attention
+from fusedserve.kernels.triton.prompt_attention import prompt_attention
 
 TOKENS_PER_SPLIT = 256  # a long context is cut into splits of about this many tokens (at most 16)
 

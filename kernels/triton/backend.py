@@ -12,10 +12,9 @@ import logging
 import os
 
 import torch
-
-from kernels import triton as triton_kernels
-from kernels.model_description.config import Qwen3Config
-from kernels.native.gemm_choice import GemmChooser
+from fusedserve.kernels import triton as triton_kernels
+from fusedserve.kernels.model_description.config import Qwen3Config
+from fusedserve.kernels.native.gemm_choice import GemmChooser
 
 NAME = "triton"
 CAPTURABLE = True
@@ -36,7 +35,7 @@ def usable(device: torch.device) -> bool:
 @functools.cache
 def passes_self_check(device: str) -> bool:
     """Whether the kernels agree with torch on ``device`` (checked once per device)."""
-    from kernels.triton.self_check import check
+    from fusedserve.kernels.triton.self_check import check
 
     failed = check(torch.device(device))
     if failed:
@@ -48,7 +47,7 @@ def passes_self_check(device: str) -> bool:
 def token_sampler():
     """The every-stage sampler in a few Triton kernels (``kernels/triton/sampler.py``): ATen's
     takes ~290 ops, which would double a sampled decode step."""
-    from kernels.triton.sampler import sample
+    from fusedserve.kernels.triton.sampler import sample
 
     return sample
 
@@ -58,13 +57,13 @@ def attention_name() -> str:
 
 
 def layer_ops(c: Qwen3Config, device: torch.device):
-    from kernels.triton.layer_ops import TritonLayerOps
+    from fusedserve.kernels.triton.layer_ops import TritonLayerOps
 
     return TritonLayerOps(c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads)
 
 
 def attention(c: Qwen3Config, dtype: torch.dtype, device: torch.device, max_batch: int, max_ctx: int,
               block_size: int, kv_cache_dtype: str = "auto", chooser: GemmChooser | None = None):
-    from kernels.triton.attention import TritonAttention
+    from fusedserve.kernels.triton.attention import TritonAttention
 
     return TritonAttention(max_batch, max_ctx, c.num_attention_heads, c.head_dim, c.head_dim ** -0.5, device)

@@ -16,6 +16,7 @@ block_tables [B, W] int32; seq_lens [B] int32 (the context, this token included)
 from __future__ import annotations
 
 import torch
+
 import triton
 import triton.language as tl
 
@@ -90,7 +91,7 @@ def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh, NH: tl.c
 def split_block_n(group_p: int, block_n: int = 16) -> int:
     """Keys per tile: the products tile is ``group_p x block_n x head_dim`` in registers, so a
     large GQA group takes fewer keys (at most 128 group x key pairs: 16 x 8 for the 235B's
-    group of 16, which spills at 16 x 16; ``kernels.triton.aot_check`` reads ptxas's count)."""
+    group of 16, which spills at 16 x 16; ``fusedserve.kernels.triton.aot_check`` reads ptxas's count)."""
     return max(4, min(block_n, 128 // group_p))
 
 

@@ -16,6 +16,7 @@ The kernels use only ``tl`` operations present in Triton 3.6 and 3.9.
 from __future__ import annotations
 
 import torch
+
 import triton
 import triton.language as tl
 

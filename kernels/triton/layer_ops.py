@@ -8,9 +8,8 @@ under the interpreter, and compiled for sm_90 without a GPU.
 from __future__ import annotations
 
 import torch
-
-from kernels.layer_ops import NormScratch
-from kernels.triton import layer_kernels as k
+from fusedserve.kernels.layer_ops import NormScratch
+from fusedserve.kernels.triton import layer_kernels as k
 
 
 class TritonLayerOps:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 import torch
+
 import triton
 import triton.language as tl
 

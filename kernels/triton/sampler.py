@@ -1,4 +1,4 @@
-"""The every-stage sampler as a few Triton kernels (CUDA): the draws of ``kernels.sampler``
+"""The every-stage sampler as a few Triton kernels (CUDA): the draws of ``fusedserve.kernels.sampler``
 without its ~290 ATen ops.
 
 The same rules, the same hash, the same thresholds, found the same way: top-k (beyond the
@@ -25,7 +25,8 @@ alone by it, so a row draws the same under any ``SamplingPlan``. Probabilities c
 ATen's softmax in the last bit (``exp`` and summation order), so a draw within ~1e-7 of a
 boundary may differ between the two samplers; within this one, the same inputs give the same
 token.
-Tested under ``TRITON_INTERPRET=1`` against ``kernels.sampler`` (tests/kernels/test_triton_kernels.py).
+Tested under ``TRITON_INTERPRET=1`` against ``fusedserve.kernels.sampler``
+(tests/kernels/test_triton_kernels.py).
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ from __future__ import annotations
 import os
 
 import torch
+from fusedserve.kernels import sampler as reference
+from fusedserve.shared_memory import sampling_row
+from fusedserve.shared_memory.sampling_row import SamplingPlan
+
 import triton
 import triton.language as tl
-
-from kernels import sampler as reference
-from shared_memory import sampling_row
-from shared_memory.sampling_row import SamplingPlan
 
 BLOCK = 1024  # vocabulary tile of the per-(row, tile) kernels
 NC_P = 256  # tiles a row's partials are read as: vocabularies up to 262,144 tokens, one compile for all
@@ -72,7 +73,7 @@ def _mix(z):
 
 @triton.jit
 def _uniform(seed, step):
-    """``kernels.sampler.uniform``: int64 wrap-around arithmetic, the same bits."""
+    """``fusedserve.kernels.sampler.uniform``: int64 wrap-around arithmetic, the same bits."""
     z = _mix(_mix(seed * _GOLDEN + 1) + step * _GOLDEN)
     return (_lsr(z, 11).to(tl.float64) + 0.5) / 9007199254740992.0
 
@@ -92,7 +93,7 @@ def _key(x):
 
 @triton.jit
 def _row(params_ptr, b, n, V):
-    """A row's settings and path (``kernels.sampler.row_paths``)."""
+    """A row's settings and path (``fusedserve.kernels.sampler.row_paths``)."""
     t = tl.load(params_ptr + b * _WIDTH + _TEMPERATURE)
     top_p = tl.load(params_ptr + b * _WIDTH + _TOP_P)
     min_p = tl.load(params_ptr + b * _WIDTH + _MIN_P)
@@ -157,7 +158,7 @@ def _select_need(params_ptr, cut_ptr, b, n, V, CUT: tl.constexpr):
 
 @triton.jit
 def _select_state(hist_ptr, b, B, target, ROUNDS: tl.constexpr):
-    """The radix select after ``ROUNDS`` of its four rounds (``kernels.sampler._radix_select``):
+    """The radix select after ``ROUNDS`` of its four rounds (``fusedserve.kernels.sampler._radix_select``):
     the digits chosen so far as a prefix, and the weight of the keys above the prefix's range."""
     d = tl.arange(0, 256)
     prefix = tl.zeros((), tl.int64)
@@ -308,7 +309,7 @@ def _draw_mass_kernel(logits_ptr, params_ptr, topv_ptr, kth_ptr, cut_ptr, sums_p
 def _draw_kernel(logits_ptr, params_ptr, seeds_ptr, topv_ptr, kth_ptr, cut_ptr, sums_ptr, mass_ptr, out_ptr,
                  V, stride_l, n, NC, NC_P: tl.constexpr, BLOCK: tl.constexpr):
     """A program per full-path row: the tile where the running mass passes u * total, then the
-    token inside it (the inverse CDF in id order, as ``kernels.sampler._draw``)."""
+    token inside it (the inverse CDF in id order, as ``fusedserve.kernels.sampler._draw``)."""
     b = tl.program_id(0)
     t, top_p, min_p, k, cand, full, wide = _row(params_ptr, b, n, V)
     if full:
@@ -342,7 +343,7 @@ def _select(logits: torch.Tensor, params: torch.Tensor, topv: torch.Tensor, kth:
 
 def sample(logits: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, out: torch.Tensor,
            plan: SamplingPlan, candidates: int) -> torch.Tensor:
-    """``kernels.sampler.sample``'s contract: the same arguments and draws (up to the last bit of
+    """``fusedserve.kernels.sampler.sample``'s contract: the same arguments and draws (up to the last bit of
     a probability). ``logits`` rows must be contiguous (any row stride)."""
     b, vocab = logits.shape
     out.copy_(torch.argmax(logits, dim=-1))  # greedy rows; the kernels overwrite sampled ones

@@ -11,12 +11,11 @@ whole vocabulary with top-k beyond the candidates, top-p, min-p) draw ATen's tok
 from __future__ import annotations
 
 import torch
-
-from kernels import sampler as aten_sampler
-from kernels.triton import sampler as triton_sampler
-from kernels.triton.decode_attention import DecodeAttentionScratch, decode_attention
-from kernels.triton.layer_ops import TritonLayerOps
-from kernels.triton.prompt_attention import prompt_attention
+from fusedserve.kernels import sampler as aten_sampler
+from fusedserve.kernels.triton import sampler as triton_sampler
+from fusedserve.kernels.triton.decode_attention import DecodeAttentionScratch, decode_attention
+from fusedserve.kernels.triton.layer_ops import TritonLayerOps
+from fusedserve.kernels.triton.prompt_attention import prompt_attention
 
 TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 5e-2}
 

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from fusedserve.coordinator.cli import DEMO_PROMPTS
+from fusedserve.coordinator.client import Client
+from fusedserve.coordinator.engine.llm_engine import LLMEngine
+from fusedserve.coordinator.model_files.default_model import cache_root
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.kernels.native import build as native
 
-from coordinator.cli import DEMO_PROMPTS
-from coordinator.client import Client
-from coordinator.engine.llm_engine import LLMEngine
-from coordinator.model_files.default_model import cache_root
-from coordinator.sampling_params import SamplingParams
-from kernels.native import build as native
 from tests.serve_proc import ServeProcess
 from tests.support import settled
 
@@ -38,7 +38,8 @@ def test_demo_serves_every_prompt_and_prints_stats(tmp_path):
     env = {**keep, **os.environ, "HOME": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"}
     for var in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
         env.pop(var, None)
-    r = subprocess.run([sys.executable, "-m", "coordinator.cli", "demo", "--max-tokens", "6"], env=env,
+    r = subprocess.run([sys.executable, "-m", "fusedserve.coordinator.cli", "demo", "--max-tokens", "6"],
+                       env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     out = r.stdout
@@ -100,7 +101,7 @@ def test_serve_on_cuda_equals_offline_on_cuda(ray_session, tmp_path):  # pragma:
 
 
 def test_parallel_flags_reach_the_server_config():
-    from coordinator.cli_parser import build_parser, server_config
+    from fusedserve.coordinator.cli_parser import build_parser, server_config
 
     cfg = server_config(build_parser().parse_args(["serve", "-tp", "2", "--enable-expert-parallel",
                                                     "--workers", "3"]))
@@ -113,7 +114,7 @@ def test_parallel_flags_reach_the_server_config():
 
 
 def test_grammar_and_fairness_flags_reach_the_server_config():
-    from coordinator.cli_parser import build_parser, server_config
+    from fusedserve.coordinator.cli_parser import build_parser, server_config
 
     cfg = server_config(build_parser().parse_args([
         "serve", "--grammar-step-max-items", "1000", "--grammar-compile-timeout-s", "2.5",

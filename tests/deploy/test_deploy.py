@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
+from fusedserve.coordinator.client import Client
+from fusedserve.coordinator.engine.llm_engine import LLMEngine
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.coordinator.server.ray_cluster import free_ports, stop_head
+from fusedserve.shared_memory.arena import list_segments
 
-from coordinator.client import Client
-from coordinator.engine.llm_engine import LLMEngine
-from coordinator.sampling_params import SamplingParams
-from coordinator.server.ray_cluster import free_ports, stop_head
-from shared_memory.arena import list_segments
 from tests.support import running_server, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,7 +143,8 @@ def test_ray_job_submit_serves_and_job_stop_cleans_up(tmp_path):
     address = f"http://127.0.0.1:{dash}"
     try:
         submit = [ray_bin, "job", "submit", "--address", address, "--working-dir", str(ROOT), "--no-wait",
-                  "--", "exec", "python", "-m", "deploy.serve", "--model", "default", "--workers", "auto",
+                  "--", "exec", "python", "-m", "fusedserve.deploy.serve", "--model", "default",
+                  "--workers", "auto",
                   "--device", "cpu", "--port", str(port), "--no-http", "--max-batch", "4",
                   "--num-blocks", "64", "--dtype", "float32"]
         for _ in range(20):  # the head's job agent comes up a few seconds after `ray start`

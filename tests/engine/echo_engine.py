@@ -6,16 +6,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coordinator.engine.detokenizer import Detokenizer
-from coordinator.engine.engine_core import EngineCore
-from coordinator.engine.executor import InProcessExecutor
-from coordinator.engine.output_processor import OutputProcessor
-from coordinator.engine.sequence import Sequence, TokenEvent
-from coordinator.model_files.tokenizer import TextTokenizer
-from coordinator.sampling_params import SamplingParams
-from shared_memory.arena import HostArena
-from shared_memory.engine_config import EngineConfig
-from shared_memory.slots import step_table
+from fusedserve.coordinator.engine.detokenizer import Detokenizer
+from fusedserve.coordinator.engine.engine_core import EngineCore
+from fusedserve.coordinator.engine.executor import InProcessExecutor
+from fusedserve.coordinator.engine.output_processor import OutputProcessor
+from fusedserve.coordinator.engine.sequence import Sequence, TokenEvent
+from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.shared_memory.arena import HostArena
+from fusedserve.shared_memory.engine_config import EngineConfig
+from fusedserve.shared_memory.slots import step_table
+
 from tests.support import EchoRunner
 
 VOCAB = 4096

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fusedserve.coordinator.engine.block_manager import BlockManager
+from fusedserve.coordinator.engine.llm_engine import LLMEngine
+from fusedserve.coordinator.engine.scheduler import Scheduler
+from fusedserve.coordinator.engine.step_outputs import StepOutputs
+from fusedserve.coordinator.sampling_params import SamplingParams
 
-from coordinator.engine.block_manager import BlockManager
-from coordinator.engine.llm_engine import LLMEngine
-from coordinator.engine.scheduler import Scheduler
-from coordinator.engine.step_outputs import StepOutputs
-from coordinator.sampling_params import SamplingParams
 from tests.engine.echo_engine import echo_seq
 from tests.support import queue, read_step
 
@@ -141,7 +141,7 @@ def test_abort_with_two_launches_in_flight_frees_everything(echo_engine):
 
 
 def test_the_cli_turns_it_off_and_it_is_on_by_default():
-    from coordinator.cli_parser import build_parser, server_config
+    from fusedserve.coordinator.cli_parser import build_parser, server_config
 
     on = server_config(build_parser().parse_args(["serve"]))
     off = server_config(build_parser().parse_args(["serve", "--no-async-scheduling"]))

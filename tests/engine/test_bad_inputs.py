@@ -6,13 +6,12 @@ import json
 import shutil
 
 import pytest
-
-from coordinator.engine.llm_engine import LLMEngine
-from coordinator.errors import RequestError
-from coordinator.sampling_params import SamplingParams
-from kernels.model_description.config import ConfigError, Qwen3Config
-from worker.model.loader import WeightError
-from worker.model.qwen3 import Qwen3Model
+from fusedserve.coordinator.engine.llm_engine import LLMEngine
+from fusedserve.coordinator.errors import RequestError
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.kernels.model_description.config import ConfigError, Qwen3Config
+from fusedserve.worker.model.loader import WeightError
+from fusedserve.worker.model.qwen3 import Qwen3Model
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +80,7 @@ def test_missing_weight_tensor(tmp_path, hf_checkpoints):
 
 
 def test_default_model_is_deterministic(tmp_path):
-    from coordinator.model_files.default_model import write_checkpoint
+    from fusedserve.coordinator.model_files.default_model import write_checkpoint
 
     write_checkpoint(tmp_path / "a")
     write_checkpoint(tmp_path / "b")

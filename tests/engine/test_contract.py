@@ -7,14 +7,13 @@ import copy
 import numpy as np
 import pytest
 import torch
-
-from coordinator.engine.batch_io import read_outputs, write_batch
-from coordinator.engine.llm_engine import LLMEngine
-from coordinator.sampling_params import SamplingParams
-from kernels.forward_batch import ForwardBatch
-from shared_memory.slots import Placement, SlotError, step_table
-from worker.launch_runtime import LaunchRuntime
-from worker.scratch_pool import DeviceScratchPool
+from fusedserve.coordinator.engine.batch_io import read_outputs, write_batch
+from fusedserve.coordinator.engine.llm_engine import LLMEngine
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.kernels.forward_batch import ForwardBatch
+from fusedserve.shared_memory.slots import Placement, SlotError, step_table
+from fusedserve.worker.launch_runtime import LaunchRuntime
+from fusedserve.worker.scratch_pool import DeviceScratchPool
 
 K = 16
 
@@ -98,7 +97,7 @@ def test_runtime_outputs_equal_direct_kernel_call(engine):
 
 
 def test_row_without_its_outputs_names_request_and_step():
-    from coordinator.engine.step_outputs import MissingRowError, StepOutputs
+    from fusedserve.coordinator.engine.step_outputs import MissingRowError, StepOutputs
 
     res = StepOutputs(step=12, sampled_ids=np.zeros(0, dtype=np.int32))
     with pytest.raises(MissingRowError, match="request 'req-9', step 12"):

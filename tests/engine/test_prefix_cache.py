@@ -4,10 +4,9 @@ sequence ends with LRU eviction; a new prompt prefills only what the cache lacks
 from __future__ import annotations
 
 import pytest
-
-from coordinator.engine.block_manager import BlockManager, OutOfBlocks
-from coordinator.engine.llm_engine import LLMEngine
-from coordinator.sampling_params import SamplingParams
+from fusedserve.coordinator.engine.block_manager import BlockManager, OutOfBlocks
+from fusedserve.coordinator.engine.llm_engine import LLMEngine
+from fusedserve.coordinator.sampling_params import SamplingParams
 
 SYSTEM = ("You are a helpful assistant. Answer in one short sentence and never repeat the question. "
           "Cite the documentation where it helps. ") * 3

@@ -6,11 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from coordinator.engine.llm_engine import LLMEngine
-from coordinator.sampling_params import SamplingError, SamplingParams
-from kernels.sampler import sample
-from shared_memory.sampling_row import SamplingPlan
+from fusedserve.coordinator.engine.llm_engine import LLMEngine
+from fusedserve.coordinator.sampling_params import SamplingError, SamplingParams
+from fusedserve.kernels.sampler import sample
+from fusedserve.shared_memory.sampling_row import SamplingPlan
 
 
 def draw(values: np.ndarray, ids: np.ndarray, p: SamplingParams, step: int, vocab: int = 1000,

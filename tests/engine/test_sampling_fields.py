@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from coordinator.cli import DEMO_PROMPTS
-from coordinator.engine.llm_engine import LLMEngine
-from coordinator.model_files.default_model import TRAINED_DIR
-from coordinator.sampling_params import SamplingError, SamplingParams
-from kernels.penalties import PenaltyState, apply_logit_bias
+from fusedserve.coordinator.cli import DEMO_PROMPTS
+from fusedserve.coordinator.engine.llm_engine import LLMEngine
+from fusedserve.coordinator.model_files.default_model import TRAINED_DIR
+from fusedserve.coordinator.sampling_params import SamplingError, SamplingParams
+from fusedserve.kernels.penalties import PenaltyState, apply_logit_bias
 
 V = 50
 
@@ -145,7 +144,7 @@ def test_out_of_range_settings_are_refused(bad):
 
 
 def test_token_ids_outside_the_vocabulary_are_refused(engine):
-    from coordinator.errors import RequestError
+    from fusedserve.coordinator.errors import RequestError
 
     for bad in (dict(logit_bias={10**6: 1.0}), dict(allowed_token_ids=[5, 10**6])):
         with pytest.raises(RequestError) as err:

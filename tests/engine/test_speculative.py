@@ -12,19 +12,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fusedserve.coordinator.cli_parser import build_parser
+from fusedserve.coordinator.client import Client
+from fusedserve.coordinator.engine.block_manager import BlockManager
+from fusedserve.coordinator.engine.llm_engine import LLMEngine, load_model
+from fusedserve.coordinator.engine.speculative.ngram_proposer import NgramProposer
+from fusedserve.coordinator.engine.speculative.speculation_policy import MIN_GAIN, SpecState
+from fusedserve.coordinator.model_files.default_model import TRAINED_DIR
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.coordinator.structured.structured_spec import StructuredSpec
+from fusedserve.kernels import sampler
+from fusedserve.kernels.speculation import accept_prefix
 from safetensors.torch import load_file, save_file
 
-from coordinator.cli_parser import build_parser
-from coordinator.client import Client
-from coordinator.engine.block_manager import BlockManager
-from coordinator.engine.llm_engine import LLMEngine, load_model
-from coordinator.engine.speculative.ngram_proposer import NgramProposer
-from coordinator.engine.speculative.speculation_policy import MIN_GAIN, SpecState
-from coordinator.model_files.default_model import TRAINED_DIR
-from coordinator.sampling_params import SamplingParams
-from coordinator.structured.structured_spec import StructuredSpec
-from kernels import sampler
-from kernels.speculation import accept_prefix
 from tests.support import running_server
 
 # bf16 through the native kernels: each row's logits have the same bits whatever the batch, so a

@@ -11,13 +11,12 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
-
-from coordinator.engine.llm_engine import LLMEngine
-from coordinator.sampling_params import SamplingParams
-from coordinator.structured.grammar_compiler import GrammarCompiler
-from coordinator.structured.structured_spec import StructuredError, StructuredSpec
-from kernels import sampler
-from shared_memory.slots import step_table
+from fusedserve.coordinator.engine.llm_engine import LLMEngine
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.coordinator.structured.grammar_compiler import GrammarCompiler
+from fusedserve.coordinator.structured.structured_spec import StructuredError, StructuredSpec
+from fusedserve.kernels import sampler
+from fusedserve.shared_memory.slots import step_table
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "size": {"type": "integer", "minimum": 0},
@@ -185,9 +184,9 @@ def test_allowed_tokens_unpacks_bits_in_order():
 
 
 def test_native_bitmask_pass_equals_the_torch_one():
-    from kernels.aten.backend import TorchLayerOps
-    from kernels.native import build as native
-    from kernels.native.backend import NativeLayerOps
+    from fusedserve.kernels.aten.backend import TorchLayerOps
+    from fusedserve.kernels.native import build as native
+    from fusedserve.kernels.native.backend import NativeLayerOps
 
     vocab = 1000  # not a multiple of 32: the last word's tail is past the vocabulary
     words = -(-vocab // 32)

@@ -188,7 +188,7 @@ def test_stop_strings_and_max_tokens_cover_reasoning_too(oai):
 
 
 def test_malformed_calls_stay_content():
-    from coordinator.openai import tool_parser
+    from fusedserve.coordinator.openai import tool_parser
 
     for text in ['<tool_call>{"name": "f", "arguments": {"a": </tool_call>', '<tool_call>no</tool_call>',
                  '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"name": "f"']:

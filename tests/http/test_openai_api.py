@@ -12,13 +12,13 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from fusedserve.coordinator.client import Client
+from fusedserve.coordinator.engine.llm_engine import LLMEngine
+from fusedserve.coordinator.model_files.default_model import resolve_model
+from fusedserve.coordinator.openai.chat_template import ChatTemplate
+from fusedserve.coordinator.sampling_params import SamplingParams
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.client import Client
-from coordinator.engine.llm_engine import LLMEngine
-from coordinator.model_files.default_model import resolve_model
-from coordinator.openai.chat_template import ChatTemplate
-from coordinator.sampling_params import SamplingParams
 from tests.serve_proc import ServeProcess
 from tests.support import settled, wait_for
 
@@ -286,7 +286,7 @@ def test_bench_serve_takes_the_openai_base_url_as_serve_prints_it(server):
     accepts that as well as the server's root."""
     import asyncio
 
-    from coordinator.openai.bench_serve import BenchConfig, run
+    from fusedserve.coordinator.openai.bench_serve import BenchConfig, run
 
     s = asyncio.run(run(BenchConfig(server.http + "/v1/", api_key=TOKEN, num_prompts=2, input_len=4,
                                     output_len=3, progress=False)))
@@ -294,7 +294,7 @@ def test_bench_serve_takes_the_openai_base_url_as_serve_prints_it(server):
 
 
 def test_bench_serve_loads_the_api_and_reports(server, tmp_path, capsys):
-    from coordinator import cli
+    from fusedserve.coordinator import cli
 
     out = tmp_path / "bench.json"
     rc = cli.main(["bench", "serve", "--base-url", server.http, "--api-key", TOKEN, "--num-prompts", "12",
@@ -337,7 +337,7 @@ def test_a_non_streaming_client_that_leaves_has_its_request_aborted(server):
     ("bad_prompt", 400),
 ])
 def test_coordinator_codes_map_to_http_statuses(code, status):
-    from coordinator.openai.protocol import ApiError
+    from fusedserve.coordinator.openai.protocol import ApiError
 
     err = ApiError.from_reply({"type": "error", "code": code, "message": "m"})
     assert err.status == status and err.body()["error"]["code"] == code

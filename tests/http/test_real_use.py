@@ -15,10 +15,10 @@ import sys
 import httpx
 import openai
 import pytest
+from fusedserve.coordinator.engine.llm_engine import LLMEngine
+from fusedserve.coordinator.model_files.default_model import default_model_dir
+from fusedserve.coordinator.sampling_params import SamplingParams
 
-from coordinator.engine.llm_engine import LLMEngine
-from coordinator.model_files.default_model import default_model_dir
-from coordinator.sampling_params import SamplingParams
 from tests.serve_proc import ServeProcess
 
 KV = "1GiB"
@@ -65,7 +65,7 @@ def test_tokenize_then_detokenize_round_trips(served):
 def test_penalties_and_logit_bias_change_the_output_as_the_formulas_say(served):
     """Served over HTTP as the offline engine gives them (its formulas are checked against
     transformers' and OpenAI's in tests/engine/test_sampling_fields.py), and each unlike the plain output."""
-    from coordinator.model_files.tokenizer import TextTokenizer
+    from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
 
     srv, model = served
     tok = TextTokenizer.from_dir(model)
@@ -119,7 +119,7 @@ def test_a_model_that_is_nowhere_is_one_line_and_exit_2(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     for model, says in (("nobody/no-such-model", "is not in the Hugging Face cache at"),
                         ("./no/such/dir", "no such directory, and not a Hugging Face id")):
-        out = subprocess.run([sys.executable, "-m", "coordinator.cli", "serve", "--model", model,
+        out = subprocess.run([sys.executable, "-m", "fusedserve.coordinator.cli", "serve", "--model", model,
                               "--download-dir", str(tmp_path), "--no-http", "--port", "0"],
                              env=env, capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and says in out.stderr, out.stderr

@@ -153,7 +153,7 @@ def test_logprobs_echo_stream_stop_and_field_specific_ones(http, caplog):
     forced = _post(client, True, {**CHAT, "max_tokens": 80, "ignore_eos": False, "tools": tools,
                                   "tool_choice": {"type": "function", "function": {"name": "f"}}}).json()
     assert forced["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "f"
-    with caplog.at_level(logging.INFO, logger="coordinator.openai.gateway"):
+    with caplog.at_level(logging.INFO, logger="fusedserve.coordinator.openai.gateway"):
         assert _post(client, False, {**BASE, "user": "alice-42"}).status_code == 200
     assert "alice-42" in caplog.text, "the end user is recorded with the request"
 

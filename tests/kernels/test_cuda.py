@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from coordinator.engine.llm_engine import LLMEngine, load_model
-from coordinator.sampling_params import SamplingParams
-from kernels.sampler import sample, token_logprobs
-from shared_memory.sampling_row import SamplingPlan
+from fusedserve.coordinator.engine.llm_engine import LLMEngine, load_model
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.kernels.sampler import sample, token_logprobs
+from fusedserve.shared_memory.sampling_row import SamplingPlan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -117,7 +116,7 @@ def _sampler(name: str):
     if name == "aten":
         return sample
     pytest.importorskip("triton")
-    from kernels.triton.sampler import sample as triton_sample
+    from fusedserve.kernels.triton.sampler import sample as triton_sample
 
     return triton_sample
 
@@ -178,9 +177,8 @@ def test_a_decode_step_is_one_replay_with_the_sampler_and_no_host_sync(monkeypat
     """A decode launch's step (feed, replay, sampling) never waits on the device, and sampling adds no
     kernel launch outside the replay: a greedy and a sampled launch launch the same eager kernels."""
     import numpy as np
+    from fusedserve.benchmarks.decode_step import bench_runner, greedy_batch, launch
     from torch.profiler import ProfilerActivity, profile
-
-    from benchmarks.decode_step import bench_runner, greedy_batch, launch
 
     if triton == "1":
         pytest.importorskip("triton")
@@ -221,7 +219,7 @@ def test_the_triton_sampler_draws_atens_tokens_on_the_gpu():
     """The Triton sampler against ATen's on the device, rows on every path (a probability may
     differ in its last bit between the two, so one boundary draw in 40 is allowed)."""
     pytest.importorskip("triton")
-    from kernels.triton.self_check import sampler_mismatches
+    from fusedserve.kernels.triton.self_check import sampler_mismatches
 
     assert sampler_mismatches(torch.device("cuda"), rows=40, vocab=151_936, candidates=64) <= 1
 
@@ -265,9 +263,10 @@ def test_the_triton_kernels_run_the_engine_as_aten_does(monkeypatch):
 def test_moe_grouped_gemms_match_the_per_expert_path_without_host_syncs(moe_dir, monkeypatch):
     """Qwen3-MoE on CUDA: the grouped-GEMM layer (torch._grouped_mm) against one GEMM per expert,
     and a decode forward through it reads nothing back to the host."""
-    from kernels import backend_table
+    from fusedserve.kernels import backend_table
+    from fusedserve.worker.model.qwen3 import Qwen3Model
+
     from tests.model_batches import decode_batch, prompt_batch
-    from worker.model.qwen3 import Qwen3Model
 
     def logits(grouped: bool) -> tuple[torch.Tensor, Qwen3Model]:
         monkeypatch.setattr(backend_table, "_grouped_mm_runs", lambda *a: grouped)
@@ -305,9 +304,10 @@ def test_triton_bf16_logits_are_no_further_from_fp32_than_atens(monkeypatch):
     """The issue's numeric bound: with bf16 weights, the Triton path's logits stay as close to the
     float32 ATen logits as the ATen path's bf16 logits are (prefill, then decode steps)."""
     pytest.importorskip("triton")
-    from coordinator.model_files.default_model import resolve_model
+    from fusedserve.coordinator.model_files.default_model import resolve_model
+    from fusedserve.worker.model.qwen3 import Qwen3Model
+
     from tests.model_batches import decode_batch, prompt_batch
-    from worker.model.qwen3 import Qwen3Model
 
     def logits(dtype: str, triton: str) -> torch.Tensor:
         monkeypatch.setenv("FUSEDSERVE_TRITON", triton)

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from fusedserve.kernels.aten.backend import AttentionScratch, paged_decode_attention
+from fusedserve.worker.model.qwen3 import Qwen3Model
 from torch.profiler import ProfilerActivity, profile
 
-from kernels.aten.backend import AttentionScratch, paged_decode_attention
 from tests.model_batches import decode_batch, prompt_batch
-from worker.model.qwen3 import Qwen3Model
 
 
 def test_paged_attention_over_scattered_blocks_equals_dense():
@@ -73,7 +73,7 @@ def test_batched_decode_equals_each_alone(hf_checkpoints):
 
 
 def test_decode_step_allocates_nothing_after_warmup(hf_checkpoints):
-    from kernels.native import build as native
+    from fusedserve.kernels.native import build as native
 
     kinds = [("float32", None), ("bfloat16", None), ("bfloat16", "int8")]
     if native.kernels() is not None:
@@ -100,11 +100,11 @@ def test_decode_step_allocates_nothing_after_warmup(hf_checkpoints):
 
 
 def test_the_decode_step_benchmark_runs_and_counts_ids_only(monkeypatch):
-    """``benchmarks.decode_step.run`` (which cuda_peers, tp_decode and moe_decode call) runs the
+    """``fusedserve.benchmarks.decode_step.run`` (which cuda_peers, tp_decode and moe_decode call) runs the
     real launch path end to end on the embedded model; its byte counts are the launch reply's:
     4 bytes of ids back per row."""
-    from benchmarks import decode_step
-    from coordinator.model_files.default_model import resolve_model
+    from fusedserve.benchmarks import decode_step
+    from fusedserve.coordinator.model_files.default_model import resolve_model
 
     for probe in ("read_bandwidth", "copy_bandwidth"):  # seconds each: not what this checks
         monkeypatch.setattr(decode_step, probe, lambda *a, **k: 1e10)
@@ -115,13 +115,13 @@ def test_the_decode_step_benchmark_runs_and_counts_ids_only(monkeypatch):
 
 
 def test_the_gpu_peers_benchmark_runs_end_to_end_on_the_cpu(monkeypatch, tmp_path):
-    """``benchmarks.cuda_peers.measure`` on the CPU with the embedded model: every engine and both
+    """``fusedserve.benchmarks.cuda_peers.measure`` on the CPU with the embedded model: every engine and both
     decode-step settings give figures and no error, and the JSON is written as cases end (what a
     lent GPU's first run must not lose to an API drift)."""
     import json
 
-    from benchmarks import cuda_peers, decode_step
-    from coordinator.model_files.default_model import resolve_model
+    from fusedserve.benchmarks import cuda_peers, decode_step
+    from fusedserve.coordinator.model_files.default_model import resolve_model
 
     for probe in ("read_bandwidth", "copy_bandwidth"):
         monkeypatch.setattr(decode_step, probe, lambda *a, **k: 1e10)
@@ -135,12 +135,12 @@ def test_the_gpu_peers_benchmark_runs_end_to_end_on_the_cpu(monkeypatch, tmp_pat
 
 
 def test_the_gpu_profile_runs_its_cases_on_the_cpu(monkeypatch):
-    """``benchmarks.cuda_profile.profile_model`` on the embedded model on the CPU (graphs' padded
+    """``fusedserve.benchmarks.cuda_profile.profile_model`` on the embedded model on the CPU (graphs' padded
     eager twins, wall time, ATen ops counted): every figure of every case, greedy and sampled, is
     there; the profiler's op names are what per-layer counts come from."""
-    from benchmarks import cuda_profile
-    from coordinator.model_files.default_model import resolve_model
-    from worker.model.qwen3 import Qwen3Model
+    from fusedserve.benchmarks import cuda_profile
+    from fusedserve.coordinator.model_files.default_model import resolve_model
+    from fusedserve.worker.model.qwen3 import Qwen3Model
 
     model = Qwen3Model.from_pretrained(resolve_model("default"), "float32", "cpu", max_model_len=80)
     rows = cuda_profile.profile_model(model, [(1, 16), (3, 40)], calls=2, read_bw=1e10)
@@ -155,7 +155,7 @@ def test_the_gpu_profile_runs_its_cases_on_the_cpu(monkeypatch):
 
 def test_the_report_names_the_host_isa_and_amx(monkeypatch):
     """Sections re-run alone carry their host: its vector extensions, and AMX present or not."""
-    from benchmarks import common
+    from fusedserve.benchmarks import common
 
     monkeypatch.setattr(common, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16", "avx_vnni"})
     assert common.isa_line() == "AVX-512 BF16, AVX-512, AVX-VNNI, AVX2; no AMX"
@@ -164,13 +164,13 @@ def test_the_report_names_the_host_isa_and_amx(monkeypatch):
 
 
 def test_the_prefill_split_accounts_every_kernel_call_and_its_flops():
-    """``benchmarks.prefill_parts`` on the tiny embedded model: every layer's four GEMMs and its
+    """``fusedserve.benchmarks.prefill_parts`` on the tiny embedded model: every layer's four GEMMs and its
     attention are timed once a launch, the GEMM flops are the model's own (2 x tokens x each
     projection's K x N, lm_head for the one last token), the parts add up to the wall time, and
     the kernels' own methods come back afterwards."""
-    from benchmarks import prefill_parts
-    from coordinator.model_files.default_model import default_model_dir
-    from kernels.linear import LinearOp
+    from fusedserve.benchmarks import prefill_parts
+    from fusedserve.coordinator.model_files.default_model import default_model_dir
+    from fusedserve.kernels.linear import LinearOp
 
     call = LinearOp.__call__
     tokens = 40
@@ -207,8 +207,8 @@ def test_llama_cpp_runs_q8_0_and_q4_0_from_its_amx_off_build_on_an_amx_cpu(monke
     """llama.cpp's Q8_0 and Q4_0 crash in its AMX path: on a CPU with AMX the native comparison
     runs them from ``build-noamx`` (bf16 stays on the native build), the result names each
     engine's build, and a CPU without AMX runs all three from the native build."""
-    from benchmarks import cpu_peers, llama_cpp
-    from coordinator.model_files.default_model import default_model_dir
+    from fusedserve.benchmarks import cpu_peers, llama_cpp
+    from fusedserve.coordinator.model_files.default_model import default_model_dir
 
     amx = {"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}
     assert llama_cpp.build_for("llamacpp-q8_0", "native", amx) == "build-noamx"

@@ -9,12 +9,11 @@ import math
 import numpy as np
 import pytest
 import torch
+from fusedserve.coordinator.engine.llm_engine import LLMEngine
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.kernels.sampler import sample
+from fusedserve.shared_memory.sampling_row import SamplingPlan
 from torch._subclasses.fake_tensor import FakeTensorMode
-
-from coordinator.engine.llm_engine import LLMEngine
-from coordinator.sampling_params import SamplingParams
-from kernels.sampler import sample
-from shared_memory.sampling_row import SamplingPlan
 
 
 def _expected(logits: np.ndarray, t: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
@@ -95,7 +94,7 @@ def test_seeded_draws_repeat_whatever_the_batch():
 def test_every_stage_plan_draws_what_each_rows_own_plan_draws():
     """A captured decode graph samples with every stage on (``worker/graphs.py``): every kind of row,
     alone under its own plan, draws the same token under the widest plan."""
-    from worker.graphs import EVERY_STAGE, GREEDY, variant
+    from fusedserve.worker.graphs import EVERY_STAGE, GREEDY, variant
 
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(9, 300, generator=g) * 3

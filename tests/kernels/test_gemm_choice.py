@@ -11,14 +11,14 @@ import time
 
 import pytest
 import torch
+from fusedserve.kernels.backend_table import native as native_backend
+from fusedserve.kernels.linear import Int8Weight, LinearOp, _vnni_blocks
+from fusedserve.kernels.native import build as native
+from fusedserve.kernels.native.gemm_choice import ROW_BUCKETS, GemmChooser, GemmTiming, bucket
+from fusedserve.worker.model.qwen3 import Qwen3Model
 from torch.profiler import ProfilerActivity, profile
 
-from kernels.backend_table import native as native_backend
-from kernels.linear import Int8Weight, LinearOp, _vnni_blocks
-from kernels.native import build as native
-from kernels.native.gemm_choice import ROW_BUCKETS, GemmChooser, GemmTiming, bucket
 from tests.model_batches import decode_batch, prompt_batch
-from worker.model.qwen3 import Qwen3Model
 
 needs_w8a8 = pytest.mark.skipif(native.missing_toolchain() is not None or native.kernels() is None
                                 or not native.kernels().int8_lanes(), reason="no native W8A8 build here")
@@ -123,7 +123,7 @@ def test_the_faster_path_is_chosen_and_the_timing_cached(tmp_path):
 
 def test_the_cache_key_tells_apart_cpus_a_hypervisor_names_alike(monkeypatch):
     """A VM shows Zen 4 and Zen 5 both as "AMD EPYC": their timings must not share a file."""
-    from kernels.native import gemm_choice
+    from fusedserve.kernels.native import gemm_choice
 
     monkeypatch.setattr(gemm_choice, "cpu_model", lambda: "AMD EPYC")
     keys = set()
@@ -184,7 +184,7 @@ def _logits(model: Qwen3Model) -> torch.Tensor:
 def test_model_logits_on_the_matrix_path(hf_checkpoints, matrix_everywhere, caplog, quantization):
     ckpt = hf_checkpoints["gqa2_untied"]
     ref = Qwen3Model.from_pretrained(ckpt, "bfloat16", quantization=quantization, gemm="native")
-    with caplog.at_level(logging.INFO, logger="kernels.native.gemm_choice"):
+    with caplog.at_level(logging.INFO, logger="fusedserve.kernels.native.gemm_choice"):
         model = Qwen3Model.from_pretrained(ckpt, "bfloat16", quantization=quantization, gemm="auto")
     path = matrix_everywhere
     assert path in model.kernel_info()["linear"] and path not in ref.kernel_info()["linear"]
@@ -239,7 +239,7 @@ def test_a_brgemm_path_that_disagrees_with_native_is_left_out(tmp_path, monkeypa
     p = op.prepare(weight)
     if "brgemm" in seen[0]:  # this host's micro-kernel runs and agrees: it is timed and chosen
         assert p.paths and set(p.paths) == {"brgemm"} and p.brgemm is not None
-    with caplog.at_level(logging.WARNING, logger="kernels.linear"):
+    with caplog.at_level(logging.WARNING, logger="fusedserve.kernels.linear"):
         monkeypatch.setattr(build, "linear_brgemm", lambda x, packed, out: out.fill_(1.0))
         monkeypatch.setattr(build, "linear_brgemm_w8a8", lambda q, packed, wsum, acc: acc.fill_(1))
         p = LinearOp(torch.device("cpu"), build, torch.bfloat16, gemm="auto").prepare(weight)

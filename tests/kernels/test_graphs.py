@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from coordinator.engine.llm_engine import LLMEngine
-from coordinator.sampling_params import SamplingParams
-from worker.graphs import batch_buckets
+from fusedserve.coordinator.engine.llm_engine import LLMEngine
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.worker.graphs import batch_buckets
 
 PROMPTS = ["The capital of France is", "Hello", "def hello(name):", "Once upon a time there",
            "Numbers: 1 2 3", "Questions and answers:"]
@@ -37,7 +36,7 @@ def test_padded_bucketed_decode_equals_exact_decode():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graph_decode_equals_eager():  # pragma: no cover - runs on GPU machines only
-    from coordinator.engine.llm_engine import load_model
+    from fusedserve.coordinator.engine.llm_engine import load_model
 
     model, tok = load_model("default", "float32", "cuda", 128)
     rc = dict(max_batch=8, block_size=8, num_blocks=64, sampler_candidates=16, graphs="auto")

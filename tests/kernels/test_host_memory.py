@@ -8,8 +8,7 @@ import os
 
 import pytest
 import torch
-
-from kernels.host_memory import HUGE_PAGE, huge_page_empty, on_huge_pages
+from fusedserve.kernels.host_memory import HUGE_PAGE, huge_page_empty, on_huge_pages
 
 # A Linux kernel built with transparent huge pages (else madvise refuses the advice: 4 KiB pages).
 THP = "/sys/kernel/mm/transparent_hugepage/enabled"
@@ -71,11 +70,11 @@ def test_small_tensors_and_copies():
 
 @needs_thp_advice
 def test_packed_weights_and_the_kv_cache_land_on_advised_memory():
-    from coordinator.model_files.default_model import default_model_dir
-    from kernels.kv_cache import PagedKVCache
-    from kernels.linear import LinearOp, PackedWeight
-    from kernels.model_description.config import Qwen3Config
-    from kernels.native import build as native
+    from fusedserve.coordinator.model_files.default_model import default_model_dir
+    from fusedserve.kernels.kv_cache import PagedKVCache
+    from fusedserve.kernels.linear import LinearOp, PackedWeight
+    from fusedserve.kernels.model_description.config import Qwen3Config
+    from fusedserve.kernels.native import build as native
 
     cache = PagedKVCache(Qwen3Config.from_dir(default_model_dir("tiny")), 512, 16, torch.bfloat16)
     assert cache.data.data_ptr() % HUGE_PAGE == 0 and not cache.data.any()

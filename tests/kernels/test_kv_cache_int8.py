@@ -12,15 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from fusedserve.coordinator.engine import kv_sizing
+from fusedserve.coordinator.engine.config_resolution import resolve_config
+from fusedserve.coordinator.engine.llm_engine import LLMEngine
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.kernels.kv_cache import KV8_SCALE_BYTES, dequantize_rows
+from fusedserve.kernels.model_description.config import Qwen3Config
+from fusedserve.kernels.native import build as native
+from fusedserve.shared_memory.engine_config import CacheConfig, EngineConfig
 
-from coordinator.engine import kv_sizing
-from coordinator.engine.config_resolution import resolve_config
-from coordinator.engine.llm_engine import LLMEngine
-from coordinator.sampling_params import SamplingParams
-from kernels.kv_cache import KV8_SCALE_BYTES, dequantize_rows
-from kernels.model_description.config import Qwen3Config
-from kernels.native import build as native
-from shared_memory.engine_config import CacheConfig, EngineConfig
 from tests.kernels.test_native_kernels import ISAS, _module, _paged, needs_native
 
 
@@ -50,8 +50,8 @@ def _deq64(rows: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_cache_write_stores_each_head_row_quantized_with_its_scale(isa, dtype):
-    from kernels.layer_ops import NormScratch, rope_tables
-    from kernels.native.backend import NativeLayerOps
+    from fusedserve.kernels.layer_ops import NormScratch, rope_tables
+    from fusedserve.kernels.native.backend import NativeLayerOps
 
     m = _module(isa)
     g = torch.Generator().manual_seed(1)
@@ -131,7 +131,7 @@ def test_decode_attention_over_int8_pages_does_not_depend_on_the_batch_or_the_th
 def test_prompt_chunks_over_int8_pages_match_float64_on_the_bf16_dequantized_values(flash):
     """The flash kernel (AVX-512 BF16 builds) and the SDPA path (``prompt_rows``) both read an
     int8 page as q * scale rounded to the query's dtype."""
-    from kernels.attention.prompt_rows import PromptChunk, attend_chunks
+    from fusedserve.kernels.attention.prompt_rows import PromptChunk, attend_chunks
 
     m = native.kernels()
     if flash and not m.has_prompt_attention():
@@ -178,7 +178,7 @@ def test_an_int8_cache_holds_a_byte_per_value_and_a_scale_per_head_row():
 
 
 def test_the_serve_flag_reaches_the_cache_config():
-    from coordinator.cli_parser import build_parser, server_config
+    from fusedserve.coordinator.cli_parser import build_parser, server_config
 
     assert server_config(build_parser().parse_args(["serve"])).engine.cache.kv_cache_dtype == "auto"
     cfg = server_config(build_parser().parse_args(["serve", "--kv-cache-dtype", "int8"]))

@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels.native import build as native
-from kernels.quantize import quantize_int8
+from fusedserve.kernels.native import build as native
+from fusedserve.kernels.quantize import quantize_int8
 
 
 def _isas() -> list[str]:
@@ -188,7 +187,7 @@ def test_without_a_compiler_the_model_falls_back_to_aten_with_one_warning(tmp_pa
     code = textwrap.dedent(f"""
         import logging, torch
         logging.basicConfig(level=logging.WARNING)
-        from worker.model.qwen3 import Qwen3Model
+        from fusedserve.worker.model.qwen3 import Qwen3Model
         m = Qwen3Model.from_pretrained({str(hf_checkpoints["gqa2_untied"])!r}, dtype="bfloat16")
         Qwen3Model.from_pretrained({str(hf_checkpoints["gqa2_untied"])!r}, dtype="float32")
         print("KERNELS", m.kernel_info())
@@ -248,7 +247,7 @@ def test_each_cpu_gets_its_best_build_and_never_the_test_twin(monkeypatch):
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_norms_and_rotary_match_the_aten_ops(dtype):
-    from kernels.layer_ops import rms_norm, rope_tables, rotary
+    from fusedserve.kernels.layer_ops import rms_norm, rope_tables, rotary
 
     m = _module(ISAS[0])
     g = torch.Generator().manual_seed(4)
@@ -322,7 +321,7 @@ def _packed_module():
 @needs_native
 @pytest.mark.parametrize("wkind", ["bf16", "int8"])
 def test_packed_gemm_matches_reference_and_rows_do_not_depend_on_the_batch(wkind):
-    from kernels.linear import Int8Weight, PackedWeight
+    from fusedserve.kernels.linear import Int8Weight, PackedWeight
 
     m = _packed_module()
     g = torch.Generator().manual_seed(5)
@@ -397,7 +396,7 @@ def _quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16])
 def test_packed_fma_gemm_matches_float64_and_the_batch(isa, wdtype):
-    from kernels.linear import PackedWeight
+    from fusedserve.kernels.linear import PackedWeight
 
     m = _module(isa)
     if m.vector_lanes() == 1:
@@ -417,7 +416,7 @@ def test_packed_fma_gemm_matches_float64_and_the_batch(isa, wdtype):
 @needs_native
 @pytest.mark.parametrize("isa", INT_ISAS)
 def test_w8a8_gemm_is_the_exact_integer_product_whatever_the_batch(isa):
-    from kernels.linear import Int8Weight, PackedWeight
+    from fusedserve.kernels.linear import Int8Weight, PackedWeight
 
     m = _module(isa)
     if not m.int8_lanes():
@@ -438,8 +437,8 @@ def test_w8a8_gemm_is_the_exact_integer_product_whatever_the_batch(isa):
 @needs_native
 @pytest.mark.parametrize("isa", INT_ISAS)
 def test_w4a8_gemm_matches_the_dequantized_weights_whatever_the_batch(isa):
-    from kernels.linear import Int4Weight, PackedWeight
-    from kernels.quantize import dequantize_int4
+    from fusedserve.kernels.linear import Int4Weight, PackedWeight
+    from fusedserve.kernels.quantize import dequantize_int4
 
     m = _module(isa)
     if not m.int4_lanes():
@@ -462,8 +461,8 @@ def test_w4a8_gemm_matches_the_dequantized_weights_whatever_the_batch(isa):
 def test_w4a8_gemm_with_zero_points_matches_the_dequantized_weights_whatever_the_batch(isa):
     """Asymmetric groups (AWQ, GPTQ): ``(u - z) * d`` with a uint8 zero point per group; z = 8
     everywhere equals the symmetric kernel bit for bit."""
-    from kernels.linear import Int4Weight, PackedWeight
-    from kernels.quantize import dequantize_int4
+    from fusedserve.kernels.linear import Int4Weight, PackedWeight
+    from fusedserve.kernels.quantize import dequantize_int4
 
     m = _module(isa)
     if not m.int4_lanes():
@@ -492,7 +491,7 @@ def test_w4a8_gemm_with_zero_points_matches_the_dequantized_weights_whatever_the
 
 
 def test_int4_quantization_keeps_each_groups_extreme_and_16_levels():
-    from kernels.quantize import dequantize_int4, quantize_int4
+    from fusedserve.kernels.quantize import dequantize_int4, quantize_int4
 
     w = torch.randn(6, 70) * torch.logspace(-3, 1, 6)[:, None]  # rows of very different ranges; a tail group
     u, d = quantize_int4(w)
@@ -512,9 +511,9 @@ def test_int4_quantization_keeps_each_groups_extreme_and_16_levels():
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_silu_mul_and_the_cache_write_match_the_aten_ops(dtype):
-    from kernels.aten.backend import TorchLayerOps
-    from kernels.layer_ops import NormScratch, rope_tables
-    from kernels.native.backend import NativeLayerOps
+    from fusedserve.kernels.aten.backend import TorchLayerOps
+    from fusedserve.kernels.layer_ops import NormScratch, rope_tables
+    from fusedserve.kernels.native.backend import NativeLayerOps
 
     m = _module(ISAS[0])
     g = torch.Generator().manual_seed(8)

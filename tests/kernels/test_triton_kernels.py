@@ -26,12 +26,12 @@ if not COMPILED:
     elif os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("triton was imported before the interpreter could be chosen", allow_module_level=True)
 
-from kernels import sampler  # noqa: E402
-from kernels.aten.backend import TorchLayerOps  # noqa: E402
-from kernels.layer_ops import NormScratch, rope_tables  # noqa: E402
-from kernels.triton.decode_attention import DecodeAttentionScratch, decode_attention  # noqa: E402
-from kernels.triton.layer_ops import TritonLayerOps  # noqa: E402
-from kernels.triton.prompt_attention import prompt_attention  # noqa: E402
+from fusedserve.kernels import sampler  # noqa: E402
+from fusedserve.kernels.aten.backend import TorchLayerOps  # noqa: E402
+from fusedserve.kernels.layer_ops import NormScratch, rope_tables  # noqa: E402
+from fusedserve.kernels.triton.decode_attention import DecodeAttentionScratch, decode_attention  # noqa: E402
+from fusedserve.kernels.triton.layer_ops import TritonLayerOps  # noqa: E402
+from fusedserve.kernels.triton.prompt_attention import prompt_attention  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 CPU = torch.device("cpu")
@@ -181,7 +181,8 @@ def test_paged_decode_attention_reads_the_pages_in_place(dtype, heads, kv_heads,
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
 
 
-@pytest.mark.skipif(COMPILED, reason="counts the interpreter's loads; on a GPU, benchmarks.cuda_profile "
+@pytest.mark.skipif(COMPILED, reason="counts the interpreter's loads; on a GPU, "
+                    "fusedserve.benchmarks.cuda_profile "
                     "times max_model_len 40,960 against 4,128")
 def test_a_rows_attention_cost_follows_its_own_length_not_max_model_len(monkeypatch):
     """The K tiles each program of a decode row's attention loads, counted under the interpreter.
@@ -229,8 +230,8 @@ def test_a_rows_attention_cost_follows_its_own_length_not_max_model_len(monkeypa
 def test_prompt_attention_over_the_pages_equals_the_chunk_path(dtype, heads, kv_heads):
     """Two decode rows, then prompt chunks in one launch: a whole prompt (37 tokens, past two query
     blocks), a chunk after a 20-token cached prefix, and a one-token chunk; scattered pages."""
-    from kernels.attention.prompt_rows import attend_chunks, plan_chunks
-    from kernels.forward_batch import ForwardBatch
+    from fusedserve.kernels.attention.prompt_rows import attend_chunks, plan_chunks
+    from fusedserve.kernels.forward_batch import ForwardBatch
 
     hd, bs, num_blocks = 16, 4, 96
     g = torch.Generator().manual_seed(heads + kv_heads)
@@ -267,7 +268,7 @@ def _compiled(args: list[str]) -> str:
 
 def test_kernels_compile_ahead_of_time_for_sm90():
     """Compiled for the H200 (sm_90) on this CPU host, outside the interpreter."""
-    out = _compiled(["-m", "kernels.triton.aot_check", "--arch", "90"])
+    out = _compiled(["-m", "fusedserve.kernels.triton.aot_check", "--arch", "90"])
     lines = [ln for ln in out.splitlines() if ": cubin " in ln]
     names = [ln.split(":")[0] for ln in lines]
     assert [f"decode_attention_split_gqa{g}" for g in range(1, 17)] == [n for n in names if "split" in n]
@@ -283,17 +284,17 @@ def test_float32_products_are_ieee_and_per_launch_integers_are_not_specialised()
     GPU needed), its float32 PTX has no TF32 MMA and its bf16 PTX has bf16 MMA. Launch-varying
     integers (first row, table stride; the sampler's batch, vocabulary and strides) are not
     specialised on; the split length is the row's own."""
-    from kernels.triton import decode_attention as attn
-    from kernels.triton import prompt_attention as prompt
+    from fusedserve.kernels.triton import decode_attention as attn
+    from fusedserve.kernels.triton import prompt_attention as prompt
 
     assert prompt.dot_precision(torch.float32) == "ieee"
     assert [attn.split_block_n(g) for g in (2, 4, 8, 16, 32)] == [16, 16, 16, 8, 4]
     code = (
-        "from kernels.triton import aot_check as a\n"
+        "from fusedserve.kernels.triton import aot_check as a\n"
         "for f32 in (True, False):\n"
         "    ptx = a.compile_job(a._prompt(16, f32)).asm['ptx']\n"
         "    print(f32, 'tf32' in ptx, 'bf16' in ptx and ('mma' in ptx))\n"
-        "from kernels.triton import decode_attention as d, prompt_attention as p, sampler as s\n"
+        "from fusedserve.kernels.triton import decode_attention as d, prompt_attention as p, sampler as s\n"
         "for k in (p._prompt_kernel, d._split_kernel, s._select_hist_kernel, s._draw_kernel):\n"
         "    print(sorted(q.name for q in k.params if q.do_not_specialize))\n")
     out = _compiled(["-c", code])
@@ -308,12 +309,13 @@ def test_a_model_forward_on_the_triton_kernels_equals_the_aten_one():
     (under the interpreter) against ATen's ops and the gathering attention, in float32."""
     from dataclasses import replace
 
-    from coordinator.model_files.default_model import resolve_model
-    from kernels.backend_table import aten, select_kernels
-    from kernels.backend_table import triton as triton_backend
-    from kernels.triton.layer_ops import TritonLayerOps
+    from fusedserve.coordinator.model_files.default_model import resolve_model
+    from fusedserve.kernels.backend_table import aten, select_kernels
+    from fusedserve.kernels.backend_table import triton as triton_backend
+    from fusedserve.kernels.triton.layer_ops import TritonLayerOps
+    from fusedserve.worker.model.qwen3 import Qwen3Model
+
     from tests.model_batches import decode_batch, prompt_batch
-    from worker.model.qwen3 import Qwen3Model
 
     outs = []
     for triton_ops in (False, True):
@@ -351,7 +353,7 @@ def test_cache_addresses_are_64_bit_in_the_compiled_kernels():
     slot base where qk_norm_rope writes the cache."""
     code = (
         "import re\n"
-        "from kernels.triton import aot_check as a\n"
+        "from fusedserve.kernels.triton import aot_check as a\n"
         "j = a.jobs()\n"
         "for name in ('decode_attention_split_gqa4', 'decode_attention_split_gqa16',\n"
         "             'prompt_attention_16x16_bf16', 'qk_norm_rope'):\n"
@@ -367,12 +369,12 @@ def test_cache_addresses_are_64_bit_in_the_compiled_kernels():
 
 
 def test_the_triton_sampler_draws_atens_tokens():
-    """The every-stage sampler in Triton draws ``kernels.sampler``'s token on every row: greedy,
+    """The every-stage sampler in Triton draws ``fusedserve.kernels.sampler``'s token on every row: greedy,
     the candidate path, the whole vocabulary with a top-k beyond the candidates, top-p placed
     among the candidates and top-p that needs the whole row, min-p; under the batch's plan and
     under each row's own (a row draws the same whatever its batch runs)."""
-    from kernels.triton import sampler as triton_sampler
-    from kernels.triton.self_check import sampler_batch
+    from fusedserve.kernels.triton import sampler as triton_sampler
+    from fusedserve.kernels.triton.self_check import sampler_batch
 
     rows, vocab, n = 40, 3000, 16
     logits, params, seeds = sampler_batch(rows, vocab, torch.Generator().manual_seed(5), CPU)
@@ -413,9 +415,9 @@ def test_the_engine_samples_with_the_triton_sampler_as_with_atens():
     sampler under the interpreter draws the ATen sampler's tokens for requests on every path."""
     from dataclasses import replace
 
-    from coordinator.engine.llm_engine import LLMEngine, load_model
-    from coordinator.sampling_params import SamplingParams
-    from kernels.triton import sampler as triton_sampler
+    from fusedserve.coordinator.engine.llm_engine import LLMEngine, load_model
+    from fusedserve.coordinator.sampling_params import SamplingParams
+    from fusedserve.kernels.triton import sampler as triton_sampler
 
     model, tok = load_model("default", "float32", "cpu", 128)
     kinds = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9), dict(temperature=0.7, top_k=20),
@@ -436,8 +438,8 @@ def test_the_self_check_passes_here_and_a_wrong_kernel_falls_back_to_aten(monkey
     """On CUDA the Triton backend is the default only once its kernels agree with torch on the
     device: here (the interpreter, or the GPU) they pass; a kernel that writes wrong values, or
     raises, fails the check, which warns and leaves ATen."""
-    from kernels.backend_table import triton as backend
-    from kernels.triton import self_check
+    from fusedserve.kernels.backend_table import triton as backend
+    from fusedserve.kernels.triton import self_check
 
     assert self_check.check(DEV) is None
     monkeypatch.setattr(self_check, "decode_attention", lambda *a, **k: a[7].zero_())

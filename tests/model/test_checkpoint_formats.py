@@ -11,20 +11,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from fusedserve.coordinator.engine.llm_engine import LLMEngine
+from fusedserve.coordinator.model_files.default_model import TRAINED_DIR
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.kernels.model_description.checkpoint_format import checkpoint_format
+from fusedserve.kernels.model_description.config import ConfigError, Qwen3Config
+from fusedserve.kernels.quantize import quantize_int8
+from fusedserve.worker.model.loader import WeightError, load_weights
+from fusedserve.worker.model.qwen3 import Qwen3Model
+from fusedserve.worker.model.tensor_parallel import TensorParallel
+from fusedserve.worker.model.weights import Quantizer
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from coordinator.engine.llm_engine import LLMEngine
-from coordinator.model_files.default_model import TRAINED_DIR
-from coordinator.sampling_params import SamplingParams
-from kernels.model_description.checkpoint_format import checkpoint_format
-from kernels.model_description.config import ConfigError, Qwen3Config
-from kernels.quantize import quantize_int8
 from tests.model.test_quantization import _last_logits, agreement, heldout_positions, hf_logits
-from worker.model.loader import WeightError, load_weights
-from worker.model.qwen3 import Qwen3Model
-from worker.model.tensor_parallel import TensorParallel
-from worker.model.weights import Quantizer
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 E4M3_MAX = 448.0

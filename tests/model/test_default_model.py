@@ -6,13 +6,12 @@ import re
 
 import pytest
 import torch
-
-from coordinator.cli import DEMO_PROMPTS
-from coordinator.engine.llm_engine import LLMEngine
-from coordinator.model_files.default_model import TRAINED_DIR, resolve_model
-from coordinator.sampling_params import SamplingParams
-from kernels.model_description.config import Qwen3Config
-from kernels.quantize import dequantize_int8, quantize_int8
+from fusedserve.coordinator.cli import DEMO_PROMPTS
+from fusedserve.coordinator.engine.llm_engine import LLMEngine
+from fusedserve.coordinator.model_files.default_model import TRAINED_DIR, resolve_model
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.kernels.model_description.config import Qwen3Config
+from fusedserve.kernels.quantize import dequantize_int8, quantize_int8
 
 
 def test_default_is_the_shipped_checkpoint_and_presets_stay_random():
@@ -62,7 +61,7 @@ def test_int8_weights_round_trip_within_half_a_step():
 
 
 def test_held_out_perplexity_fp32_bf16_int8():
-    from benchmarks.perplexity import run
+    from fusedserve.benchmarks.perplexity import run
 
     r = run(max_tokens=4096)
     print(f"held-out perplexity: {r}")

@@ -11,19 +11,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fusedserve.coordinator.engine.llm_engine import LLMEngine
+from fusedserve.coordinator.model_files.default_model import TRAINED_DIR, resolve_model
+from fusedserve.coordinator.model_files.gguf_model import is_gguf
+from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.kernels.model_description.checkpoint_format import checkpoint_format
+from fusedserve.kernels.model_description.config import ConfigError, Qwen3Config
+from fusedserve.kernels.quantize import quantize_int8
+from fusedserve.worker.model.gguf_tensors import GGUFTensors
+from fusedserve.worker.model.qwen3 import Qwen3Model
 
-from coordinator.engine.llm_engine import LLMEngine
-from coordinator.model_files.default_model import TRAINED_DIR, resolve_model
-from coordinator.model_files.gguf_model import is_gguf
-from coordinator.model_files.tokenizer import TextTokenizer
-from coordinator.sampling_params import SamplingParams
-from kernels.model_description.checkpoint_format import checkpoint_format
-from kernels.model_description.config import ConfigError, Qwen3Config
-from kernels.quantize import quantize_int8
 from tests.model.test_checkpoint_formats import _tensors
 from tests.model.test_quantization import _last_logits, agreement, heldout_positions, hf_logits
-from worker.model.gguf_tensors import GGUFTensors
-from worker.model.qwen3 import Qwen3Model
 
 gguf = pytest.importorskip("gguf")
 
@@ -196,7 +196,7 @@ def test_qwen2_pre_tokenizer_splits_as_transformers_converts_it(ggufs, tmp_path)
 def test_gguf_served_end_to_end_with_its_chat_template(ggufs):
     """``LLMEngine("FILE.gguf")``: int4 kernels, greedy equal to the same file's weights loaded
     as a model directly, and a chat prompt rendered by the file's own template."""
-    from coordinator.openai.chat_template import ChatTemplate
+    from fusedserve.coordinator.openai.chat_template import ChatTemplate
 
     path = ggufs["Q4_0"]
     assert is_gguf(path) and not is_gguf(TRAINED_DIR / "config.json")

@@ -13,20 +13,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fusedserve.coordinator.engine.llm_engine import LLMEngine
+from fusedserve.coordinator.model_files.default_model import TRAINED_DIR
+from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.kernels.model_description.checkpoint_format import checkpoint_format
+from fusedserve.kernels.model_description.config import ConfigError, Qwen3Config
+from fusedserve.kernels.quantize import dequantize_int4
+from fusedserve.worker.model.loader import load_weights
+from fusedserve.worker.model.qwen3 import Qwen3Model
+from fusedserve.worker.model.tensor_parallel import TensorParallel
 from safetensors.torch import save_file
 
-from coordinator.engine.llm_engine import LLMEngine
-from coordinator.model_files.default_model import TRAINED_DIR
-from coordinator.model_files.tokenizer import TextTokenizer
-from coordinator.sampling_params import SamplingParams
-from kernels.model_description.checkpoint_format import checkpoint_format
-from kernels.model_description.config import ConfigError, Qwen3Config
-from kernels.quantize import dequantize_int4
 from tests.model.test_checkpoint_formats import PROJECTIONS, _tensors, write_dequantized
 from tests.model.test_quantization import _last_logits, agreement, heldout_positions, hf_logits
-from worker.model.loader import load_weights
-from worker.model.qwen3 import Qwen3Model
-from worker.model.tensor_parallel import TensorParallel
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -142,7 +142,7 @@ def test_logits_agree_with_transformers_on_the_dequantized_weights(checkpoints, 
 def test_in_order_groups_are_int4_with_zero_points_bit_for_bit(checkpoints, case):
     path, _, deq = checkpoints[case]
     c = Qwen3Config.from_dir(path)
-    from worker.model.weights import Quantizer
+    from fusedserve.worker.model.weights import Quantizer
 
     w = load_weights(path, c, torch.bfloat16, fmt=checkpoint_format(path),
                      quantize=Quantizer("int4", torch.bfloat16, torch.device("cpu")))
@@ -157,7 +157,7 @@ def test_act_order_and_8_bit_are_requantized_to_int8_within_half_a_step(checkpoi
     """g_idx in a permuted order (every input its own group's scale and zero point) is exact
     before re-quantizing: the int8 weights are within max |row| / 254 of the checkpoint's."""
     path, _, deq = checkpoints[case]
-    from worker.model.weights import Quantizer
+    from fusedserve.worker.model.weights import Quantizer
 
     assert checkpoint_format(path).quantization(None, "cpu") == "int8"
     w = load_weights(path, Qwen3Config.from_dir(path), torch.bfloat16, fmt=checkpoint_format(path),

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fusedserve.coordinator.engine.llm_engine import LLMEngine
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.worker.model.qwen3 import Qwen3Model
 
-from coordinator.engine.llm_engine import LLMEngine
-from coordinator.sampling_params import SamplingParams
 from tests.model_batches import decode_batch, prompt_batch
-from worker.model.qwen3 import Qwen3Model
 
 BLOCK = 4
 

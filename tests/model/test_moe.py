@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fusedserve.coordinator.client import Client
+from fusedserve.coordinator.engine.llm_engine import LLMEngine
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.kernels.model_description.config import Qwen3Config
+from fusedserve.worker.model.qwen3 import Qwen3Model
 
-from coordinator.client import Client
-from coordinator.engine.llm_engine import LLMEngine
-from coordinator.sampling_params import SamplingParams
-from kernels.model_description.config import Qwen3Config
 from tests.model_batches import decode_batch, prompt_batch
 from tests.serve_proc import ServeProcess
-from worker.model.qwen3 import Qwen3Model
 
 BLOCK = 4
 PROMPTS = [[5, 17, 42, 99, 3], [250, 1, 8], [77] * 11, list(range(30, 60))]
@@ -108,8 +108,7 @@ def test_a_moe_model_is_served(ray_session, moe_dir, tmp_path):
 def test_grouped_gemm_path_matches_transformers(moe_dir, monkeypatch):
     """The CUDA path (every expert in two ``torch._grouped_mm`` calls, routing sorted on the device)
     forced on here, where ``torch._grouped_mm`` also runs on the CPU."""
-    import kernels.backend_table as backend
-
+    import fusedserve.kernels.backend_table as backend
     monkeypatch.setattr(backend, "_grouped_mm_runs", lambda *a: True)
     model = Qwen3Model.from_pretrained(moe_dir, dtype="float32")
     assert model.kernels.grouped_moe and model.w.layers[0].expert_stack is not None

@@ -7,16 +7,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from fusedserve.coordinator.engine.llm_engine import LLMEngine
+from fusedserve.coordinator.model_files.default_model import TRAINED_DIR
+from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.coordinator.server.config import ServerConfig
+from fusedserve.kernels.linear import Int8Weight, PackedWeight
+from fusedserve.kernels.native import build as native
+from fusedserve.worker.model.qwen3 import Qwen3Model, resolve_dtype
 
-from coordinator.engine.llm_engine import LLMEngine
-from coordinator.model_files.default_model import TRAINED_DIR
-from coordinator.model_files.tokenizer import TextTokenizer
-from coordinator.sampling_params import SamplingParams
-from coordinator.server.config import ServerConfig
-from kernels.linear import Int8Weight, PackedWeight
-from kernels.native import build as native
 from tests.model_batches import decode_batch, prompt_batch
-from worker.model.qwen3 import Qwen3Model, resolve_dtype
 
 needs_native = pytest.mark.skipif(native.kernels() is None, reason="native kernels unavailable here")
 
@@ -150,7 +150,10 @@ PROMPTS = [f"prompt {i}: the capital of France is" for i in range(5)] + ["Hello"
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 def test_served_bf16_equals_offline_alone(ray_session, quantization):
     """Served with strangers in bf16 (int8, int4), each request equals the offline run of it alone."""
-    from coordinator.client import Client  # the served path's imports (zmq, Ray): not a GPU image's
+    from fusedserve.coordinator.client import (
+        Client,  # the served path's imports (zmq, Ray): not a GPU image's
+    )
+
     from tests.support import running_server
 
     params = {"max_tokens": 10, "ignore_eos": True}
@@ -179,7 +182,7 @@ def test_server_refuses_an_unknown_quantization():
 def test_aten_int8_paths_match_the_dequantized_weight(device):
     """The int8 matmul without the native kernels (CPU fallback, CUDA): ATen's int8pack op,
     and the per-call dequantization where a build lacks it."""
-    from kernels.linear import LinearOp
+    from fusedserve.kernels.linear import LinearOp
 
     dev = torch.device(device)
     op = LinearOp(dev, None, torch.bfloat16)

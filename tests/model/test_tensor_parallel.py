@@ -10,12 +10,12 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
+from fusedserve.coordinator.server.ray_cluster import free_port
+from fusedserve.kernels.model_description.config import ConfigError, Qwen3Config
+from fusedserve.worker.model.qwen3 import Qwen3Model
+from fusedserve.worker.model.tensor_parallel import TensorParallel
 
-from coordinator.server.ray_cluster import free_port
-from kernels.model_description.config import ConfigError, Qwen3Config
 from tests.model_batches import decode_batch, prompt_batch
-from worker.model.qwen3 import Qwen3Model
-from worker.model.tensor_parallel import TensorParallel
 
 BLOCK = 4
 PROMPTS = [[5, 17, 42, 99, 3, 8, 1, 9, 30], [250, 1, 8], [77] * 11]
@@ -142,8 +142,8 @@ def _shm_rank(rank: int, size: int, path: str, leaves: bool, result) -> None:
     """Rank ``rank`` of a ShmComm group with 256-byte slots, so tensors go in pieces. ``leaves``:
     the last rank maps the file and exits before the first collective; the others' ``alive()``
     turns False once it has."""
-    from kernels.native import build as native
-    from kernels.native.shm_comm import ShmComm
+    from fusedserve.kernels.native import build as native
+    from fusedserve.kernels.native.shm_comm import ShmComm
 
     torch.set_num_threads(1)
     marker = f"{path}.rank{size - 1}"
@@ -170,8 +170,8 @@ def _shm_rank(rank: int, size: int, path: str, leaves: bool, result) -> None:
 
 
 def _shm_group(tmp_path, size: int, leaves: bool) -> dict[int, dict]:
-    from kernels.native import build as native
-    from kernels.native.shm_comm import ShmComm
+    from fusedserve.kernels.native import build as native
+    from fusedserve.kernels.native.shm_comm import ShmComm
 
     if native.require() is None:
         pytest.skip("the shared-memory collectives run on the native build")

@@ -9,16 +9,16 @@ import threading
 
 import numpy as np
 import pytest
+from fusedserve.coordinator.client import Client, ServerError
+from fusedserve.coordinator.engine.engine_core import EngineCore
+from fusedserve.coordinator.engine.executor import InProcessExecutor
+from fusedserve.coordinator.engine.output_processor import OutputProcessor
+from fusedserve.coordinator.engine.sequence import Sequence
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.shared_memory.arena import HostArena
+from fusedserve.shared_memory.engine_config import EngineConfig
+from fusedserve.shared_memory.slots import step_table
 
-from coordinator.client import Client, ServerError
-from coordinator.engine.engine_core import EngineCore
-from coordinator.engine.executor import InProcessExecutor
-from coordinator.engine.output_processor import OutputProcessor
-from coordinator.engine.sequence import Sequence
-from coordinator.sampling_params import SamplingParams
-from shared_memory.arena import HostArena
-from shared_memory.engine_config import EngineConfig
-from shared_memory.slots import step_table
 from tests.support import EchoRunner, settled
 
 ALTERNATIVES = " | ".join(json.dumps(f"w{i}x") for i in range(12_000))
@@ -91,8 +91,7 @@ class _BreaksAfter:
 
 @pytest.mark.parametrize("in_fill", [False, True], ids=["accept", "mask"])
 def test_a_limit_met_mid_generation_ends_that_request_alone(in_fill, monkeypatch):
-    import coordinator.engine.batch_io as batch_io
-
+    import fusedserve.coordinator.engine.batch_io as batch_io
     monkeypatch.setattr(batch_io, "fill_rows", lambda rows, mask: [s.fill(mask, r) for s, r in rows])
     cfg = EngineConfig.build(max_batch=4, block_size=4, num_blocks=32, max_model_len=64,
                              max_num_batched_tokens=16, async_scheduling=False)

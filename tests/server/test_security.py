@@ -8,10 +8,10 @@ import sys
 
 import msgpack
 import pytest
+from fusedserve.coordinator.client import TOKEN_ENV, Client, ServerError
+from fusedserve.coordinator.server.config import Limits, ServerConfig
+from fusedserve.coordinator.server.server import Server
 
-from coordinator.client import TOKEN_ENV, Client, ServerError
-from coordinator.server.config import Limits, ServerConfig
-from coordinator.server.server import Server
 from tests.support import dealer, running_server
 
 TOKEN = "s3cret-token-for-tests-0123456789"
@@ -121,7 +121,7 @@ def test_non_loopback_bind_needs_a_token():
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
-    return subprocess.run([sys.executable, "-m", "coordinator.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "fusedserve.coordinator.cli", *args], capture_output=True,
                           text=True, timeout=120, env=env)
 
 

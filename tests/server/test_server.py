@@ -8,11 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgpack
 import pytest
+from fusedserve.coordinator.client import Client, ServerError
+from fusedserve.coordinator.engine.llm_engine import LLMEngine
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.shared_memory.arena import list_segments
 
-from coordinator.client import Client, ServerError
-from coordinator.engine.llm_engine import LLMEngine
-from coordinator.sampling_params import SamplingParams
-from shared_memory.arena import list_segments
 from tests.support import running_server
 
 RC = dict(max_batch=8, block_size=8, num_blocks=96, sampler_candidates=16)
@@ -178,7 +178,7 @@ def test_control_requests(server):
 def test_async_client_concurrent(server, reference):
     import asyncio
 
-    from coordinator.client import AsyncClient
+    from fusedserve.coordinator.client import AsyncClient
 
     async def main():
         ac = AsyncClient(server.address)

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from shared_memory.arena import SHM_DIR, HostArena, list_segments, remove_stale
-from shared_memory.slots import step_table
+from fusedserve.shared_memory.arena import SHM_DIR, HostArena, list_segments, remove_stale
+from fusedserve.shared_memory.slots import step_table
 
 ROOT = Path(__file__).resolve().parents[2]
 DIMS = {"B": 4, "B1": 5, "W": 3, "T": 16, "NL": 4, "N": 2, "TL": 16, "NP": 2, "V": 32, "G": 4, "VW": 1,
@@ -33,8 +32,8 @@ def test_second_process_attaches_writes_and_reads_without_copies():
         arena.view("sampled_ids", (4,)).copy_(torch.tensor([7, 8, 9, 10], dtype=torch.int32))
         child = _python(f"""
             import ctypes, torch
-            from shared_memory.arena import HostArena
-            from shared_memory.slots import step_table
+            from fusedserve.shared_memory.arena import HostArena
+            from fusedserve.shared_memory.slots import step_table
             a = HostArena.attach({arena.name!r}, step_table(), {DIMS!r})
             ids = a.view("sampled_ids", (4,))
             print("read", ids.tolist())
@@ -58,8 +57,8 @@ def test_second_process_attaches_writes_and_reads_without_copies():
 def _creator(extra: str = "") -> tuple[subprocess.Popen, str]:
     proc = _python(f"""
         import sys, time
-        from shared_memory.arena import HostArena
-        from shared_memory.slots import step_table
+        from fusedserve.shared_memory.arena import HostArena
+        from fusedserve.shared_memory.slots import step_table
         a = HostArena.create(step_table(), {DIMS!r}, tag="kill")
         print(a.name, flush=True)
         {extra}
@@ -148,7 +147,7 @@ def test_a_live_owner_in_another_pid_namespace_keeps_its_segment():
 def test_the_span_covers_every_slot_and_pinning_is_cuda_only():
     """``span`` is the whole mapping a CUDA worker page-locks: every slot's bytes lie inside it.
     Off CUDA nothing is registered (and releasing is a no-op)."""
-    from worker.host_pinning import HostPinning
+    from fusedserve.worker.host_pinning import HostPinning
 
     with HostArena.create(TABLE, DIMS, tag="t") as arena:
         address, size = arena.span()

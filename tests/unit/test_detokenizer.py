@@ -4,15 +4,19 @@ and never let a stop string (or a piece of one) out, even across tokens."""
 from __future__ import annotations
 
 import pytest
+from fusedserve.coordinator.engine.detokenizer import Detokenizer
+from fusedserve.coordinator.engine.stop_strings import StopMatcher
+from fusedserve.coordinator.model_files.default_model import resolve_model
+from fusedserve.coordinator.model_files.tokenizer import ByteStream, TextTokenizer, WindowStream
+from fusedserve.coordinator.sampling_params import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    SamplingError,
+    SamplingParams,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-from coordinator.engine.detokenizer import Detokenizer
-from coordinator.engine.stop_strings import StopMatcher
-from coordinator.model_files.default_model import resolve_model
-from coordinator.model_files.tokenizer import ByteStream, TextTokenizer, WindowStream
-from coordinator.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingError, SamplingParams
 
 PROPS = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 CORPUS = ["naïve café déjà vu — 東京 and 北京 are cities 🙂🚀", "the quick brown fox jumps over it",

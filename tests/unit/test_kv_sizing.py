@@ -8,13 +8,12 @@ import logging
 
 import pytest
 import torch
-
-from coordinator.cli_parser import parse_size
-from coordinator.engine import kv_sizing
-from coordinator.model_files.default_model import default_model_dir
-from coordinator.server.core_slots import CoreSlots, usable_cpus
-from kernels.model_description.config import Qwen3Config
-from shared_memory.engine_config import CacheConfig
+from fusedserve.coordinator.cli_parser import parse_size
+from fusedserve.coordinator.engine import kv_sizing
+from fusedserve.coordinator.model_files.default_model import default_model_dir
+from fusedserve.coordinator.server.core_slots import CoreSlots, usable_cpus
+from fusedserve.kernels.model_description.config import Qwen3Config
+from fusedserve.shared_memory.engine_config import CacheConfig
 
 GIB = 1 << 30
 
@@ -40,7 +39,7 @@ def test_bytes_per_token_is_every_layers_k_and_v_on_one_rank(qwen3_06b):
 
 
 def test_kv_cache_memory_gives_its_blocks_and_cuts_the_default_context_stated(qwen3_06b, caplog):
-    with caplog.at_level(logging.WARNING, logger="coordinator.engine.kv_sizing"):
+    with caplog.at_level(logging.WARNING, logger="fusedserve.coordinator.engine.kv_sizing"):
         p = _plan(qwen3_06b, kv_memory=GIB)
     assert p.num_blocks == GIB // (114_688 * 16) == 585 and p.max_model_len == p.tokens == 9360
     assert p.max_concurrency == 1.0 and "--kv-cache-memory" in p.describe()

@@ -11,13 +11,28 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("coordinator", "worker", "shared_memory", "kernels", "deploy")
 
 
+def _local(name: str) -> str:
+    """An imported name as the folders spell it (``fusedserve.kernels.x`` -> ``kernels.x``)."""
+    return name.removeprefix("fusedserve.")
+
+
+def _imported(node: ast.AST) -> list[str]:
+    """What an import statement names, as the folders spell it: ``from a import b`` gives ``a``
+    and ``a.b`` (b may be a module); ``from fusedserve import a`` gives ``a``."""
+    if isinstance(node, ast.Import):
+        return [_local(a.name) for a in node.names]
+    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        if node.module == "fusedserve":
+            return [a.name for a in node.names]
+        return [_local(node.module)] + [f"{_local(node.module)}.{a.name}" for a in node.names]
+    return []
+
+
 def _imports(path: Path) -> set[str]:
     """The first-party packages a module imports (at any level, lazily or not)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-            [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
-        found |= {n.split(".")[0] for n in names if n.split(".")[0] in PACKAGES}
+        found |= {n.split(".")[0] for n in _imported(node) if n.split(".")[0] in PACKAGES}
     return found
 
 
@@ -35,10 +50,8 @@ def _modules(path: Path) -> set[str]:
     """The first-party modules a file imports, dotted, as written (any level, lazily or not)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found |= {f"{node.module}.{a.name}" for a in node.names}
+        names = _imported(node)
+        found |= set(names[1:] if isinstance(node, ast.ImportFrom) and len(names) > 1 else names)
     return {m for m in found if m.split(".")[0] in PACKAGES}
 
 
@@ -90,10 +103,7 @@ def _module_graph() -> dict[str, set[str]]:
     for mod, path in files.items():
         deps = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            deps |= {n for n in names if n in files and n != mod}
+            deps |= {n for n in _imported(node) if n in files and n != mod}
         graph[mod.removesuffix(".__init__")] = {d.removesuffix(".__init__") for d in deps}
     return graph
 
@@ -125,7 +135,8 @@ def test_the_offline_engine_and_the_gpu_tests_import_no_server_dependencies():
     import sys
 
     code = ("import sys\n"
-            "import coordinator.engine.llm_engine, benchmarks.cuda_peers, benchmarks.cuda_profile\n"
+            "import fusedserve.coordinator.engine.llm_engine\n"
+            "import fusedserve.benchmarks.cuda_peers, fusedserve.benchmarks.cuda_profile\n"
             "import tests.kernels.test_cuda, tests.kernels.test_graphs, tests.model.test_quantization\n"
             "print(sorted(m for m in ('ray', 'zmq', 'llguidance') if m in sys.modules))\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)

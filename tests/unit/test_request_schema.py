@@ -11,12 +11,18 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
-
-from coordinator.errors import RequestError
-from coordinator.openai import protocol as oa
-from coordinator.sampling_params import MAPPED, OPENAI, ZMQ, FieldSpec, SamplingError, SamplingParams
-from coordinator.server import protocol
-from shared_memory import sampling_row
+from fusedserve.coordinator.errors import RequestError
+from fusedserve.coordinator.openai import protocol as oa
+from fusedserve.coordinator.sampling_params import (
+    MAPPED,
+    OPENAI,
+    ZMQ,
+    FieldSpec,
+    SamplingError,
+    SamplingParams,
+)
+from fusedserve.coordinator.server import protocol
+from fusedserve.shared_memory import sampling_row
 
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = SamplingParams.specs()

@@ -7,11 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-
-from coordinator.engine.block_manager import BlockManager, prefix_hashes
-from coordinator.engine.sequence import Sequence
-from coordinator.sampling_params import SamplingParams
-from coordinator.server.routing_policy import RoutingConfig, RoutingPolicy
+from fusedserve.coordinator.engine.block_manager import BlockManager, prefix_hashes
+from fusedserve.coordinator.engine.sequence import Sequence
+from fusedserve.coordinator.sampling_params import SamplingParams
+from fusedserve.coordinator.server.routing_policy import RoutingConfig, RoutingPolicy
 
 BS = 4
 

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from kernels.linear import Int4Weight
-from kernels.quantize import INT4_GROUP
+from fusedserve.kernels.linear import Int4Weight
+from fusedserve.kernels.quantize import INT4_GROUP
 
 # Hugging Face name -> GGUF name (llama.cpp's convert_hf_to_gguf.py, Qwen2/Qwen3 architectures).
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",

@@ -20,10 +20,9 @@ at load (a second 4-bit rounding measured 94% top-1 agreement where int8's keeps
 from __future__ import annotations
 
 import torch
-
-from kernels.linear import Int4Weight
-from kernels.model_description.checkpoint_format import GroupQuant
-from kernels.quantize import INT4_GROUP
+from fusedserve.kernels.linear import Int4Weight
+from fusedserve.kernels.model_description.checkpoint_format import GroupQuant
+from fusedserve.kernels.quantize import INT4_GROUP
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output j of a word's 8 sits in nibble AWQ_ORDER.index(j)
 

@@ -12,9 +12,8 @@ Each adds the experts' outputs in the same order, so the paths agree with transf
 from __future__ import annotations
 
 import torch
-
-from kernels.backend_table import Kernels
-from kernels.model_description.config import Qwen3Config
+from fusedserve.kernels.backend_table import Kernels
+from fusedserve.kernels.model_description.config import Qwen3Config
 
 
 def moe_forward(c: Qwen3Config, kernels: Kernels, lw, h: torch.Tensor, out: torch.Tensor) -> None:

@@ -12,19 +12,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
-from kernels.backend_table import select_kernels
-from kernels.forward_batch import ForwardBatch
-from kernels.kv_cache import PagedKVCache
-from kernels.layer_ops import rope_tables
-from kernels.model_description.checkpoint_format import checkpoint_format
-from kernels.model_description.config import ConfigError, Qwen3Config, parse_dtype, resolve_dtype
-from kernels.model_description.quantization import check_quantization
-from worker.model.loader import Progress, load_weights
-from worker.model.moe import moe_forward
-from worker.model.tensor_parallel import SINGLE, TensorParallel
-from worker.model.weights import Quantizer, Qwen3Weights, prepare_weights
-from worker.model.workspace import LayerBuffers, Workspace
+from fusedserve.kernels.backend_table import select_kernels
+from fusedserve.kernels.forward_batch import ForwardBatch
+from fusedserve.kernels.kv_cache import PagedKVCache
+from fusedserve.kernels.layer_ops import rope_tables
+from fusedserve.kernels.model_description.checkpoint_format import checkpoint_format
+from fusedserve.kernels.model_description.config import ConfigError, Qwen3Config, parse_dtype, resolve_dtype
+from fusedserve.kernels.model_description.quantization import check_quantization
+from fusedserve.worker.model.loader import Progress, load_weights
+from fusedserve.worker.model.moe import moe_forward
+from fusedserve.worker.model.tensor_parallel import SINGLE, TensorParallel
+from fusedserve.worker.model.weights import Quantizer, Qwen3Weights, prepare_weights
+from fusedserve.worker.model.workspace import LayerBuffers, Workspace
 
 
 class Qwen3Model:

@@ -28,8 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from kernels.model_description.config import ConfigError, Qwen3Config
+from fusedserve.kernels.model_description.config import ConfigError, Qwen3Config
 
 
 class GroupBroken(RuntimeError):

@@ -7,11 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from kernels.attention import AttentionBackend
-from kernels.layer_ops import NormScratch
-from kernels.model_description.config import Qwen3Config
-from worker.model.tensor_parallel import SINGLE, TensorParallel
+from fusedserve.kernels.attention import AttentionBackend
+from fusedserve.kernels.layer_ops import NormScratch
+from fusedserve.kernels.model_description.config import Qwen3Config
+from fusedserve.worker.model.tensor_parallel import SINGLE, TensorParallel
 
 
 @dataclass

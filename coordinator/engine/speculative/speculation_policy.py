@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coordinator.engine.speculative.device_proposer import DeviceProposer
-from coordinator.engine.speculative.ngram_proposer import NgramProposer
-from shared_memory.engine_config import EngineConfig
+from fusedserve.coordinator.engine.speculative.device_proposer import DeviceProposer
+from fusedserve.coordinator.engine.speculative.ngram_proposer import NgramProposer
+from fusedserve.shared_memory.engine_config import EngineConfig
 
 MIN_GAIN = 0.3  # accepted proposals per speculating launch below which it does not pay
 FIRST_PAUSE = 4  # launches a request runs ahead after its first failed spell
