@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
 from fusedserve.coordinator.model_files.default_model import default_model_dir
 from fusedserve.kernels.native.build import cpu_flags, cpu_generation, cpu_model
 

@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from fusedserve.benchmarks import llama_cpp
 from fusedserve.benchmarks.common import RUNS, fmt, machine, read_bandwidth, spread
 from fusedserve.coordinator.model_files.default_model import cache_root, default_model_dir
@@ -141,6 +142,7 @@ def run_engine(engine: str, model_dir: Path, ov_root: Path, batch: list[list[int
         return fusedserve_generate(path, batch, new, None, runs=runs)
     if engine == "transformers-bf16":
         import torch
+
         from fusedserve.benchmarks.throughput import transformers_generate
 
         return transformers_generate(batch, new, "bfloat16", torch.get_num_threads(), model_dir, runs=runs)

@@ -21,6 +21,7 @@ import traceback
 from pathlib import Path
 
 import torch
+
 from fusedserve.benchmarks import decode_step
 from fusedserve.benchmarks.common import fmt, machine, spread
 from fusedserve.benchmarks.cpu_peers import PRESET, fusedserve_generate, prompts

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.profiler import ProfilerActivity, profile
+
 from fusedserve.benchmarks.common import machine, read_bandwidth
 from fusedserve.benchmarks.decode_step import bench_runner, greedy_batch, launch, weight_bytes
 from fusedserve.coordinator.model_files.default_model import default_model_dir
@@ -43,7 +45,6 @@ from fusedserve.kernels.model_description.config import Qwen3Config
 from fusedserve.worker.graphs import EVERY_STAGE, GREEDY
 from fusedserve.worker.model.qwen3 import Qwen3Model
 from fusedserve.worker.model.weights import LayerWeights, Qwen3Weights
-from torch.profiler import ProfilerActivity, profile
 
 CASES = [(1, 128), (16, 128), (64, 128), (32, 4096)]  # (batch, context)
 LONG_CASE, LONG_MAX_LEN = (32, 4096), 40960  # Qwen3's max_model_len, against CASES' context + 32

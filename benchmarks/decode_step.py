@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import torch
+
 from fusedserve.benchmarks.common import checkpoint, copy_bandwidth, fmt, machine, read_bandwidth, spread
 from fusedserve.coordinator.engine.batch_io import write_batch
 from fusedserve.coordinator.engine.scheduled_batch import ScheduledBatch

@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+
 from fusedserve.benchmarks.common import machine
 from fusedserve.kernels.linear import Int8Weight, LinearOp
 from fusedserve.kernels.native import build as native

@@ -22,10 +22,11 @@ import sysconfig
 import time
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 from fusedserve.benchmarks.common import fmt, machine, spread
 from fusedserve.coordinator.model_files.default_model import cache_root, resolve_model
 from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "address"],
           "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
@@ -82,6 +83,7 @@ def wide_tokenizer() -> Path:
 def _llguidance(tok: TextTokenizer, vocab: int, schema: dict):
     import llguidance
     import llguidance.numpy as llnp
+
     from fusedserve.coordinator.structured.grammar_compiler import JSON_LAYOUT
 
     lltok = llguidance.LLTokenizer(tok.to_json(), n_vocab=vocab, eos_token=0)

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from fusedserve.benchmarks.common import machine
 from fusedserve.kernels.linear import Int4Weight, Int8Weight, PackedWeight
 from fusedserve.kernels.native import build as native

@@ -16,6 +16,7 @@ from fusedserve.benchmarks.throughput import prompts
 
 def _server(transport: str, max_batch: int, threads: int, dtype: str, async_scheduling: bool = True):
     import ray
+
     from fusedserve.coordinator.server.config import ServerConfig
     from fusedserve.coordinator.server.server import Server
 

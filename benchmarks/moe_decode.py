@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 import torch
+
 from fusedserve.benchmarks import decode_step
 from fusedserve.benchmarks.common import fmt, machine, median, spread
 from fusedserve.coordinator.model_files.default_model import cache_root

@@ -29,7 +29,6 @@ from fusedserve.coordinator.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRI
 from fusedserve.shared_memory.arena import HostArena
 from fusedserve.shared_memory.engine_config import EngineConfig
 from fusedserve.shared_memory.slots import step_table
-
 from tests.support import EchoRunner
 
 VOCAB = 4096  # the default model's

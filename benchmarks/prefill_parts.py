@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
 from fusedserve.benchmarks.common import RUNS, fmt, machine, spread
 from fusedserve.benchmarks.cpu_peers import PRESET, prompts
 from fusedserve.coordinator.model_files.default_model import default_model_dir

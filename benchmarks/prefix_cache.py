@@ -13,6 +13,7 @@ import json
 import time
 
 import numpy as np
+
 from fusedserve.benchmarks.common import RUNS, fmt, machine, spread
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.model_files.default_model import resolve_model

@@ -13,6 +13,7 @@ import argparse
 import time
 
 import torch
+
 from fusedserve.benchmarks.common import fmt, machine, spread
 from fusedserve.kernels.sampler import sample
 from fusedserve.shared_memory.sampling_row import SamplingPlan

@@ -33,6 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
+
 from fusedserve.benchmarks.common import RUNS, fmt, machine, median, spread
 from fusedserve.coordinator.engine.llm_engine import LLMEngine, load_model
 from fusedserve.coordinator.model_files.default_model import TRAINED_DIR, cache_root, default_model_dir
@@ -40,7 +42,6 @@ from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
 from fusedserve.coordinator.sampling_params import SamplingParams
 from fusedserve.kernels.forward_batch import ForwardBatch
 from fusedserve.worker.model.qwen3 import Qwen3Model
-from safetensors.torch import load_file, save_file
 
 TARGET_FORMAT = 1
 log = logging.getLogger(__name__)

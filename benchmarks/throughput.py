@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from fusedserve.benchmarks.common import RUNS, checkpoint, fmt, machine, spread
 
 
@@ -52,6 +53,7 @@ def transformers_generate(batch: list[list[int]], output_len: int, dtype: str, t
 def server_generate(batch: list[list[int]], output_len: int, dtype: str, threads: int,
                     max_batch: int) -> dict:
     import ray
+
     from fusedserve.coordinator.client import Client
     from fusedserve.coordinator.server.config import ServerConfig
     from fusedserve.coordinator.server.server import Server

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+
 from fusedserve.benchmarks import decode_step
 from fusedserve.benchmarks.common import fmt, machine, spread
 from fusedserve.coordinator.model_files.default_model import default_model_dir

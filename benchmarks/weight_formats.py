@@ -24,7 +24,6 @@ from pathlib import Path
 from fusedserve.coordinator.model_files.default_model import TRAINED_DIR, resolve_model
 from fusedserve.kernels.model_description.checkpoint_format import checkpoint_format
 from fusedserve.worker.model.qwen3 import Qwen3Model
-
 from tests.model.test_checkpoint_formats import _tensors, write_dequantized, write_fp8
 from tests.model.test_gguf import write_gguf
 from tests.model.test_group_quant import write_group_quant

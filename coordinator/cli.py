@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import zmq
+
 from fusedserve.coordinator.cli_parser import build_parser, read_file, server_config
 from fusedserve.coordinator.client import TOKEN_ENV, Client, ServerError
 from fusedserve.coordinator.model_files.default_model import resolve_model

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
+
 from fusedserve.kernels.ascend import backend as ascend
 from fusedserve.kernels.aten import backend as aten
 from fusedserve.kernels.attention import AttentionBackend

@@ -13,6 +13,7 @@ write and read by the native kernels (``kernels/native/csrc/kernels.h``: ``kv8_s
 from __future__ import annotations
 
 import torch
+
 from fusedserve.kernels.host_memory import huge_page_empty
 from fusedserve.kernels.model_description.config import Qwen3Config
 from fusedserve.kernels.model_description.kv_layout import KV8_SCALE_BYTES, kv_element

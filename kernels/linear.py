@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+
 from fusedserve.kernels.host_memory import on_huge_pages
 from fusedserve.kernels.native.gemm_choice import HEAD_ROWS, MODES, NATIVE, ROW_BUCKETS, GemmChooser, bucket
 from fusedserve.kernels.quantize import INT4_GROUP, quantize_int4, quantize_int8

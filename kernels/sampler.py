@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+
 from fusedserve.shared_memory.sampling_row import MIN_P, TEMPERATURE, TOP_K, TOP_P, SamplingPlan, row_paths
 
 # splitmix64's constants as signed int64 (torch has no uint64 arithmetic).

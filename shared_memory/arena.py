@@ -24,6 +24,7 @@ from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 
 import torch
+
 from fusedserve.shared_memory.slots import SlotError, SlotTable, front_view
 
 log = logging.getLogger(__name__)

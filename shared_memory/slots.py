@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 import torch
+
 from fusedserve.shared_memory.sampling_row import COLUMNS
 
 MAX_TOP_LOGPROBS = 20  # N and NP at most (coordinator.sampling_params refuses more)

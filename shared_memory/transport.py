@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
 from fusedserve.shared_memory.arena import HostArena
 from fusedserve.shared_memory.slots import Slot, SlotError, SlotTable
 

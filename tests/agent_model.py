@@ -9,8 +9,9 @@ import json
 from pathlib import Path
 
 import torch
-from fusedserve.coordinator.model_files.default_model import CHAT_TEMPLATE, resolve_model
 from tokenizers import AddedToken, Tokenizer
+
+from fusedserve.coordinator.model_files.default_model import CHAT_TEMPLATE, resolve_model
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now.",
@@ -45,8 +46,9 @@ CHATS = [
 
 def write_agent_model(out: Path, steps: int = 400) -> Path:
     """Write the fitted checkpoint into ``out`` (a Hugging Face model directory)."""
-    from fusedserve.coordinator.openai.chat_template import ChatTemplate
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from fusedserve.coordinator.openai.chat_template import ChatTemplate
 
     out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer.from_file(str(resolve_model("default") / "tokenizer.json"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from fusedserve.kernels.forward_batch import ForwardBatch
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import zmq
+
 from fusedserve.coordinator.client import Client
 from fusedserve.coordinator.engine.output_processor import OutputProcessor
 from fusedserve.coordinator.engine.scheduled_batch import ScheduledBatch

@@ -18,6 +18,7 @@ import msgpack
 import ray
 import torch
 import zmq
+
 from fusedserve.shared_memory import transport
 from fusedserve.shared_memory.arena import HostArena
 from fusedserve.shared_memory.contract import LaunchDescriptor, LaunchReply

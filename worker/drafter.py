@@ -18,6 +18,7 @@ Every op has a shape fixed by the launch, with no host read.
 from __future__ import annotations
 
 import torch
+
 from fusedserve.kernels.forward_batch import ForwardBatch
 from fusedserve.kernels.speculation import request_rows
 from fusedserve.shared_memory.contract import LaunchDescriptor

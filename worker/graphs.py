@@ -19,6 +19,7 @@ import logging
 from collections.abc import Callable
 
 import torch
+
 from fusedserve.kernels.forward_batch import ForwardBatch
 from fusedserve.kernels.kv_cache import PagedKVCache
 from fusedserve.shared_memory.sampling_row import SamplingPlan

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 
 import torch
+
 from fusedserve.shared_memory.arena import HostArena
 
 log = logging.getLogger(__name__)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
 from fusedserve.shared_memory.arena import HostArena
 from fusedserve.shared_memory.contract import LaunchReply, launch_kind
 from fusedserve.shared_memory.slots import SlotError, SlotTable

@@ -9,6 +9,7 @@ otherwise.
 from __future__ import annotations
 
 import tqdm
+
 from fusedserve.worker.model.loader import Progress
 
 

@@ -12,6 +12,7 @@ next one starts: rows whose input the coordinator has not read yet are fed from 
 from __future__ import annotations
 
 import torch
+
 from fusedserve.kernels import sampler
 from fusedserve.kernels.forward_batch import ForwardBatch
 from fusedserve.kernels.penalties import PenaltyState, apply_logit_bias

@@ -11,6 +11,7 @@ launch wrote there, with no copies of their own.
 from __future__ import annotations
 
 import torch
+
 from fusedserve.shared_memory.slots import SlotError, SlotTable
 
 

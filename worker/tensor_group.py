@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 import zmq
+
 from fusedserve.kernels.native import build as native
 from fusedserve.kernels.native.shm_comm import ShmComm
 from fusedserve.shared_memory.arena import PREFIX, SHM_DIR

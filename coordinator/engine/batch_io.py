@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
 from fusedserve.coordinator.engine.scheduled_batch import PromptSpan, ScheduledBatch
 from fusedserve.coordinator.engine.step_outputs import StepOutputs
 from fusedserve.coordinator.errors import RequestError

@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+
 from fusedserve.coordinator.engine import kv_sizing
 from fusedserve.coordinator.engine.kv_sizing import KVPlan
 from fusedserve.coordinator.model_files.default_model import resolve_model

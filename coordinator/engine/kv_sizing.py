@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from fusedserve.kernels.model_description.checkpoint_format import checkpoint_format
 from fusedserve.kernels.model_description.config import Qwen3Config
 from fusedserve.kernels.model_description.kv_layout import kv_element

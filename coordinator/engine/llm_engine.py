@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
 from fusedserve.coordinator.engine import kv_sizing
 from fusedserve.coordinator.engine.config_resolution import dtype_name, resolve_config
 from fusedserve.coordinator.engine.engine_core import EngineCore

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from fusedserve.coordinator.engine.sequence import Sequence
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 
 import numpy as np
+
 from fusedserve.coordinator.engine.block_manager import BlockManager, OutOfBlocks
 from fusedserve.coordinator.engine.scheduled_batch import ScheduledBatch
 from fusedserve.coordinator.engine.sequence import Sequence, TokenEvent

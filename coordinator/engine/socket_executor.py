@@ -6,6 +6,7 @@ from collections import deque
 
 import msgpack
 import zmq
+
 from fusedserve.coordinator.engine.executor import WorkerGone
 from fusedserve.shared_memory import transport
 from fusedserve.shared_memory.arena import HostArena

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from fusedserve.coordinator.engine.scheduled_batch import PromptSpan
 from fusedserve.coordinator.engine.sequence import Sequence
 from fusedserve.coordinator.errors import RequestError

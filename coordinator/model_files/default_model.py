@@ -18,9 +18,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from fusedserve.coordinator.model_files.gguf_model import gguf_model_dir, is_gguf
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from fusedserve.coordinator.model_files.gguf_model import gguf_model_dir, is_gguf
 
 log = logging.getLogger(__name__)
 

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from fusedserve.coordinator.model_files.default_model import SPECIAL_TOKENS, tokenizer_config
 
 log = logging.getLogger(__name__)

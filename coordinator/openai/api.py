@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
 from fusedserve.coordinator.client import ServerError
 from fusedserve.coordinator.openai import chat_output
 from fusedserve.coordinator.openai import protocol as oa

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fastapi import Request
+
 from fusedserve.coordinator.client import MAX_CLIENT_CHARS, AsyncClient
 from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
 from fusedserve.coordinator.openai import protocol as oa

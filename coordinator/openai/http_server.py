@@ -7,6 +7,7 @@ import threading
 import time
 
 import uvicorn
+
 from fusedserve.coordinator.client import AsyncClient
 from fusedserve.coordinator.openai.api import build_app
 from fusedserve.coordinator.openai.gateway import Gateway

@@ -19,8 +19,9 @@ import time
 from dataclasses import dataclass, field
 
 import zmq
-from fusedserve.coordinator.server import protocol
 from zmq.utils.monitor import recv_monitor_message
+
+from fusedserve.coordinator.server import protocol
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+
 from fusedserve.coordinator.client import ADMIN_TYPES, MAX_CLIENT_CHARS
 from fusedserve.coordinator.engine.sequence import Sequence, TokenEvent
 from fusedserve.coordinator.errors import RequestError

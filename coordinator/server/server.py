@@ -21,6 +21,7 @@ import threading
 import time
 
 import zmq
+
 from fusedserve.coordinator.engine.config_resolution import resolve_config
 from fusedserve.coordinator.engine.engine_core import EngineCore
 from fusedserve.coordinator.engine.executor import WorkerGone

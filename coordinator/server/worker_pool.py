@@ -21,6 +21,9 @@ from typing import Any
 
 import ray
 import zmq
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from zmq.utils.monitor import recv_monitor_message
+
 from fusedserve.coordinator.engine.engine_core import EngineCore
 from fusedserve.coordinator.engine.scheduler import Scheduler
 from fusedserve.coordinator.engine.sequence import Sequence
@@ -34,8 +37,6 @@ from fusedserve.worker.actor import WorkerActor
 from fusedserve.worker.device import DeviceInfo
 from fusedserve.worker.device import probe as probe_device  # noqa: F401 - the server's one way to the device probe
 from fusedserve.worker.tensor_group import GroupRank
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-from zmq.utils.monitor import recv_monitor_message
 
 log = logging.getLogger(__name__)
 

@@ -24,6 +24,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
+
 from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
 from fusedserve.coordinator.structured.grammar_state import GrammarState
 from fusedserve.coordinator.structured.structured_spec import StructuredError, StructuredSpec

@@ -13,6 +13,7 @@ The op takes each row's query and context lengths as host lists, read once per l
 from __future__ import annotations
 
 import torch
+
 from fusedserve.kernels.forward_batch import ForwardBatch
 
 CAUSAL_MASK = 2048  # sparse_mode 3 takes a fixed [2048, 2048] upper-triangular mask

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 import torch
+
 from fusedserve.kernels import ascend as ascend_kernels
 from fusedserve.kernels.model_description.config import Qwen3Config
 from fusedserve.kernels.native.gemm_choice import GemmChooser

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import torch
+
 from fusedserve.kernels.aten.backend import TorchLayerOps
 from fusedserve.kernels.layer_ops import NormScratch
 

@@ -7,6 +7,7 @@ chunks go through ``prompt_rows``."""
 from __future__ import annotations
 
 import torch
+
 from fusedserve.kernels import sampler
 from fusedserve.kernels.attention.prompt_rows import PromptChunk, attend_chunks, plan_chunks
 from fusedserve.kernels.forward_batch import ForwardBatch

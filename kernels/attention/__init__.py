@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+
 from fusedserve.kernels.forward_batch import ForwardBatch
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from fusedserve.kernels.forward_batch import ForwardBatch
 from fusedserve.kernels.kv_cache import dequantize_rows
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from fusedserve.kernels.native import build as native
 
 _DTYPES = {

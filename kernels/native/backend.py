@@ -11,6 +11,7 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
+
 from fusedserve.kernels.attention.prompt_rows import PromptChunk, attend_chunks, plan_chunk
 from fusedserve.kernels.forward_batch import ForwardBatch
 from fusedserve.kernels.layer_ops import NormScratch

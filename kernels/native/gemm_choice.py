@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
 from fusedserve.kernels.native.build import cpu_flags, cpu_generation, cpu_model
 
 log = logging.getLogger(__name__)

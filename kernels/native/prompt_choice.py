@@ -21,6 +21,7 @@ from collections.abc import Callable
 from types import ModuleType
 
 import torch
+
 from fusedserve.kernels.attention.prompt_rows import PromptChunk, attend_chunks
 from fusedserve.kernels.model_description.kv_layout import KV8_SCALE_BYTES
 from fusedserve.kernels.native.gemm_choice import NATIVE, ROW_BUCKETS, GemmChooser

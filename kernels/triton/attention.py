@@ -5,6 +5,7 @@ of a cached prefix). Chosen on CUDA by default after a self-check (``kernels/tri
 from __future__ import annotations
 
 import torch
+
 from fusedserve.kernels.forward_batch import ForwardBatch
 from fusedserve.kernels.triton.decode_attention import DecodeAttentionScratch, decode_attention
 from fusedserve.kernels.triton.prompt_attention import prompt_attention

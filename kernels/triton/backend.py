@@ -12,6 +12,7 @@ import logging
 import os
 
 import torch
+
 from fusedserve.kernels import triton as triton_kernels
 from fusedserve.kernels.model_description.config import Qwen3Config
 from fusedserve.kernels.native.gemm_choice import GemmChooser

@@ -8,6 +8,7 @@ under the interpreter, and compiled for sm_90 without a GPU.
 from __future__ import annotations
 
 import torch
+
 from fusedserve.kernels.layer_ops import NormScratch
 from fusedserve.kernels.triton import layer_kernels as k
 

@@ -34,12 +34,12 @@ from __future__ import annotations
 import os
 
 import torch
-from fusedserve.kernels import sampler as reference
-from fusedserve.shared_memory import sampling_row
-from fusedserve.shared_memory.sampling_row import SamplingPlan
 
 import triton
 import triton.language as tl
+from fusedserve.kernels import sampler as reference
+from fusedserve.shared_memory import sampling_row
+from fusedserve.shared_memory.sampling_row import SamplingPlan
 
 BLOCK = 1024  # vocabulary tile of the per-(row, tile) kernels
 NC_P = 256  # tiles a row's partials are read as: vocabularies up to 262,144 tokens, one compile for all

@@ -11,6 +11,7 @@ whole vocabulary with top-k beyond the candidates, top-p, min-p) draw ATen's tok
 from __future__ import annotations
 
 import torch
+
 from fusedserve.kernels import sampler as aten_sampler
 from fusedserve.kernels.triton import sampler as triton_sampler
 from fusedserve.kernels.triton.decode_attention import DecodeAttentionScratch, decode_attention

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from fusedserve.coordinator.cli import DEMO_PROMPTS
 from fusedserve.coordinator.client import Client
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.model_files.default_model import cache_root
 from fusedserve.coordinator.sampling_params import SamplingParams
 from fusedserve.kernels.native import build as native
-
 from tests.serve_proc import ServeProcess
 from tests.support import settled
 

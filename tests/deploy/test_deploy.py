@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
+
 from fusedserve.coordinator.client import Client
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.sampling_params import SamplingParams
 from fusedserve.coordinator.server.ray_cluster import free_ports, stop_head
 from fusedserve.shared_memory.arena import list_segments
-
 from tests.support import running_server, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,7 +16,6 @@ from fusedserve.coordinator.sampling_params import SamplingParams
 from fusedserve.shared_memory.arena import HostArena
 from fusedserve.shared_memory.engine_config import EngineConfig
 from fusedserve.shared_memory.slots import step_table
-
 from tests.support import EchoRunner
 
 VOCAB = 4096

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from fusedserve.coordinator.engine.block_manager import BlockManager
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.engine.scheduler import Scheduler
 from fusedserve.coordinator.engine.step_outputs import StepOutputs
 from fusedserve.coordinator.sampling_params import SamplingParams
-
 from tests.engine.echo_engine import echo_seq
 from tests.support import queue, read_step
 

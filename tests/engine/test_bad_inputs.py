@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.errors import RequestError
 from fusedserve.coordinator.sampling_params import SamplingParams

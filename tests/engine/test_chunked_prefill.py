@@ -4,11 +4,11 @@ with the running decodes, which keep getting a token every launch."""
 from __future__ import annotations
 
 import pytest
+
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.sampling_params import SamplingParams
 from fusedserve.coordinator.server.config import ServerConfig
 from fusedserve.shared_memory.engine_config import EngineConfig
-
 from tests.engine.echo_engine import echo_seq
 
 LONG = " ".join(f"item {i} is the number {i * 7 % 13}." for i in range(60))

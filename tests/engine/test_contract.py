@@ -7,6 +7,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+
 from fusedserve.coordinator.engine.batch_io import read_outputs, write_batch
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.sampling_params import SamplingParams

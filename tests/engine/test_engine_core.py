@@ -4,10 +4,10 @@ output processor around ``EchoRunner`` (tests/support.py), whose tokens are know
 from __future__ import annotations
 
 import pytest
+
 from fusedserve.coordinator.engine.batch_io import read_outputs, write_batch
 from fusedserve.coordinator.model_files.default_model import resolve_model
 from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
-
 from tests.engine.echo_engine import EOS, VOCAB, echo_seq
 
 

@@ -4,6 +4,7 @@ sequence ends with LRU eviction; a new prompt prefills only what the cache lacks
 from __future__ import annotations
 
 import pytest
+
 from fusedserve.coordinator.engine.block_manager import BlockManager, OutOfBlocks
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.sampling_params import SamplingParams

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from fusedserve.coordinator.cli import DEMO_PROMPTS
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.model_files.default_model import TRAINED_DIR

@@ -6,7 +6,6 @@ from fusedserve.coordinator.engine.block_manager import BlockManager
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.engine.scheduler import Scheduler
 from fusedserve.coordinator.sampling_params import SamplingParams
-
 from tests.support import queue
 
 PROMPTS = [f"request {i}: once upon a time" for i in range(6)]

@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from fusedserve.coordinator.cli_parser import build_parser
 from fusedserve.coordinator.client import Client
 from fusedserve.coordinator.engine.block_manager import BlockManager
@@ -23,8 +25,6 @@ from fusedserve.coordinator.sampling_params import SamplingParams
 from fusedserve.coordinator.structured.structured_spec import StructuredSpec
 from fusedserve.kernels import sampler
 from fusedserve.kernels.speculation import accept_prefix
-from safetensors.torch import load_file, save_file
-
 from tests.support import running_server
 
 # bf16 through the native kernels: each row's logits have the same bits whatever the batch, so a

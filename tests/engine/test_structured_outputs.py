@@ -11,6 +11,7 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
+
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.sampling_params import SamplingParams
 from fusedserve.coordinator.structured.grammar_compiler import GrammarCompiler

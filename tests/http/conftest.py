@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+
 from fusedserve.coordinator.openai.gateway import Gateway
 from fusedserve.coordinator.openai.http_server import HttpServer
 from fusedserve.coordinator.server.server import Server
-
 from tests.support import running_server, serving_http
 
 

@@ -15,10 +15,10 @@ import subprocess
 import sys
 
 import pytest
+
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.model_files.default_model import resolve_model
 from fusedserve.coordinator.sampling_params import SamplingParams
-
 from tests.serve_proc import ServeProcess
 
 pytest.importorskip("lm_eval")

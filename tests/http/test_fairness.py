@@ -6,9 +6,9 @@ from __future__ import annotations
 import threading
 
 import httpx
+
 from fusedserve.coordinator.client import Client
 from fusedserve.coordinator.server.config import Limits
-
 from tests.support import settled
 
 PER_CLIENT = 2

@@ -11,11 +11,11 @@ import json
 
 import httpx
 import pytest
-from fusedserve.coordinator.client import Client
-from fusedserve.coordinator.server.config import Limits
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from fusedserve.coordinator.client import Client
+from fusedserve.coordinator.server.config import Limits
 from tests.support import settled
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)

@@ -12,13 +12,13 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
 from fusedserve.coordinator.client import Client
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.model_files.default_model import resolve_model
 from fusedserve.coordinator.openai.chat_template import ChatTemplate
 from fusedserve.coordinator.sampling_params import SamplingParams
-from prometheus_client.parser import text_string_to_metric_families
-
 from tests.serve_proc import ServeProcess
 from tests.support import settled, wait_for
 

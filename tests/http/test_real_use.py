@@ -15,10 +15,10 @@ import sys
 import httpx
 import openai
 import pytest
+
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.model_files.default_model import default_model_dir
 from fusedserve.coordinator.sampling_params import SamplingParams
-
 from tests.serve_proc import ServeProcess
 
 KV = "1GiB"

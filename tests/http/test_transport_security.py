@@ -8,9 +8,9 @@ import ssl
 import httpx
 import pytest
 import zmq
+
 from fusedserve.coordinator.client import Client, ServerError
 from fusedserve.coordinator.server.config import ServerConfig
-
 from tests.support import running_server, serving_http
 
 TOKEN = "client-token-for-tests-0123456789"

@@ -8,6 +8,7 @@ import importlib.util
 
 import pytest
 import torch
+
 from fusedserve.kernels import ascend
 from fusedserve.kernels.backend_table import select_kernels
 from fusedserve.kernels.model_description.config import Qwen3Config

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from fusedserve.coordinator.engine.llm_engine import LLMEngine, load_model
 from fusedserve.coordinator.sampling_params import SamplingParams
 from fusedserve.kernels.sampler import sample, token_logprobs
@@ -177,8 +178,9 @@ def test_a_decode_step_is_one_replay_with_the_sampler_and_no_host_sync(monkeypat
     """A decode launch's step (feed, replay, sampling) never waits on the device, and sampling adds no
     kernel launch outside the replay: a greedy and a sampled launch launch the same eager kernels."""
     import numpy as np
-    from fusedserve.benchmarks.decode_step import bench_runner, greedy_batch, launch
     from torch.profiler import ProfilerActivity, profile
+
+    from fusedserve.benchmarks.decode_step import bench_runner, greedy_batch, launch
 
     if triton == "1":
         pytest.importorskip("triton")
@@ -265,7 +267,6 @@ def test_moe_grouped_gemms_match_the_per_expert_path_without_host_syncs(moe_dir,
     and a decode forward through it reads nothing back to the host."""
     from fusedserve.kernels import backend_table
     from fusedserve.worker.model.qwen3 import Qwen3Model
-
     from tests.model_batches import decode_batch, prompt_batch
 
     def logits(grouped: bool) -> tuple[torch.Tensor, Qwen3Model]:
@@ -306,7 +307,6 @@ def test_triton_bf16_logits_are_no_further_from_fp32_than_atens(monkeypatch):
     pytest.importorskip("triton")
     from fusedserve.coordinator.model_files.default_model import resolve_model
     from fusedserve.worker.model.qwen3 import Qwen3Model
-
     from tests.model_batches import decode_batch, prompt_batch
 
     def logits(dtype: str, triton: str) -> torch.Tensor:

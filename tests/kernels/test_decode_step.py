@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from fusedserve.kernels.aten.backend import AttentionScratch, paged_decode_attention
-from fusedserve.worker.model.qwen3 import Qwen3Model
 from torch.profiler import ProfilerActivity, profile
 
+from fusedserve.kernels.aten.backend import AttentionScratch, paged_decode_attention
+from fusedserve.worker.model.qwen3 import Qwen3Model
 from tests.model_batches import decode_batch, prompt_batch
 
 

@@ -9,11 +9,12 @@ import math
 import numpy as np
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.sampling_params import SamplingParams
 from fusedserve.kernels.sampler import sample
 from fusedserve.shared_memory.sampling_row import SamplingPlan
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 
 def _expected(logits: np.ndarray, t: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:

@@ -11,13 +11,13 @@ import time
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
+
 from fusedserve.kernels.backend_table import native as native_backend
 from fusedserve.kernels.linear import Int8Weight, LinearOp, _vnni_blocks
 from fusedserve.kernels.native import build as native
 from fusedserve.kernels.native.gemm_choice import ROW_BUCKETS, GemmChooser, GemmTiming, bucket
 from fusedserve.worker.model.qwen3 import Qwen3Model
-from torch.profiler import ProfilerActivity, profile
-
 from tests.model_batches import decode_batch, prompt_batch
 
 needs_w8a8 = pytest.mark.skipif(native.missing_toolchain() is not None or native.kernels() is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.sampling_params import SamplingParams
 from fusedserve.worker.graphs import batch_buckets

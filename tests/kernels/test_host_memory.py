@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+
 from fusedserve.kernels.host_memory import HUGE_PAGE, huge_page_empty, on_huge_pages
 
 # A Linux kernel built with transparent huge pages (else madvise refuses the advice: 4 KiB pages).

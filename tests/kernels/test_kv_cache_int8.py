@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from fusedserve.coordinator.engine import kv_sizing
 from fusedserve.coordinator.engine.config_resolution import resolve_config
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
@@ -20,7 +21,6 @@ from fusedserve.kernels.kv_cache import KV8_SCALE_BYTES, dequantize_rows
 from fusedserve.kernels.model_description.config import Qwen3Config
 from fusedserve.kernels.native import build as native
 from fusedserve.shared_memory.engine_config import CacheConfig, EngineConfig
-
 from tests.kernels.test_native_kernels import ISAS, _module, _paged, needs_native
 
 

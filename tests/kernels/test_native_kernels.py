@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+
 from fusedserve.kernels.native import build as native
 from fusedserve.kernels.quantize import quantize_int8
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from fusedserve.kernels.native import build as native
 from fusedserve.kernels.native.backend import NativeAttention
 from fusedserve.kernels.native.gemm_choice import ROW_BUCKETS, GemmChooser, GemmTiming, bucket
 from fusedserve.kernels.native.prompt_choice import choose_prompt_attention, timed_pair
 from fusedserve.worker.model.qwen3 import Qwen3Model
-
 from tests.model_batches import prompt_batch
 
 needs_flash = pytest.mark.skipif(native.missing_toolchain() is not None or native.kernels() is None

@@ -314,7 +314,6 @@ def test_a_model_forward_on_the_triton_kernels_equals_the_aten_one():
     from fusedserve.kernels.backend_table import triton as triton_backend
     from fusedserve.kernels.triton.layer_ops import TritonLayerOps
     from fusedserve.worker.model.qwen3 import Qwen3Model
-
     from tests.model_batches import decode_batch, prompt_batch
 
     outs = []

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.model_files.default_model import TRAINED_DIR
 from fusedserve.coordinator.sampling_params import SamplingParams
@@ -21,9 +24,6 @@ from fusedserve.worker.model.loader import WeightError, load_weights
 from fusedserve.worker.model.qwen3 import Qwen3Model
 from fusedserve.worker.model.tensor_parallel import TensorParallel
 from fusedserve.worker.model.weights import Quantizer
-from safetensors import safe_open
-from safetensors.torch import save_file
-
 from tests.model.test_quantization import _last_logits, agreement, heldout_positions, hf_logits
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

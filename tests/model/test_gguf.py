@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.model_files.default_model import TRAINED_DIR, resolve_model
 from fusedserve.coordinator.model_files.gguf_model import is_gguf
@@ -21,7 +22,6 @@ from fusedserve.kernels.model_description.config import ConfigError, Qwen3Config
 from fusedserve.kernels.quantize import quantize_int8
 from fusedserve.worker.model.gguf_tensors import GGUFTensors
 from fusedserve.worker.model.qwen3 import Qwen3Model
-
 from tests.model.test_checkpoint_formats import _tensors
 from tests.model.test_quantization import _last_logits, agreement, heldout_positions, hf_logits
 

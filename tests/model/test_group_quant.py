@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
+
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.model_files.default_model import TRAINED_DIR
 from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
@@ -23,8 +25,6 @@ from fusedserve.kernels.quantize import dequantize_int4
 from fusedserve.worker.model.loader import load_weights
 from fusedserve.worker.model.qwen3 import Qwen3Model
 from fusedserve.worker.model.tensor_parallel import TensorParallel
-from safetensors.torch import save_file
-
 from tests.model.test_checkpoint_formats import PROJECTIONS, _tensors, write_dequantized
 from tests.model.test_quantization import _last_logits, agreement, heldout_positions, hf_logits
 

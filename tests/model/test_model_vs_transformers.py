@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.sampling_params import SamplingParams
 from fusedserve.worker.model.qwen3 import Qwen3Model
-
 from tests.model_batches import decode_batch, prompt_batch
 
 BLOCK = 4

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from fusedserve.coordinator.client import Client
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.sampling_params import SamplingParams
 from fusedserve.kernels.model_description.config import Qwen3Config
 from fusedserve.worker.model.qwen3 import Qwen3Model
-
 from tests.model_batches import decode_batch, prompt_batch
 from tests.serve_proc import ServeProcess
 

@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.model_files.default_model import TRAINED_DIR
 from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
@@ -15,7 +16,6 @@ from fusedserve.coordinator.server.config import ServerConfig
 from fusedserve.kernels.linear import Int8Weight, PackedWeight
 from fusedserve.kernels.native import build as native
 from fusedserve.worker.model.qwen3 import Qwen3Model, resolve_dtype
-
 from tests.model_batches import decode_batch, prompt_batch
 
 needs_native = pytest.mark.skipif(native.kernels() is None, reason="native kernels unavailable here")
@@ -153,7 +153,6 @@ def test_served_bf16_equals_offline_alone(ray_session, quantization):
     from fusedserve.coordinator.client import (
         Client,  # the served path's imports (zmq, Ray): not a GPU image's
     )
-
     from tests.support import running_server
 
     params = {"max_tokens": 10, "ignore_eos": True}

@@ -10,11 +10,11 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
+
 from fusedserve.coordinator.server.ray_cluster import free_port
 from fusedserve.kernels.model_description.config import ConfigError, Qwen3Config
 from fusedserve.worker.model.qwen3 import Qwen3Model
 from fusedserve.worker.model.tensor_parallel import TensorParallel
-
 from tests.model_batches import decode_batch, prompt_batch
 
 BLOCK = 4

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from fusedserve.coordinator.server.server import Server
 
+from fusedserve.coordinator.server.server import Server
 from tests.support import running_server
 
 

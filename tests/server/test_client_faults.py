@@ -7,8 +7,8 @@ import time
 import msgpack
 import pytest
 import zmq
-from fusedserve.coordinator.client import Client
 
+from fusedserve.coordinator.client import Client
 from tests.support import dealer, settled
 
 RC = dict(max_batch=16, block_size=16, num_blocks=1200, sampler_candidates=16)

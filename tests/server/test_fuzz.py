@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from fusedserve.coordinator.client import Client
 from fusedserve.coordinator.server.config import Limits
 from fusedserve.coordinator.server.protocol import MAX_FRAME_BYTES, REQUEST_TYPES
 from fusedserve.coordinator.structured.structured_spec import KINDS
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from tests.support import dealer
 
 RC = dict(max_batch=8, block_size=8, num_blocks=64, sampler_candidates=16)

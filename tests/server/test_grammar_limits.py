@@ -9,6 +9,7 @@ import threading
 
 import numpy as np
 import pytest
+
 from fusedserve.coordinator.client import Client, ServerError
 from fusedserve.coordinator.engine.engine_core import EngineCore
 from fusedserve.coordinator.engine.executor import InProcessExecutor
@@ -18,7 +19,6 @@ from fusedserve.coordinator.sampling_params import SamplingParams
 from fusedserve.shared_memory.arena import HostArena
 from fusedserve.shared_memory.engine_config import EngineConfig
 from fusedserve.shared_memory.slots import step_table
-
 from tests.support import EchoRunner, settled
 
 ALTERNATIVES = " | ".join(json.dumps(f"w{i}x") for i in range(12_000))

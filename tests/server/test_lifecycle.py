@@ -12,9 +12,9 @@ import signal
 
 import msgpack
 import zmq
+
 from fusedserve.coordinator.client import Client
 from fusedserve.shared_memory.arena import list_segments, pid_alive
-
 from tests.serve_proc import ServeProcess
 from tests.support import dealer, wait_for
 

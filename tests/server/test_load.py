@@ -14,10 +14,10 @@ from collections import Counter
 
 import pytest
 import zmq
+
 from fusedserve.coordinator.client import Client
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.sampling_params import SamplingParams
-
 from tests.serve_proc import ServeProcess
 from tests.support import settled
 

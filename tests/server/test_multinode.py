@@ -17,11 +17,11 @@ import tempfile
 import threading
 
 import pytest
+
 from fusedserve.coordinator.client import Client
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.sampling_params import SamplingParams
 from fusedserve.coordinator.server.ray_cluster import free_port, free_ports, stop_head
-
 from tests.serve_proc import ServeProcess
 from tests.support import wait_for
 

@@ -10,9 +10,9 @@ import re
 import signal
 
 import pytest
+
 from fusedserve.coordinator.client import Client
 from fusedserve.coordinator.server.ray_cluster import session_pids
-
 from tests.serve_proc import ServeProcess
 from tests.support import listening_sockets, wait_for
 

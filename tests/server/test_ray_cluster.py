@@ -8,9 +8,9 @@ import socket
 from pathlib import Path
 
 import pytest
+
 from fusedserve.coordinator.client import Client
 from fusedserve.coordinator.server.ray_cluster import EmbeddedHead, RayPorts
-
 from tests.serve_proc import ServeProcess
 from tests.support import wait_for
 

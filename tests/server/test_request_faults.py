@@ -8,15 +8,15 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from fusedserve.coordinator.client import Client, ServerError
 from fusedserve.coordinator.engine.block_manager import BlockManager
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.engine.scheduler import Scheduler
 from fusedserve.coordinator.engine.step_outputs import StepOutputs
 from fusedserve.coordinator.sampling_params import SamplingError, SamplingParams
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from tests.engine.test_sampling import draw
 from tests.support import queue, read_step, settled, wait_for
 

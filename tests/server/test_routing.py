@@ -7,8 +7,8 @@ import threading
 
 import httpx
 import pytest
-from fusedserve.coordinator.client import Client, ServerError
 
+from fusedserve.coordinator.client import Client, ServerError
 from tests.support import running_server, serving_http
 
 SESSIONS, TURNS = 6, 3

@@ -8,10 +8,10 @@ import sys
 
 import msgpack
 import pytest
+
 from fusedserve.coordinator.client import TOKEN_ENV, Client, ServerError
 from fusedserve.coordinator.server.config import Limits, ServerConfig
 from fusedserve.coordinator.server.server import Server
-
 from tests.support import dealer, running_server
 
 TOKEN = "s3cret-token-for-tests-0123456789"

@@ -8,11 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgpack
 import pytest
+
 from fusedserve.coordinator.client import Client, ServerError
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.sampling_params import SamplingParams
 from fusedserve.shared_memory.arena import list_segments
-
 from tests.support import running_server
 
 RC = dict(max_batch=8, block_size=8, num_blocks=96, sampler_candidates=16)

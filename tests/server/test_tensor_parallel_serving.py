@@ -13,12 +13,12 @@ import time
 
 import pytest
 import torch
+
 from fusedserve.coordinator.client import Client
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.sampling_params import SamplingParams
 from fusedserve.coordinator.server.server import Server
 from fusedserve.shared_memory.arena import pid_alive
-
 from tests.support import running_server, wait_for
 
 RC = dict(max_batch=8, block_size=4, num_blocks=160, sampler_candidates=8)

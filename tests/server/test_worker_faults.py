@@ -10,11 +10,11 @@ import time
 
 import pytest
 import ray
+
 from fusedserve.coordinator.client import Client
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.sampling_params import SamplingParams
 from fusedserve.shared_memory.arena import list_segments, pid_alive
-
 from tests.support import running_server, wait_for
 
 RC = dict(max_batch=16, block_size=8, num_blocks=200, sampler_candidates=16)

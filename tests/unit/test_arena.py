@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from fusedserve.shared_memory.arena import SHM_DIR, HostArena, list_segments, remove_stale
 from fusedserve.shared_memory.slots import step_table
 

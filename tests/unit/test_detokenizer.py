@@ -4,6 +4,10 @@ and never let a stop string (or a piece of one) out, even across tokens."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 from fusedserve.coordinator.engine.detokenizer import Detokenizer
 from fusedserve.coordinator.engine.stop_strings import StopMatcher
 from fusedserve.coordinator.model_files.default_model import resolve_model
@@ -14,9 +18,6 @@ from fusedserve.coordinator.sampling_params import (
     SamplingError,
     SamplingParams,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 PROPS = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 CORPUS = ["naïve café déjà vu — 東京 and 北京 are cities 🙂🚀", "the quick brown fox jumps over it",

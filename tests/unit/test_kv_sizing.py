@@ -8,6 +8,7 @@ import logging
 
 import pytest
 import torch
+
 from fusedserve.coordinator.cli_parser import parse_size
 from fusedserve.coordinator.engine import kv_sizing
 from fusedserve.coordinator.model_files.default_model import default_model_dir

@@ -11,6 +11,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
+
 from fusedserve.coordinator.errors import RequestError
 from fusedserve.coordinator.openai import protocol as oa
 from fusedserve.coordinator.sampling_params import (

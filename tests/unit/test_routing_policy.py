@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+
 from fusedserve.coordinator.engine.block_manager import BlockManager, prefix_hashes
 from fusedserve.coordinator.engine.sequence import Sequence
 from fusedserve.coordinator.sampling_params import SamplingParams

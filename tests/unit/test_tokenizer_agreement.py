@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
 from fusedserve.coordinator.model_files.default_model import default_model_dir, resolve_model
 from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 CORPUS = ["The year 4096 had 12345 items and 3.14159 of a pie.",
           "def f(x):\n    return x**2  # 0x1F, 1e-9", "東京は日本の首都です。北京 and 上海.",

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from fusedserve.kernels.linear import Int4Weight
 from fusedserve.kernels.quantize import INT4_GROUP
 

@@ -20,6 +20,7 @@ at load (a second 4-bit rounding measured 94% top-1 agreement where int8's keeps
 from __future__ import annotations
 
 import torch
+
 from fusedserve.kernels.linear import Int4Weight
 from fusedserve.kernels.model_description.checkpoint_format import GroupQuant
 from fusedserve.kernels.quantize import INT4_GROUP

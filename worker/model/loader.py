@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+
 from fusedserve.kernels.linear import Int4Weight, Weight
 from fusedserve.kernels.model_description.checkpoint_format import PLAIN, CheckpointFormat, GroupQuant
 from fusedserve.kernels.model_description.config import Qwen3Config
@@ -25,7 +27,6 @@ from fusedserve.worker.model import group_quant
 from fusedserve.worker.model.gguf_tensors import GGUFTensors
 from fusedserve.worker.model.tensor_parallel import SINGLE, TensorParallel
 from fusedserve.worker.model.weights import LayerWeights, Quantizer, Qwen3Weights
-from safetensors import safe_open
 
 Progress = Callable[[int, int], None]  # (parts done, parts in all)
 # A read dtype: the stored values where the model's dtype holds them exactly, else fp32. A bf16

@@ -12,6 +12,7 @@ Each adds the experts' outputs in the same order, so the paths agree with transf
 from __future__ import annotations
 
 import torch
+
 from fusedserve.kernels.backend_table import Kernels
 from fusedserve.kernels.model_description.config import Qwen3Config
 

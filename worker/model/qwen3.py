@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
 from fusedserve.kernels.backend_table import select_kernels
 from fusedserve.kernels.forward_batch import ForwardBatch
 from fusedserve.kernels.kv_cache import PagedKVCache

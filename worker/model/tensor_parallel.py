@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from fusedserve.kernels.model_description.config import ConfigError, Qwen3Config
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from fusedserve.kernels.linear import Int4Weight, Int8Weight, LinearOp, Weight
 
 

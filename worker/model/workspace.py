@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from fusedserve.kernels.attention import AttentionBackend
 from fusedserve.kernels.layer_ops import NormScratch
 from fusedserve.kernels.model_description.config import Qwen3Config
