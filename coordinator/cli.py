@@ -226,17 +226,38 @@ def _demo(args: argparse.Namespace) -> int:
             return c.generate(prompt, max_tokens=args.max_tokens)
 
     try:
+        started = time.perf_counter()
         with ThreadPoolExecutor(len(DEMO_PROMPTS)) as pool:
-            for prompt, out in zip(DEMO_PROMPTS, pool.map(one, DEMO_PROMPTS)):
-                t = out["timings"]
-                print(f"{prompt!r} -> {out['text']!r} [{out['finish_reason']}, "
-                      f"{out['usage']['completion_tokens']} tokens, ttft {t['ttft_s'] * 1e3:.0f} ms, "
-                      f"total {t['total_s'] * 1e3:.0f} ms]")
+            outs = list(pool.map(one, DEMO_PROMPTS))
+        wall = time.perf_counter() - started
+        for prompt, out in zip(DEMO_PROMPTS, outs):
+            t = out["timings"]
+            print(f"{prompt!r} -> {out['text']!r} [{out['finish_reason']}, "
+                  f"{out['usage']['completion_tokens']} tokens, ttft {t['ttft_s'] * 1e3:.0f} ms, "
+                  f"total {t['total_s'] * 1e3:.0f} ms]")
         with Client(coord.address) as c:
-            print(json.dumps(c.stats(), indent=2))
+            stats = c.stats()
+        if args.json:
+            print(json.dumps(stats, indent=2))
+        else:
+            print(_demo_summary(outs, wall, stats))
     finally:
         coord.shutdown()
     return 0
+
+
+def _demo_summary(outs: list[dict], wall_s: float, stats: dict) -> str:
+    """A few lines a person reads: throughput, time to first token, the workers and their cache."""
+    tokens = sum(o["usage"]["completion_tokens"] for o in outs)
+    ttfts = sorted(o["timings"]["ttft_s"] * 1e3 for o in outs)
+    lines = [f"{len(outs)} requests, {tokens} tokens in {wall_s:.2f} s: {tokens / wall_s:.1f} tokens/s; "
+             f"time to first token {ttfts[len(ttfts) // 2]:.0f} ms median, {ttfts[-1]:.0f} ms at most"]
+    for w in stats.get("workers", []):
+        blocks = w.get("kv_blocks_used", 0) + w.get("kv_blocks_free", 0)
+        lines.append(f"  {w.get('id', '?')}: {w.get('tokens', 0)} tokens, KV cache "
+                     f"{w.get('kv_blocks_cached', 0)} of {blocks} blocks cached after the run")
+    lines.append("(--json prints the server's stats document)")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -128,12 +128,35 @@ def speculative_settings(text: str) -> dict[str, object]:
     return settings
 
 
+COMMAND_HELP = {
+    "serve": "serve a model over ZeroMQ and the OpenAI HTTP API (port 8000)",
+    "demo": "start a two-worker server on the embedded model, run a few prompts, stop",
+    "generate": "send one prompt to a running server and print its output",
+    "bench": "benchmarks against a running server (bench serve: TTFT, TPOT, throughput)",
+    "stats": "print a running server's stats document",
+    "scale": "add or drain workers of a running server",
+    "curve-keygen": "write a CURVE key pair for the ZeroMQ front end",
+}
+EXAMPLES = """examples:
+  fusedserve demo                                   # the embedded model, no download
+  fusedserve serve --model Qwen/Qwen3-0.6B          # then: curl http://127.0.0.1:8000/v1/models
+  fusedserve generate "The with statement" --stream
+  fusedserve stats
+  fusedserve scale 2
+  fusedserve bench serve --base-url http://127.0.0.1:8000 --num-prompts 64
+  fusedserve curve-keygen keys/
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand's flags (tests parse with it too)."""
-    ap = argparse.ArgumentParser(prog="fusedserve")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap = argparse.ArgumentParser(prog="fusedserve", epilog=EXAMPLES,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 description="LLM serving for Qwen3-family models: ZeroMQ and the "
+                                             "OpenAI HTTP API.")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     for name in ("serve", "demo"):
-        p = sub.add_parser(name)
+        p = sub.add_parser(name, help=COMMAND_HELP[name])
         p.add_argument("--model", default="default",
                        help="a Qwen3 directory, a Hugging Face id (ORG/NAME: the hub's cache first, then a "
                        "download where the network allows; HF_HUB_OFFLINE is honoured), or 'default'")
@@ -255,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --tensor-parallel-size: place a MoE model's experts whole across the "
                        "group instead of splitting every expert")
         p.add_argument("--max-tokens", type=int, default=16)
+        if name == "demo":
+            p.add_argument("--json", action="store_true", help="print the server's stats document after "
+                           "the outputs instead of the short summary")
         _grammar_flags(p)
         p.add_argument("--ray-address", default=None,
                        help="join this Ray cluster ('auto': the one this process runs in); default: "
@@ -262,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
         for port in ("gcs", "dashboard-agent", "metrics-export", "runtime-env-agent"):
             p.add_argument(f"--ray-{port}-port", type=int, default=0,
                            help=f"embedded head's {port} port (default: a free port)")
-    g = sub.add_parser("generate")
+    g = sub.add_parser("generate", help=COMMAND_HELP["generate"])
     g.add_argument("prompt")
     g.add_argument("--max-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -270,13 +296,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stream", action="store_true")
-    bench = sub.add_parser("bench", help="benchmarks against a running server")
+    bench = sub.add_parser("bench", help=COMMAND_HELP["bench"])
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from fusedserve.coordinator.openai import bench_serve
 
     bench_serve.add_arguments(bench_sub.add_parser("serve", help="load the OpenAI API; print TTFT/TPOT"))
-    s = sub.add_parser("stats")
-    sc = sub.add_parser("scale", help="add or drain workers at run time")
+    s = sub.add_parser("stats", help=COMMAND_HELP["stats"])
+    sc = sub.add_parser("scale", help=COMMAND_HELP["scale"])
     sc.add_argument("workers", type=int)
     for p in (g, s, sc):
         p.add_argument("--address", default=DEFAULT_ADDRESS)
@@ -284,6 +310,6 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--admin-token-file", default=None, help="the server's admin token file (scale)")
         p.add_argument("--curve-server-key-file", default=None,
                        help="the server's CURVE public key file, where its socket is encrypted")
-    kg = sub.add_parser("curve-keygen", help="write a CURVE key pair for the ZeroMQ front end")
+    kg = sub.add_parser("curve-keygen", help=COMMAND_HELP["curve-keygen"])
     kg.add_argument("dir")
     return ap

@@ -26,7 +26,7 @@ from fusedserve.shared_memory.engine_config import EngineConfig
 from fusedserve.shared_memory.slots import step_table
 from fusedserve.worker.device import torch_device
 from fusedserve.worker.load_progress import weight_progress
-from fusedserve.worker.model.qwen3 import Qwen3Model
+from fusedserve.worker.model.qwen3 import Qwen3Model, prepare_kernels
 from fusedserve.worker.model.tensor_parallel import SINGLE, GroupBroken
 from fusedserve.worker.model_runner import ModelRunner
 from fusedserve.worker.tensor_group import STOP, GroupRank, TensorGroup, rendezvous_address
@@ -75,6 +75,7 @@ class WorkerActor:
             tp = self.group.tp
         m = cfg.model
         who = self.worker_id if rank is None or rank.size == 1 else f"{self.worker_id} rank {rank.rank}"
+        prepare_kernels(device)
         progress, bar = weight_progress(f"{who}: loading weights", in_ray_worker=True)
         try:
             model = Qwen3Model.from_pretrained(m.model, m.dtype, device, m.max_model_len, m.quantization,

@@ -29,7 +29,7 @@ from fusedserve.shared_memory.slots import step_table
 from fusedserve.worker.device import probe, torch_device
 from fusedserve.worker.launch_runtime import LaunchRuntime
 from fusedserve.worker.load_progress import weight_progress
-from fusedserve.worker.model.qwen3 import Qwen3Model
+from fusedserve.worker.model.qwen3 import Qwen3Model, prepare_kernels
 from fusedserve.worker.model_runner import ModelRunner
 
 
@@ -58,6 +58,7 @@ def load_model(model: str | Path, dtype: str | None = None, device: str = "cpu",
 
 def _load(cfg: EngineConfig, device: torch.device) -> Qwen3Model:
     m = cfg.model
+    prepare_kernels(device)
     progress, bar = weight_progress("loading weights", in_ray_worker=False)
     try:
         return Qwen3Model.from_pretrained(m.model, m.dtype, device, m.max_model_len, m.quantization,

@@ -23,6 +23,7 @@ import logging
 import os
 import platform
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from types import ModuleType
@@ -160,6 +161,43 @@ def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S, now: floa
     return True
 
 
+def staged_sources(csrc: Path) -> Path:
+    """``csrc`` copied once into a folder named for its content, beside torch's builds.
+
+    The build's commands name their sources by path, so building from ``csrc`` itself rebuilt
+    everything for every checkout (and every ``ray job`` working directory) of the same sources;
+    built from the content's own folder, a second checkout finds the first one's build."""
+    from torch.utils import cpp_extension
+
+    files = sorted(p for p in csrc.iterdir() if p.suffix in (".cpp", ".h"))
+    digest = hashlib.sha1()
+    for f in files:
+        digest.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+    staged = root / f"fusedserve_src_{digest.hexdigest()[:16]}"
+    if not staged.is_dir():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".fusedserve_src_", dir=root))
+        for f in files:
+            shutil.copy2(f, tmp / f.name)
+        try:
+            tmp.rename(staged)  # atomic: a concurrent stager's identical copy may have won
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return staged
+
+
+def is_built(isa: str, name: str = "fusedserve_cpu") -> bool:
+    """Whether a build of ``isa`` is in torch's cache already (loading it then takes seconds)."""
+    from torch.utils import cpp_extension
+
+    try:
+        folder = Path(cpp_extension._get_build_directory(f"{name}_{isa}", False))
+    except (AttributeError, OSError):
+        return False
+    return any(folder.glob(f"{name}_{isa}*.so"))
+
+
 @functools.cache
 def build(isa: str, csrc: Path = CSRC, name: str = "fusedserve_cpu") -> ModuleType:
     """Compile (or load from the cache) the kernels for ``isa`` from ``csrc``.
@@ -172,16 +210,21 @@ def build(isa: str, csrc: Path = CSRC, name: str = "fusedserve_cpu") -> ModuleTy
     missing = missing_toolchain()
     if missing is not None:
         raise NativeUnavailable(missing)
-    log.info("loading native CPU kernels for %s (the first build takes about a minute)", isa)
-    sources = sorted(str(p) for p in csrc.glob("*.cpp"))
+    fresh = not is_built(isa, name)
+    if fresh:
+        log.warning("building the native CPU kernels for %s (first run on this machine only: about 3 minutes "
+                    "on 2 cores) ...", isa)
+    started = time.monotonic()
+    src = staged_sources(csrc)
+    sources = sorted(str(p) for p in src.glob("*.cpp"))
     # torch rebuilds when a source or a flag changes, not a header: the header's hash is a flag.
-    header = hashlib.sha1((csrc / "kernels.h").read_bytes()).hexdigest()[:12]
+    header = hashlib.sha1((src / "kernels.h").read_bytes()).hexdigest()[:12]
     try:
         clear_stale_lock(Path(cpp_extension._get_build_directory(f"{name}_{isa}", False)))
     except (AttributeError, OSError):  # a torch without the helper: its own lock handling only
         pass
     try:
-        return cpp_extension.load(
+        module = cpp_extension.load(
             name=f"{name}_{isa}",
             sources=sources,
             extra_cflags=["-O3", "-fopenmp", *mflags, f"-DFUSEDSERVE_HEADER={header}"],
@@ -190,6 +233,10 @@ def build(isa: str, csrc: Path = CSRC, name: str = "fusedserve_cpu") -> ModuleTy
         )
     except (RuntimeError, OSError, ImportError) as exc:
         raise NativeBuildError(f"building the native kernels for {isa} failed: {exc}") from None
+    took = time.monotonic() - started
+    if fresh or took > 10:
+        log.warning("native CPU kernels for %s ready in %.0f s", isa, took)
+    return module
 
 
 @functools.cache

@@ -38,15 +38,23 @@ def test_demo_serves_every_prompt_and_prints_stats(tmp_path):
     env = {**keep, **os.environ, "HOME": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"}
     for var in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
         env.pop(var, None)
-    r = subprocess.run([sys.executable, "-m", "fusedserve.coordinator.cli", "demo", "--max-tokens", "6"],
-                       env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    out = r.stdout
-    assert out.startswith("fusedserve demo: 2 cpu workers")
-    for prompt in DEMO_PROMPTS:
-        assert f"{prompt!r} -> " in out, prompt
-    assert out.count("6 tokens, ttft") + out.count("[stop,") == len(DEMO_PROMPTS)
+
+    def demo(*flags: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "fusedserve.coordinator.cli", "demo", "--max-tokens", "6",
+                            *flags], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        out = r.stdout
+        assert out.startswith("fusedserve demo: 2 cpu workers")
+        for prompt in DEMO_PROMPTS:
+            assert f"{prompt!r} -> " in out, prompt
+        assert out.count("6 tokens, ttft") + out.count("[stop,") == len(DEMO_PROMPTS)
+        return out
+
+    short = demo()  # a person's screen: the outputs, then a few lines of summary
+    assert len(short.splitlines()) <= 40 and "\n{" not in short
+    assert f"{len(DEMO_PROMPTS)} requests, " in short and "tokens/s; time to first token" in short
+    assert short.count("KV cache") == 2 and "--json" in short
+    out = demo("--json")  # the stats document, as before
     stats = json.loads(out[out.index("\n{") + 1 :])
     assert stats["completed"] == len(DEMO_PROMPTS) and len(stats["workers"]) == 2
     assert sum(w["tokens"] for w in stats["workers"]) == stats["tokens"]

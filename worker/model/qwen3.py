@@ -20,6 +20,7 @@ from fusedserve.kernels.layer_ops import rope_tables
 from fusedserve.kernels.model_description.checkpoint_format import checkpoint_format
 from fusedserve.kernels.model_description.config import ConfigError, Qwen3Config, parse_dtype, resolve_dtype
 from fusedserve.kernels.model_description.quantization import check_quantization
+from fusedserve.kernels.native import build as native_build
 from fusedserve.worker.model.loader import Progress, load_weights
 from fusedserve.worker.model.moe import moe_forward
 from fusedserve.worker.model.tensor_parallel import SINGLE, TensorParallel
@@ -169,3 +170,11 @@ class Qwen3Model:
             else:  # 16-bit logits, or this rank's vocab share of them: widened or gathered into out
                 self.kernels.linear(h, self.w.lm_head, ws.logits_local[:n])
                 self.tp.gather_vocab(ws.logits_local[:n], out[s : s + n], ws.logits_gathered)
+
+
+def prepare_kernels(device: torch.device) -> None:
+    """Build (first run) or load the device's kernels before the weights load, so a first run's
+    build announces itself instead of stalling a weight bar at 0% (the CPU's native kernels; other
+    devices have nothing to build)."""
+    if device.type == "cpu":
+        native_build.kernels()
