@@ -151,7 +151,7 @@ def serve(workers: int, policy: str, num_blocks: int, threads: int,
           extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, str]:
     cmd = [sys.executable, "-m", "fusedserve.coordinator.cli", "serve", "--workers", str(workers),
            "--routing", policy,
-           *extra, "--port", "0", "--http-port", "0", "--block-size", str(BLOCK), "--num-blocks",
+           *extra, "--zmq-port", "0", "--port", "0", "--block-size", str(BLOCK), "--num-blocks",
            str(num_blocks), "--threads-per-worker", str(threads), "--dtype", "float32"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     zmq = ""

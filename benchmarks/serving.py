@@ -24,7 +24,7 @@ def serve(dtype: str, threads: int, max_batch: int) -> tuple[subprocess.Popen, s
     cmd = [sys.executable, "-m", "fusedserve.coordinator.cli", "serve", "--model", str(checkpoint()),
            "--workers", "1",
            "--dtype", dtype, "--threads-per-worker", str(threads), "--max-batch", str(max_batch),
-           "--num-blocks", str(max_batch * 8 + 8), "--port", "0", "--http-port", "0"]
+           "--num-blocks", str(max_batch * 8 + 8), "--zmq-port", "0", "--port", "0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     for line in proc.stdout:
         if m := HTTP.search(line):

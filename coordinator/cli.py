@@ -215,7 +215,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from fusedserve.coordinator.server.server import Server
 
-    args.port = 0
+    args.zmq_port = 0
     coord = Server(server_config(args))
     coord.start()
     coord.serve_in_thread()

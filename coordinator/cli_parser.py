@@ -70,7 +70,7 @@ def server_config(args: argparse.Namespace, token: str | None = None) -> ServerC
         threads_per_worker=args.threads_per_worker, cpu_gemm=args.cpu_gemm,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel, **args.speculative_config,
-        host=args.host, port=args.port, transport=args.transport, auth_token=token, limits=limits,
+        host=args.host, port=args.zmq_port, transport=args.transport, auth_token=token, limits=limits,
         grammar=grammar, admin_token=read_file(args.admin_token_file),
         routing=RoutingConfig(args.routing, args.routing_balance_abs, args.routing_balance_rel),
         curve_secret_key=read_file(args.curve_secret_key_file))
@@ -200,9 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-prompt-chars", type=int, default=Limits.max_prompt_chars,
                        help="characters of text one request may ask to tokenize (prompts, chat messages "
                        "and the rendered turn), checked before tokenizing; more get 413")
-        p.add_argument("--port", type=int, default=5557)
-        p.add_argument("--http-port", type=int, default=8000,
-                       help="the OpenAI-compatible HTTP API's port at --host (0: a free one)")
+        p.add_argument("--port", "--http-port", dest="http_port", type=int, default=8000,
+                       help="the OpenAI-compatible HTTP API's port at --host, as vLLM's --port "
+                       "(0: a free one; --http-port is the older name)")
+        p.add_argument("--zmq-port", type=int, default=5557,
+                       help="the ZeroMQ front end's port at --host (0: a free one)")
         p.add_argument("--no-http", action="store_true", help="serve ZeroMQ alone, no HTTP API")
         p.add_argument("--generation-config", default="auto",
                        help="default sampling values of the HTTP API: auto (the model's "

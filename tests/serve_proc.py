@@ -25,7 +25,7 @@ class ServeProcess:
     address: str
     log_path: Path
     lines: list[str]
-    http: str | None = None  # the OpenAI API's base URL, when started with --http-port
+    http: str | None = None  # the OpenAI API's base URL, when started with --port
 
     @classmethod
     def start(cls, log_path: Path, *args: str, timeout_s: float = 120.0,
@@ -34,8 +34,9 @@ class ServeProcess:
         """Start ``fusedserve serve ARGS`` and wait for its "serving on" line; it joins the
         test session's Ray cluster unless ``join_session`` is False (its own embedded head).
         ``new_session``: the process leads a session of its own (its processes can be counted)."""
-        cmd = [sys.executable, "-m", "fusedserve.coordinator.cli", "serve", "--port", "0", *args]
-        if "--http-port" not in args:  # ZeroMQ alone: never the default HTTP port 8000
+        cmd = [sys.executable, "-m", "fusedserve.coordinator.cli", "serve", "--zmq-port", "0", *args]
+        want_http = "--port" in args or "--http-port" in args
+        if not want_http:  # ZeroMQ alone: never the default HTTP port 8000
             cmd.append("--no-http")
         if join_session:
             cmd += ["--ray-address", ray.get_runtime_context().gcs_address]
@@ -47,7 +48,6 @@ class ServeProcess:
         lines: list[str] = []
         found: list[str] = []
         http: list[str] = []
-        want_http = "--http-port" in args
         done = threading.Event()
 
         def read() -> None:  # keeps draining stdout so the child never blocks on it

@@ -48,7 +48,7 @@ class HttpServer:
         while not self.server.started:
             if not self.thread.is_alive() or time.time() > deadline:
                 raise RuntimeError(f"the HTTP API could not listen on {self.host}:{self.port} (in use? "
-                                   "choose another --http-port, or --no-http)")
+                                   "choose another --port, or --no-http)")
             time.sleep(0.02)
         sock = self.server.servers[0].sockets[0]
         self.port = sock.getsockname()[1]

@@ -131,3 +131,14 @@ def test_grammar_and_fairness_flags_reach_the_server_config():
     assert cfg.grammar.max_items_in_row == 2000  # llguidance's default where no flag is given
     assert (cfg.limits.max_queued_requests, cfg.limits.max_prompt_chars) == (7, 900)
     assert cfg.limits.max_requests_per_client == 3
+
+
+def test_port_is_the_http_port_as_in_vllm_and_zeromq_has_its_own():
+    from fusedserve.coordinator.cli_parser import build_parser, server_config
+
+    args = build_parser().parse_args(["serve", "--port", "8080"])
+    assert args.http_port == 8080 and server_config(args).port == 5557  # ZeroMQ keeps its default
+    older = build_parser().parse_args(["serve", "--http-port", "8081", "--zmq-port", "6000"])
+    assert older.http_port == 8081 and server_config(older).port == 6000
+    assert build_parser().parse_args(["serve"]).http_port == 8000
+

@@ -145,7 +145,7 @@ def test_ray_job_submit_serves_and_job_stop_cleans_up(tmp_path):
         submit = [ray_bin, "job", "submit", "--address", address, "--working-dir", str(ROOT), "--no-wait",
                   "--", "exec", "python", "-m", "fusedserve.deploy.serve", "--model", "default",
                   "--workers", "auto",
-                  "--device", "cpu", "--port", str(port), "--no-http", "--max-batch", "4",
+                  "--device", "cpu", "--zmq-port", str(port), "--no-http", "--max-batch", "4",
                   "--num-blocks", "64", "--dtype", "float32"]
         for _ in range(20):  # the head's job agent comes up a few seconds after `ray start`
             out = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=180)

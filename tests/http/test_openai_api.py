@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API, driven against a real ``fusedserve serve --http-port``:
+"""The OpenAI-compatible HTTP API, driven against a real ``fusedserve serve --port``:
 the official ``openai`` client for the happy paths, plain HTTP for everything else."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from tests.support import settled, wait_for
 TOKEN = "http-test-token-0123456789"
 RC = dict(max_batch=16, block_size=16, num_blocks=256)
 ARGS = ("--workers", "1", "--dtype", "float32", "--max-batch", "16", "--num-blocks", "256",
-        "--max-prompt-tokens", "400", "--http-port", "0")
+        "--max-prompt-tokens", "400", "--port", "0")
 
 
 @pytest.fixture(scope="module")

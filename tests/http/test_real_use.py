@@ -120,7 +120,7 @@ def test_a_model_that_is_nowhere_is_one_line_and_exit_2(tmp_path):
     for model, says in (("nobody/no-such-model", "is not in the Hugging Face cache at"),
                         ("./no/such/dir", "no such directory, and not a Hugging Face id")):
         out = subprocess.run([sys.executable, "-m", "fusedserve.coordinator.cli", "serve", "--model", model,
-                              "--download-dir", str(tmp_path), "--no-http", "--port", "0"],
+                              "--download-dir", str(tmp_path), "--no-http", "--zmq-port", "0"],
                              env=env, capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and says in out.stderr, out.stderr
         assert out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr

@@ -126,7 +126,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_refuses_a_public_bind_without_a_token(tmp_path):
-    out = _cli("serve", "--host", "0.0.0.0", "--port", "0")
+    out = _cli("serve", "--host", "0.0.0.0", "--zmq-port", "0")
     assert out.returncode == 2
     assert "refusing to bind 0.0.0.0" in out.stderr and "--auth-token-file" in out.stderr
     short = tmp_path / "short"

@@ -4,6 +4,7 @@ transformers imports from 5.25 on), from the project root or from site-packages.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -47,8 +48,13 @@ def test_transformers_imports_and_builds_a_qwen3_from_the_project_root():
 
 
 def test_a_built_wheel_holds_only_fusedserve(tmp_path):
+    src = tmp_path / "src"  # a copy: setuptools builds in the source tree (build/), never in ours
+    for name in (*FOLDERS, "pyproject.toml", "README.md"):
+        copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy2
+        copy(ROOT / name, src / name, **({"ignore": shutil.ignore_patterns("__pycache__")}
+                                         if (ROOT / name).is_dir() else {}))
     run = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                          "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=600)
+                          "-w", str(tmp_path), str(src)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     (wheel,) = tmp_path.glob("fusedserve-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
