@@ -87,6 +87,22 @@ def build_app(gw: Gateway) -> FastAPI:
         body = {"ok": h["ok"], "workers": h["workers"], "starting": h["starting"]}
         return JSONResponse(body, status_code=200 if h["ok"] else 503)
 
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping() -> Response:
+        """SageMaker's health probe (vLLM serves it too): /health's answer."""
+        return await health()
+
+    @app.get("/load")
+    async def load(request: Request) -> Response:
+        """vLLM's: how many requests the server holds now (queued or in a worker's batch)."""
+        gw.check_auth(request)
+        try:
+            stats = await asyncio.wait_for(gw.client.stats(), 5)
+        except (TimeoutError, ServerError):
+            return JSONResponse({"server_load": None}, status_code=503)
+        return JSONResponse({"server_load": stats["coordinator"]["pending"]})
+
     @app.get("/metrics")
     async def metrics() -> Response:
         try:
@@ -140,23 +156,40 @@ def build_app(gw: Gateway) -> FastAPI:
         return {"object": "list", "data": [{"id": gw.model_name, "object": "model", "created": 0,
                                             "owned_by": "fusedserve", "max_model_len": gw.max_model_len}]}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        gw.check_auth(request)
-        body = await _read_body(request)
+    async def as_completion(request: Request, body: dict) -> Response:
         # Tokenizing (and, for chat, rendering the template) runs on a thread: never on this loop.
         prep = await anyio.to_thread.run_sync(oa.completion_request, body, gw.tokenizer, 16,
                                               gw.max_prompt_chars, gw.defaults)
         return await _run(gw, request, gw.admit(prep, request), chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        gw.check_auth(request)
-        body = await _read_body(request)
+    async def as_chat(request: Request, body: dict) -> Response:
         prep = await anyio.to_thread.run_sync(oa.chat_request, body, gw.tokenizer, gw.template, gw.max_tokens,
                                               gw.reasoning, gw.tool_parser, gw.max_prompt_chars,
                                               gw.trust_request_template, gw.defaults)
         return await _run(gw, request, gw.admit(prep, request), chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        gw.check_auth(request)
+        return await as_completion(request, await _read_body(request))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        gw.check_auth(request)
+        return await as_chat(request, await _read_body(request))
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        """SageMaker's one endpoint (as vLLM routes it): a body with ``messages`` is a chat
+        completion, one with ``prompt`` a completion. It takes the same bearer token as /v1/*."""
+        gw.check_auth(request)
+        body = await _read_body(request)
+        if "messages" in body:
+            return await as_chat(request, body)
+        if "prompt" in body:
+            return await as_completion(request, body)
+        raise oa.ApiError(400, "an /invocations body has 'messages' (a chat completion) or 'prompt' (a "
+                          "completion)", code="bad_field")
 
     return app
 

@@ -453,3 +453,23 @@ def test_echo_gives_the_prompt_and_its_logprobs(oai, offline):
                                          logprobs=2, echo=True, stream=True, extra_body={"ignore_eos": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ch.text
     assert chunks[0].choices[0].logprobs.token_logprobs[1:n] == pytest.approx(lp.token_logprobs[1:n])
+
+
+def test_sagemaker_ping_and_invocations_and_vllm_load(server, oai):
+    """/ping answers as /health; /invocations routes a body with messages to chat and one with
+    a prompt to completions, behind the same token; /load counts the requests the server holds."""
+    assert httpx.get(f"{server.http}/ping").status_code == 200
+    assert httpx.post(f"{server.http}/ping").json()["ok"] is True
+    body = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    assert httpx.post(f"{server.http}/invocations", json=body).status_code == 401  # the token stands
+    r = httpx.post(f"{server.http}/invocations", json=body, headers=_auth(), timeout=60)
+    want = oai.completions.create(model="default", **{k: v for k, v in body.items() if k != "ignore_eos"},
+                                  extra_body={"ignore_eos": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.choices[0].text
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+    r = httpx.post(f"{server.http}/invocations", json=chat, headers=_auth(), timeout=60)
+    assert r.status_code == 200 and r.json()["object"] == "chat.completion"
+    r = httpx.post(f"{server.http}/invocations", json={"input": "x"}, headers=_auth())
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_field"
+    load = httpx.get(f"{server.http}/load", headers=_auth())
+    assert load.status_code == 200 and load.json() == {"server_load": 0}
