@@ -36,7 +36,7 @@ from fusedserve.coordinator.model_files.default_model import default_model_dir
 POLICIES = ("least-loaded", "cache-aware", "session")
 BLOCK = 16
 HTTP = re.compile(r"OpenAI API on (http://\S+)/v1")
-ZMQ = re.compile(r"serving on (tcp://\S+) with")
+ZMQ = re.compile(r"serving on (tcp://\S+) ")
 WORDS = ("time year people way day man thing woman life child world school state family student group "
          "country problem hand part place case week company system program question work government "
          "number night point home water room mother area money story fact month lot right study book "

@@ -16,13 +16,16 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from fusedserve.coordinator.cli_parser import build_parser, read_file, server_config
+from fusedserve.coordinator import vllm_flags
+from fusedserve.coordinator.cli_parser import http_config, parse, read_file, server_config
 from fusedserve.coordinator.client import TOKEN_ENV, Client, ServerError
 from fusedserve.coordinator.model_files.default_model import resolve_model
+from fusedserve.coordinator.openai.http_config import API_KEY_ENV, HttpConfig
 from fusedserve.coordinator.server.core_slots import CoreSlots
 from fusedserve.coordinator.server.ray_cluster import EmbeddedHead, RayPorts, connect, embedded_env
 
 if TYPE_CHECKING:
+    from fusedserve.coordinator.server.config import ServerConfig
     from fusedserve.coordinator.server.server import Server
 
 DEMO_PROMPTS = [
@@ -60,27 +63,58 @@ def _leave_ray(head: EmbeddedHead | None) -> None:
     logging.getLogger(__name__).info("left Ray in %.2f s", time.perf_counter() - t0)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def _refuse(message: str) -> int:
+    print(f"fusedserve: {message}", file=sys.stderr)
+    return 2
+
+
+def _settings(args: argparse.Namespace) -> tuple[ServerConfig, HttpConfig] | int:
+    """The server's and the HTTP API's configs, with a notice for each vLLM flag that does nothing
+    here; an exit status instead where a flag or a bind is refused."""
     from fusedserve.coordinator.server.config import LOOPBACK, MIN_TOKEN_CHARS
+
+    notes, refusals = vllm_flags.notices(args)
+    if args.quantization == "fp8":
+        notes.append("--quantization fp8: an FP8 checkpoint runs its own path (its blocks dequantized: int8 "
+                     "per channel on the CPU, 16-bit on an accelerator); another checkpoint is quantized to "
+                     "int8 per channel at load (no FP8 GEMM here)")
+    for note in notes:
+        print(f"fusedserve: {note}", file=sys.stderr)
+    if refusals:
+        return _refuse("; ".join(refusals))
+    token = _read_token(args)
+    if args.zmq_host not in LOOPBACK and token is None:
+        return _refuse(f"refusing to bind ZeroMQ to {args.zmq_host}: beyond loopback every client must "
+                       f"authenticate. Give --auth-token-file FILE (or set ${TOKEN_ENV}) with a token of at "
+                       f"least {MIN_TOKEN_CHARS} characters; clients send it with --auth-token-file or "
+                       f"${TOKEN_ENV}.")
+    if token is not None and len(token) < MIN_TOKEN_CHARS:
+        return _refuse(f"the auth token must have at least {MIN_TOKEN_CHARS} characters")
+    try:
+        cfg, http = server_config(args, token), http_config(args)
+        cfg.check()
+        http.check()
+    except ValueError as exc:
+        return _refuse(str(exc))
+    if http.http and http.host not in LOOPBACK and http.api_key is None and token is None:
+        return _refuse(f"refusing to bind the HTTP API to {http.host}: beyond loopback every client must "
+                       f"authenticate. Give --api-key KEY (or set ${API_KEY_ENV}); clients send it as "
+                       "'Authorization: Bearer KEY'.")
+    return cfg, http
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
     from fusedserve.coordinator.server.server import Server
 
-    token = _read_token(args)
-    if args.host not in LOOPBACK and token is None:
-        print(f"fusedserve: refusing to bind {args.host}: beyond loopback every client must "
-              f"authenticate. Give --auth-token-file FILE (or set ${TOKEN_ENV}) with a token of at "
-              f"least {MIN_TOKEN_CHARS} characters; clients send it with --auth-token-file or "
-              f"${TOKEN_ENV}.", file=sys.stderr)
-        return 2
-    if token is not None and len(token) < MIN_TOKEN_CHARS:
-        print(f"fusedserve: the auth token must have at least {MIN_TOKEN_CHARS} characters",
-              file=sys.stderr)
-        return 2
+    settings = _settings(args)
+    if isinstance(settings, int):
+        return settings
+    cfg, http_cfg = settings
     try:
-        cfg = server_config(args, token)
-        resolve_model(args.model, args.revision, args.download_dir)  # before Ray: a missing model fails fast
+        m = cfg.engine.model
+        resolve_model(m.model, m.revision, m.download_dir)  # before Ray: a missing model fails fast
     except (ValueError, FileNotFoundError) as exc:
-        print(f"fusedserve: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(str(exc))
     head = _ray(args)
     if head is not None:
         print(f"fusedserve: embedded Ray head at {head.address} (session {head.session}), loopback only",
@@ -89,9 +123,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             coord = Server(cfg)
         except (FileNotFoundError, ValueError) as exc:  # no such model, a KV cache too small: one line
-            print(f"fusedserve: {exc}", file=sys.stderr)
-            return 2
-        return _serve(coord, args, token)
+            return _refuse(str(exc))
+        return _serve(coord, http_cfg)
     finally:
         _leave_ray(head)
 
@@ -109,7 +142,7 @@ def _startup_lines(coord: Server) -> None:
     print(f"fusedserve: {r.kv.describe()}", flush=True)
 
 
-def _serve(coord: Server, args: argparse.Namespace, token: str | None) -> int:
+def _serve(coord: Server, http_cfg: HttpConfig) -> int:
     _startup_lines(coord)
     coord.start()
     stop = threading.Event()
@@ -118,28 +151,22 @@ def _serve(coord: Server, args: argparse.Namespace, token: str | None) -> int:
     http = None
     try:
         coord.serve_in_thread()
-        auth = "token auth on every frame" if token else "no auth (loopback only)"
-        print(f"fusedserve: serving on {coord.address} with {len(coord.workers)} workers; {auth}", flush=True)
-        if not args.no_http:
+        auth = "token auth on every frame" if coord.server_config.auth_token else "no auth (loopback only)"
+        print(f"fusedserve: serving on {coord.address} (ZeroMQ) with {len(coord.workers)} workers; {auth}",
+              flush=True)
+        if http_cfg.http:
             from fusedserve.coordinator.openai.gateway import Gateway, GatewayConfig
-            from fusedserve.coordinator.openai.generation_defaults import generation_defaults
             from fusedserve.coordinator.openai.http_server import HttpServer
 
-            config = GatewayConfig.for_server(
-                coord, args.served_model_name or args.model, token=token,
-                reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-                max_prompt_chars=args.max_prompt_chars, chat_template=args.chat_template,
-                trust_request_template=args.trust_request_chat_template,
-                defaults=generation_defaults(coord.model_dir, args.generation_config))
-            gw = Gateway(config, coord.tokenizer)
-            http = HttpServer(gw, args.host, args.http_port, args.ssl_keyfile, args.ssl_certfile)
+            gw = Gateway(GatewayConfig.for_server(coord, http_cfg), coord.tokenizer)
+            http = HttpServer(gw)
             try:
                 http.start()
             except RuntimeError as exc:
                 http = None
-                print(f"fusedserve: {exc}", file=sys.stderr)
-                return 2
-            print(f"fusedserve: OpenAI API on {http.url}/v1 (model {gw.model_name!r})", flush=True)
+                return _refuse(str(exc))
+            key = "bearer token required" if gw.token else "no auth (loopback only)"
+            print(f"fusedserve: OpenAI API on {http.url}/v1 (model {gw.model_name!r}); {key}", flush=True)
         while not stop.wait(0.5):
             if not coord.alive():
                 print("fusedserve: the coordinator loop died; see the log", file=sys.stderr)
@@ -216,7 +243,10 @@ def _demo(args: argparse.Namespace) -> int:
     from fusedserve.coordinator.server.server import Server
 
     args.zmq_port = 0
-    coord = Server(server_config(args))
+    settings = _settings(args)
+    if isinstance(settings, int):
+        return settings
+    coord = Server(settings[0])
     coord.start()
     coord.serve_in_thread()
     print(f"fusedserve demo: {args.workers} {args.device} workers on {coord.address}")
@@ -265,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from fusedserve.coordinator.openai import bench_serve
 
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     if args.cmd in ("serve", "demo") and not args.ray_address:
         os.environ.update(embedded_env())  # an embedded head: loopback, one auth mode; before ray is imported
     commands = {"serve": cmd_serve, "generate": cmd_generate, "stats": cmd_stats, "demo": cmd_demo,

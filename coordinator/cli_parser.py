@@ -5,16 +5,25 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import fields
+import os
+import re
+import sys
 
+from fusedserve.coordinator import vllm_flags
 from fusedserve.coordinator.client import DEFAULT_ADDRESS, TOKEN_ENV
+from fusedserve.coordinator.config_flags import Section, add_flags, build, values
+from fusedserve.coordinator.openai.http_config import API_KEY_ENV, HttpConfig
 from fusedserve.coordinator.server.config import Limits, ServerConfig
-from fusedserve.coordinator.server.routing_policy import POLICIES, RoutingConfig
+from fusedserve.coordinator.server.routing_policy import RoutingConfig
 from fusedserve.coordinator.structured.grammar_compiler import GrammarLimits
-from fusedserve.kernels.model_description.quantization import QUANTIZATIONS
-from fusedserve.shared_memory.engine_config import EngineConfig, SchedulerConfig
-
-DEFAULT_MAX_NUM_BATCHED_TOKENS = SchedulerConfig.max_num_batched_tokens
+from fusedserve.shared_memory.engine_config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 
 
 def read_file(path: str | None) -> str | None:
@@ -25,74 +34,44 @@ def read_file(path: str | None) -> str | None:
         return f.read().strip() or None
 
 
-def parse_size(value: str) -> int:
-    """A size: bytes, or a number with KiB/MiB/GiB/TiB (or K/M/G/T, KB/MB/GB: powers of 1024)."""
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    text = value.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = text[-1] if text and text[-1] in "KMGT" else ""
-    try:
-        n = float(text[: len(text) - len(unit)]) * units[unit]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {value!r} (bytes, or e.g. 8GiB)") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"a size must be positive, got {value!r}")
-    return int(n)
-
-
-def _workers(value: str) -> int:
-    if value == "auto":
-        return 0
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError("--workers must be >= 1 or 'auto'")
-    return n
-
-
 AUTH_HELP = (f"a file holding the shared auth token (or set ${TOKEN_ENV}); required to bind beyond "
              "loopback. Every frame must then carry it. The token is checked, not encrypted: beyond a "
              "trusted network, reach the port through an SSH tunnel or a VPN.")
 
 
+ENGINE = [Section(ModelConfig, title="the model"), Section(CacheConfig, title="the KV cache"),
+          Section(SchedulerConfig, title="the scheduler"), Section(DeviceConfig, title="the device"),
+          Section(ParallelConfig, title="parallelism")]
+SERVER = [Section(ServerConfig, title="the ZeroMQ front end and the coordinator"),
+          Section(Limits, title="request limits"), Section(RoutingConfig, "routing_", "routing"),
+          Section(GrammarLimits, "grammar_", "structured outputs' limits (llguidance's LLParserLimits): a "
+                  "grammar past them is refused at admission where the parser can tell, else ends its "
+                  "request alone with grammar_error")]
+HTTP = Section(HttpConfig, title="the OpenAI HTTP API")
+SECTIONS = [*ENGINE, *SERVER, HTTP]
+
+
 def server_config(args: argparse.Namespace, token: str | None = None) -> ServerConfig:
     """The ``serve`` flags as the server's config (``token``: the client auth token read)."""
-    limits = Limits(max_tokens=args.max_tokens_limit, max_requests_per_client=args.max_requests_per_client,
-                    max_prompt_tokens=args.max_prompt_tokens, max_queued_requests=args.max_queued_requests,
-                    max_prompt_chars=args.max_prompt_chars)
-    grammar = GrammarLimits(**{f.name: getattr(args, f"grammar_{f.name}") for f in fields(GrammarLimits)})
-    return ServerConfig.build(
-        model=args.model, revision=args.revision, download_dir=args.download_dir,
-        workers=args.workers, device=args.device, dtype=args.dtype,
-        quantization=args.quantization, max_model_len=args.max_model_len, max_batch=args.max_batch,
-        block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
-        kv_cache_dtype=args.kv_cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=not args.no_prefix_caching,
-        max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=not args.no_async_scheduling,
-        threads_per_worker=args.threads_per_worker, cpu_gemm=args.cpu_gemm,
-        tensor_parallel_size=args.tensor_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel, **args.speculative_config,
-        host=args.host, port=args.zmq_port, transport=args.transport, auth_token=token, limits=limits,
-        grammar=grammar, admin_token=read_file(args.admin_token_file),
-        routing=RoutingConfig(args.routing, args.routing_balance_abs, args.routing_balance_rel),
-        curve_secret_key=read_file(args.curve_secret_key_file))
+    engine: dict[str, object] = {}
+    for section in ENGINE:
+        engine.update(values(args, section))
+    engine.update(args.speculative_config)
+    if getattr(args, "model_tag", None):
+        engine["model"] = args.model_tag
+    if args.enforce_eager:
+        engine["graphs"] = "off"
+    limits, routing, grammar = (build(args, s) for s in SERVER[1:])
+    return ServerConfig(engine=EngineConfig.build(**engine), limits=limits, routing=routing, grammar=grammar,
+                        auth_token=token, admin_token=read_file(args.admin_token_file),
+                        curve_secret_key=read_file(args.curve_secret_key_file), **values(args, SERVER[0]))
 
 
-GRAMMAR_HELP = {
-    "max_items_in_row": "alternatives one grammar production may have",
-    "initial_lexer_fuel": "work allowed building a grammar's lexer (about 50k a millisecond)",
-    "step_lexer_fuel": "lexer work allowed for one token's mask (about 14k a millisecond)",
-    "step_max_items": "Earley items allowed for one token's mask (about 20k a millisecond)",
-    "max_lexer_states": "lexer states a grammar may build (1-2 kB each)",
-    "max_grammar_size": "symbols a grammar's productions may hold",
-    "compile_timeout_s": "seconds a grammar may take to compile (off the loop) before its request is refused",
-}
-
-
-def _grammar_flags(p: argparse.ArgumentParser) -> None:
-    """Structured outputs' limits (llguidance's LLParserLimits): a grammar past them is refused at
-    admission where the parser can tell, else ends its request alone with grammar_error."""
-    for f in fields(GrammarLimits):
-        p.add_argument(f"--grammar-{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
-                       dest=f"grammar_{f.name}", help=f"{GRAMMAR_HELP[f.name]} (default {f.default})")
+def http_config(args: argparse.Namespace) -> HttpConfig:
+    """The HTTP API's flags (``--api-key``, else ``$FUSEDSERVE_API_KEY``)."""
+    settings = values(args, HTTP)
+    settings["api_key"] = settings["api_key"] or os.environ.get(API_KEY_ENV) or None
+    return HttpConfig(**settings)
 
 
 # On by default where it pays (docs/ARCHITECTURE.md, "Speculative decoding"): n-gram proposals, k = 4,
@@ -148,6 +127,127 @@ EXAMPLES = """examples:
 """
 
 
+SERVE_EXAMPLES = """examples (vLLM's command lines work as they are; see the README's flag table):
+  fusedserve serve Qwen/Qwen3-0.6B --port 8080 --api-key sk-local-0123456789
+  fusedserve serve ./Qwen3-8B --max-model-len 32k --max-num-seqs 64 --enable-auto-tool-choice
+  fusedserve serve --config serve.yaml            # YAML: flag names as keys; the command line wins
+"""
+
+
+def _serve_flags(p: argparse.ArgumentParser, demo: bool) -> None:
+    """The settings' own flags (from the config classes), then the ones that read files or JSON,
+    the Ray cluster's, and vLLM's other flags."""
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as vLLM takes it (the same as --model)")
+    p.add_argument("--config", default=None, metavar="FILE.yaml",
+                   help="settings from a YAML file, flag names as keys (max_model_len: 32k); flags on the "
+                   "command line override them")
+    defaults = {"workers": 2, "device": "cpu"} if demo else {}
+    for section in SECTIONS:
+        add_flags(p.add_argument_group(section.title), section, defaults)
+    files = p.add_argument_group("secrets, read from files")
+    files.add_argument("--auth-token-file", default=None, help=AUTH_HELP)
+    files.add_argument("--admin-token-file", default=None,
+                       help="a file holding the admin token, different from the client token: admin frames "
+                       "(scale, workers) must carry it; without it a server with a client token refuses them")
+    files.add_argument("--curve-secret-key-file", default=None,
+                       help="encrypt the ZeroMQ socket with CURVE: the server's secret key (fusedserve "
+                       "curve-keygen writes a pair); clients need its public key")
+    p.add_argument("--speculative-config", type=speculative_settings, default=DEFAULT_SPECULATION,
+                   help='speculative decoding, as vLLM spells it: JSON such as {"method": "ngram", '
+                   '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '
+                   '"disable_by_batch_size": 4} (the last: speculate only while a worker holds at '
+                   'most this many requests), or {"model": DRAFT_DIR, "num_speculative_tokens": 4} '
+                   "for a smaller Qwen3 sharing the tokenizer, run on each worker; off to turn it "
+                   f"off. Default {DEFAULT_SPECULATION}: n-gram proposals while a worker holds at "
+                   "most 4 requests, each request pausing them while they do not pay")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run decode eagerly, as vLLM's: the same as --graphs off")
+    if demo:
+        p.add_argument("--max-tokens", type=int, default=16, help="tokens each demo prompt generates")
+        p.add_argument("--json", action="store_true", help="print the server's stats document after "
+                       "the outputs instead of the short summary")
+    ray = p.add_argument_group("the Ray cluster")
+    ray.add_argument("--ray-address", default=None,
+                     help="join this Ray cluster ('auto': the one this process runs in); default: "
+                     "start a head of this server's own, stopped with it")
+    for port in ("gcs", "dashboard-agent", "metrics-export", "runtime-env-agent"):
+        ray.add_argument(f"--ray-{port}-port", type=int, default=0,
+                         help=f"embedded head's {port} port (default: a free port)")
+    vllm_flags.add_flags(p)
+
+
+# vLLM's flags this parser honours (beside its own names): the README's table lists them first.
+VLLM_HONOURED = (
+    "--model", "--revision", "--download-dir", "--dtype", "--quantization", "--max-model-len", "--seed",
+    "--max-logprobs", "--generation-config", "--served-model-name", "--block-size",
+    "--num-gpu-blocks-override", "--kv-cache-memory-bytes", "--gpu-memory-utilization",
+    "--enable-prefix-caching", "--no-enable-prefix-caching", "--kv-cache-dtype", "--max-num-seqs",
+    "--max-num-batched-tokens", "--async-scheduling", "--tensor-parallel-size", "--data-parallel-size",
+    "--enable-expert-parallel", "--speculative-config", "--enforce-eager", "--host", "--port",
+    "--ssl-keyfile", "--ssl-certfile", "--api-key", "--allowed-origins", "--allowed-methods",
+    "--allowed-headers",
+    "--allow-credentials", "--uvicorn-log-level", "--enable-log-requests", "--disable-log-requests",
+    "--reasoning-parser", "--tool-call-parser", "--enable-auto-tool-choice", "--chat-template",
+    "--trust-request-chat-template", "--return-tokens-as-token-ids", "--config",
+)
+
+
+def honoured_vllm_flags() -> list[tuple[str, str]]:
+    """(flag, its help) for every vLLM flag in ``VLLM_HONOURED``, as the serve parser has it."""
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    by_flag = {o: a for a in serve._actions for o in a.option_strings}
+    out = []
+    for flag in VLLM_HONOURED:
+        action = by_flag[flag]
+        text = re.sub(r" \(default [^()]*\)$", "", (action.help or "").replace("%%", "%"))
+        if flag.startswith("--no-") and isinstance(action, argparse.BooleanOptionalAction):
+            text = "turns it off: " + text
+        out.append((flag, text.replace("|", "/")))
+    return out
+
+
+def expand_config_file(argv: list[str]) -> list[str]:
+    """``--config FILE.yaml``'s settings as flags, put before the command line's (so those win), as
+    vLLM reads it: keys are flag names (dashes or underscores), ``true`` a bare flag, ``false`` its
+    ``--no-`` form, lists several values, mappings JSON."""
+    if "--config" not in argv:
+        return argv
+    i = argv.index("--config")
+    if i + 1 >= len(argv):
+        raise SystemExit("fusedserve: --config needs a file")
+    import yaml
+
+    path, rest = argv[i + 1], argv[:i] + argv[i + 2:]
+    try:
+        with open(path) as f:
+            settings = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise SystemExit(f"fusedserve: --config {path}: {exc}") from None
+    if not isinstance(settings, dict):
+        raise SystemExit(f"fusedserve: --config {path}: a mapping of flag names to values")
+    flags: list[str] = []
+    for key, value in settings.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False:
+            flags.append("--no-" + flag[2:])
+        elif isinstance(value, list):
+            flags += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value)]
+        elif value is not None:
+            flags += [flag, str(value)]
+    at = next((j + 1 for j, a in enumerate(rest) if a in ("serve", "demo")), 0)
+    return rest[:at] + flags + rest[at:]
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``--config`` expanded)."""
+    return build_parser().parse_args(expand_config_file(list(sys.argv[1:] if argv is None else argv)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand's flags (tests parse with it too)."""
     ap = argparse.ArgumentParser(prog="fusedserve", epilog=EXAMPLES,
@@ -156,140 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
                                              "OpenAI HTTP API.")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     for name in ("serve", "demo"):
-        p = sub.add_parser(name, help=COMMAND_HELP[name])
-        p.add_argument("--model", default="default",
-                       help="a Qwen3 directory, a Hugging Face id (ORG/NAME: the hub's cache first, then a "
-                       "download where the network allows; HF_HUB_OFFLINE is honoured), or 'default'")
-        p.add_argument("--revision", default=None, help="of a Hugging Face id: a branch, tag or commit")
-        p.add_argument("--download-dir", default=None, help="the Hugging Face cache to use")
-        p.add_argument("--workers", type=_workers, default=2 if name == "demo" else 1,
-                       help="number of workers, or 'auto' for one per device in the cluster")
-        p.add_argument("--transport", default="auto", choices=["auto", "serial"],
-                       help="serial forces the off-node serializing transport")
-        p.add_argument("--device", default="cpu" if name == "demo" else "auto",
-                       choices=["auto", "cpu", "cuda", "npu"])
-        p.add_argument("--host", default="127.0.0.1",
-                       help="bind address; anything beyond loopback requires --auth-token-file")
-        p.add_argument("--auth-token-file", default=None, help=AUTH_HELP)
-        p.add_argument("--admin-token-file", default=None,
-                       help="a file holding the admin token, different from the client token: admin frames "
-                       "(scale, workers) must carry it; without it a server with a client token refuses them")
-        p.add_argument("--curve-secret-key-file", default=None,
-                       help="encrypt the ZeroMQ socket with CURVE: the server's secret key (fusedserve "
-                       "curve-keygen writes a pair); clients need its public key")
-        p.add_argument("--ssl-keyfile", default=None, help="serve the HTTP API over TLS: the key (PEM)")
-        p.add_argument("--ssl-certfile", default=None,
-                       help="serve the HTTP API over TLS: the certificate (PEM)")
-        p.add_argument("--max-tokens-limit", type=int, default=None,
-                       help="largest max_tokens a request may ask for (default: max-model-len)")
-        p.add_argument("--max-prompt-tokens", type=int, default=None,
-                       help="longest prompt in tokens (default: max-model-len - 1)")
-        p.add_argument("--max-requests-per-client", type=int, default=Limits.max_requests_per_client,
-                       help="requests one client may have in flight: a ZeroMQ connection, or an HTTP "
-                       "client (its API key and address); more get 429 with Retry-After")
-        p.add_argument("--routing", default=RoutingConfig.policy, choices=POLICIES,
-                       help="which worker a request goes to: cache-aware (the one holding most of its "
-                       "prefix among those near the least load), session (its session's last worker "
-                       "first: X-Session-Id or user over HTTP, session_id on ZeroMQ), least-loaded")
-        p.add_argument("--routing-balance-abs", type=int, default=RoutingConfig.balance_abs,
-                       help="sequences above the least-loaded worker's load a prefix hit may still go to")
-        p.add_argument("--routing-balance-rel", type=float, default=RoutingConfig.balance_rel,
-                       help="... or this share of the least load, whichever is more")
-        p.add_argument("--max-queued-requests", type=int, default=Limits.max_queued_requests,
-                       help="requests in flight on the whole server; more get 429 (server_busy)")
-        p.add_argument("--max-prompt-chars", type=int, default=Limits.max_prompt_chars,
-                       help="characters of text one request may ask to tokenize (prompts, chat messages "
-                       "and the rendered turn), checked before tokenizing; more get 413")
-        p.add_argument("--port", "--http-port", dest="http_port", type=int, default=8000,
-                       help="the OpenAI-compatible HTTP API's port at --host, as vLLM's --port "
-                       "(0: a free one; --http-port is the older name)")
-        p.add_argument("--zmq-port", type=int, default=5557,
-                       help="the ZeroMQ front end's port at --host (0: a free one)")
-        p.add_argument("--no-http", action="store_true", help="serve ZeroMQ alone, no HTTP API")
-        p.add_argument("--generation-config", default="auto",
-                       help="default sampling values of the HTTP API: auto (the model's "
-                       "generation_config.json), none, or a directory holding one")
-        p.add_argument("--reasoning-parser", default="auto", choices=["auto", "qwen3", "none"],
-                       help="split <think> blocks into reasoning_content (auto: where the chat "
-                       "template has them, as Qwen3's does)")
-        p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "none"],
-                       help="parse <tool_call> JSON into tool_calls for tool_choice auto (auto: where "
-                       "the chat template renders tools that way, as Qwen3's does)")
-        p.add_argument("--chat-template", default=None,
-                       help="the chat template (a file, or its text); default: the model directory's "
-                       "chat_template.jinja, else its tokenizer_config.json's")
-        p.add_argument("--trust-request-chat-template", action="store_true",
-                       help="let a request's own chat_template render its prompt (Jinja, sandboxed); "
-                       "without it such a request gets 400")
-        p.add_argument("--served-model-name", default=None,
-                       help="the model id of the HTTP API (default: --model as given)")
-        p.add_argument("--dtype", default=None,
-                       help="float32, bfloat16, float16, or auto (the fastest here for the checkpoint; "
-                       "default: the checkpoint's)")
-        p.add_argument("--quantization", default=None, choices=["none", *QUANTIZATIONS],
-                       help="quantized at load: int8 per channel, int4 in groups of 32 (lm_head int8); "
-                       "on the CPU both multiply with int8 activations (per token); int8-weight-only "
-                       "keeps the activations 16-bit")
-        p.add_argument("--cpu-gemm", default="auto", choices=["auto", "native"],
-                       help="auto: oneDNN's GEMM (AMX where the CPU has it) at the launch sizes where it "
-                       "measured faster at load, and SDPA for the prompt chunk sizes where it did, the "
-                       "native kernels elsewhere; native: the native kernels always (16-bit outputs "
-                       "bit-equal whatever the batch)")
-        p.add_argument("--max-model-len", type=int, default=None,
-                       help="the longest sequence (default: the model's own context, YaRN included, or "
-                       "what the KV cache holds if less)")
-        p.add_argument("--max-num-seqs", "--max-batch", dest="max_batch", type=int, default=128,
-                       help="sequences a worker runs at once (rows of a launch)")
-        p.add_argument("--block-size", type=int, default=16)
-        p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
-                       help="auto: K/V in the model's dtype; int8: int8 values and a float32 scale per "
-                       "token and head (native CPU kernels): half the bytes a decode step reads from "
-                       "the cache, twice the tokens in the same memory")
-        p.add_argument("--num-blocks", type=int, default=None,
-                       help="KV blocks per worker (default: sized from memory, see --kv-cache-memory)")
-        p.add_argument("--kv-cache-memory", type=parse_size, default=None,
-                       help="KV cache per worker, in bytes or with a suffix (8GiB, 512MiB); default on the "
-                       "CPU: 40%% of this host's available memory over its workers")
-        p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                       help="on a GPU: the share of its memory a worker uses, weights and KV cache")
-        p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                       help="the token budget of one launch: every running stream's decode row, then "
-                       "prompt chunks in the rest (a longer prompt is split across launches); more than "
-                       f"--max-batch (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
-        p.add_argument("--no-prefix-caching", action="store_true",
-                       help="free KV blocks when their sequence ends instead of keeping them as a "
-                       "prefix cache")
-        p.add_argument("--no-async-scheduling", action="store_true",
-                       help="one launch in flight per worker: schedule the next only after reading "
-                       "this one's ids (default: two in flight, the next fed on the device)")
-        p.add_argument("--speculative-config", type=speculative_settings, default=DEFAULT_SPECULATION,
-                       help='speculative decoding, as vLLM spells it: JSON such as {"method": "ngram", '
-                       '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '
-                       '"disable_by_batch_size": 4} (the last: speculate only while a worker holds at '
-                       'most this many requests), or {"model": DRAFT_DIR, "num_speculative_tokens": 4} '
-                       "for a smaller Qwen3 sharing the tokenizer, run on each worker; off to turn it "
-                       f"off. Default {DEFAULT_SPECULATION}: n-gram proposals while a worker holds at "
-                       "most 4 requests, each request pausing them while they do not pay")
-        p.add_argument("--threads-per-worker", type=int, default=0,
-                       help="per rank, each pinned to cores of its own (default 0: the cores this process "
-                       "may use divided among the node's ranks)")
-        p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                       help="devices per worker, one Ray actor each, placed on one node; --workers "
-                       "groups of them (data parallel on top)")
-        p.add_argument("--enable-expert-parallel", action="store_true",
-                       help="with --tensor-parallel-size: place a MoE model's experts whole across the "
-                       "group instead of splitting every expert")
-        p.add_argument("--max-tokens", type=int, default=16)
-        if name == "demo":
-            p.add_argument("--json", action="store_true", help="print the server's stats document after "
-                           "the outputs instead of the short summary")
-        _grammar_flags(p)
-        p.add_argument("--ray-address", default=None,
-                       help="join this Ray cluster ('auto': the one this process runs in); default: "
-                       "start a head of this server's own, stopped with it")
-        for port in ("gcs", "dashboard-agent", "metrics-export", "runtime-env-agent"):
-            p.add_argument(f"--ray-{port}-port", type=int, default=0,
-                           help=f"embedded head's {port} port (default: a free port)")
+        p = sub.add_parser(name, help=COMMAND_HELP[name], description=COMMAND_HELP[name],
+                           epilog=SERVE_EXAMPLES if name == "serve" else None,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        _serve_flags(p, demo=name == "demo")
     g = sub.add_parser("generate", help=COMMAND_HELP["generate"])
     g.add_argument("prompt")
     g.add_argument("--max-tokens", type=int, default=16)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from fusedserve.shared_memory.setting import parse_size, parse_workers, setting
 from fusedserve.shared_memory.slots import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, bitmask_words, table_width
 
 MAX_SPECULATIVE_TOKENS = 16  # proposals per row and launch
@@ -20,83 +21,133 @@ MAX_SPECULATIVE_TOKENS = 16  # proposals per row and launch
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = "default"  # a directory, a Hugging Face id (ORG/NAME), or an embedded model's name
-    revision: str | None = None  # of a Hugging Face id: a branch, tag or commit
-    download_dir: str | None = None  # where Hugging Face ids are cached (default: the hub's own cache)
-    dtype: str | None = None  # None: the checkpoint's; "auto": the fastest on the device
-    quantization: str | None = None  # int8 | int8-weight-only | int4, quantized by each worker at load
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    model: str = setting(
+        "default",
+        "a Qwen3 directory, a Hugging Face id (ORG/NAME: the hub's cache first, then a download where the "
+        "network allows; HF_HUB_OFFLINE is honoured), or 'default' (the embedded model); also the first "
+        "argument of serve, as vLLM takes it")
+    revision: str | None = setting(None, "of a Hugging Face id: a branch, tag or commit")
+    download_dir: str | None = setting(None, "the Hugging Face cache to use (default: the hub's own)")
+    dtype: str | None = setting(
+        None,
+        "float32, bfloat16, float16, or auto (the fastest here for the checkpoint); default: the "
+        "checkpoint's")
+    quantization: str | None = setting(
+        None,
+        "quantized by each worker at load: int8 per channel, int4 in groups of 32 (lm_head int8); on the "
+        "CPU both multiply with int8 activations (per token); int8-weight-only keeps the activations "
+        "16-bit. fp8 (vLLM's name): an FP8 checkpoint runs its own path, another is quantized to int8 (a "
+        "notice says so)",
+        aliases=("-q",))
+    max_model_len: int | None = setting(
+        None,
+        "the longest sequence, as 4096, 32k or 1M (k: 1000, K: 1024); default: the model's own context, "
+        "YaRN included, or what the KV cache holds if less")
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    # KV blocks per worker (one spare more is allocated for padding rows). None: sized from memory,
-    # ``kv_cache_memory`` bytes per worker, else a share of the node's (coordinator/engine/kv_sizing.py).
-    num_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9  # on a GPU: the share of its memory the worker may use
-    # Keep full KV blocks after their sequence ends, content-hashed, and reuse them as prompt
-    # prefixes (coordinator/engine/block_manager.py).
-    enable_prefix_caching: bool = True
-    # "auto": K/V in the model's dtype; "int8": per token and head, int8 values and a float32 scale
-    # (kernels/kv_cache.py): half the bytes, twice the tokens per byte; native CPU kernels only.
-    kv_cache_dtype: str = "auto"
+    block_size: int = setting(16, "tokens per KV block")
+    num_blocks: int | None = setting(
+        None,
+        "KV blocks per worker (one spare more is allocated for padding rows); default: sized from memory "
+        "(--kv-cache-memory)",
+        aliases=("--num-gpu-blocks-override",))
+    kv_cache_memory: int | None = setting(
+        None,
+        "KV cache per worker, in bytes or with a suffix (8GiB, 512MiB); default on the CPU: 40% of this "
+        "host's available memory over its workers",
+        aliases=("--kv-cache-memory-bytes",), parse=parse_size)
+    gpu_memory_utilization: float = setting(
+        0.9, "on a GPU: the share of its memory a worker uses, weights and KV cache")
+    enable_prefix_caching: bool = setting(
+        True,
+        "keep full KV blocks after their sequence ends, content-hashed, and reuse them as prompt prefixes "
+        "(coordinator/engine/block_manager.py)",
+        negations=("--no-prefix-caching",))
+    kv_cache_dtype: str = setting(
+        "auto",
+        "auto: K/V in the model's dtype; int8: int8 values and a float32 scale per token and head (native "
+        "CPU kernels, kernels/kv_cache.py): half the bytes a decode step reads, twice the tokens in the "
+        "same memory",
+        choices=("auto", "int8"))
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_batch: int = 128  # rows (sequences) a launch may carry: vLLM's max_num_seqs
-    # The token budget of one launch: every running stream's decode row first, then prompt chunks
-    # in what is left, so a long prompt is split across launches and never stalls the streams. It
-    # sizes the arena's token slots.
-    max_num_batched_tokens: int = 2048
-    # Two launches in flight: the next is scheduled and sent while one runs, fed the ids it leaves
-    # on the device; the coordinator reads ids one launch behind. One arena bank per launch.
-    async_scheduling: bool = True
+    max_batch: int = setting(
+        128,
+        "sequences a worker runs at once (rows of a launch)",
+        flag="--max-num-seqs", aliases=("--max-batch",))
+    max_num_batched_tokens: int = setting(
+        2048,
+        "the token budget of one launch: every running stream's decode row first, then prompt chunks in the "
+        "rest, so a long prompt is split across launches and never stalls the streams; more than "
+        "--max-num-seqs. It sizes the arena's token slots")
+    async_scheduling: bool = setting(
+        True,
+        "two launches in flight per worker: the next is scheduled and sent while one runs, fed the ids it "
+        "leaves on the device (one arena bank per launch); --no-async-scheduling: one at a time")
 
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    device: str = "auto"  # auto | cpu | cuda | npu
-    # "auto": capture decode graphs per batch bucket where the device has graphs (CUDA, NPU);
-    # "padded": the same bucketed, padded decode run eagerly (any device); "off": exact shapes.
-    graphs: str = "auto"
-    # Candidates the sampler sorts per row: a stochastic row whose top_k is 1..this is sampled among
-    # them (its whole top-k set); other stochastic rows over the whole vocabulary.
-    sampler_candidates: int = 64
-    # torch threads of each worker process, pinned to cores of its own. 0: the cores this process may
-    # use (affinity, cgroup quota) divided among the node's workers and ranks.
-    threads_per_worker: int = 0
-    cpus_per_worker: int = 1  # Ray CPUs each worker (each rank of a group) reserves
-    # CPU GEMMs: "auto" runs oneDNN's (AMX where present) at the row buckets where it measured
-    # faster on this host, else the native kernels; "native" keeps the native kernels, so 16-bit
-    # outputs are bit-equal whatever the batch (int8 is bit-equal either way).
-    cpu_gemm: str = "auto"
+    device: str = setting("auto", "where workers run", choices=("auto", "cpu", "cuda", "npu"))
+    graphs: str = setting(
+        "auto",
+        "auto: capture decode graphs per batch bucket where the device has graphs (CUDA, NPU); padded: the "
+        "same bucketed, padded decode run eagerly; off: exact shapes (--enforce-eager means off)",
+        choices=("auto", "padded", "off"))
+    sampler_candidates: int = setting(
+        64,
+        "candidates the sampler sorts per row: a stochastic row whose top_k is 1..this is sampled among "
+        "them, others over the whole vocabulary")
+    threads_per_worker: int = setting(
+        0,
+        "torch threads per rank, each pinned to cores of its own (0: the cores this process may use, "
+        "affinity and cgroup quota, divided among the node's ranks)")
+    cpus_per_worker: int = setting(1, "Ray CPUs each worker (each rank of a group) reserves")
+    cpu_gemm: str = setting(
+        "auto",
+        "auto: oneDNN's GEMM (AMX where the CPU has it) at the launch sizes where it measured faster at "
+        "load, and SDPA for the prompt chunk sizes where it did, the native kernels elsewhere; native: the "
+        "native kernels always (16-bit outputs bit-equal whatever the batch)",
+        choices=("auto", "native"))
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    workers: int = 1  # data-parallel workers (0: one per device in the cluster)
-    tensor_parallel_size: int = 1  # devices per worker, one Ray actor each, on one node
-    enable_expert_parallel: bool = False  # a MoE model's experts placed whole across the group
+    workers: int = setting(
+        1,
+        "data-parallel workers, or 'auto' for one per device in the cluster",
+        aliases=("--data-parallel-size", "-dp"), parse=parse_workers)
+    tensor_parallel_size: int = setting(
+        1,
+        "devices per worker, one Ray actor each, placed on one node; --workers groups of them (data "
+        "parallel on top)",
+        aliases=("-tp",))
+    enable_expert_parallel: bool = setting(
+        False,
+        "with --tensor-parallel-size: place a MoE model's experts whole across the group instead of "
+        "splitting every expert")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (coordinator/engine/speculative/): a decode row carries its newest token
-    and up to ``num_speculative_tokens`` proposed ones, verified in the same launch."""
+    and up to ``num_speculative_tokens`` proposed ones, verified in the same launch. Set from
+    ``--speculative-config`` (JSON, vLLM's names), not a flag per field."""
 
     # off | ngram (prompt lookup over the request's own tokens) | draft (a smaller Qwen3 sharing the
     # vocabulary, run by each worker inside the launch)
-    speculative_method: str = "off"
-    speculative_model: str | None = None  # draft: its directory, Hugging Face id or embedded name
-    num_speculative_tokens: int = 4  # k: proposals per row and launch
-    prompt_lookup_max: int = 4  # ngram: the longest suffix n-gram looked up
-    prompt_lookup_min: int = 2  # ngram: the shortest
+    speculative_method: str = setting("off", cli=False)
+    speculative_model: str | None = setting(None, cli=False)  # draft: its directory, HF id or embedded name
+    num_speculative_tokens: int = setting(4, cli=False)  # k: proposals per row and launch
+    prompt_lookup_max: int = setting(4, cli=False)  # ngram: the longest suffix n-gram looked up
+    prompt_lookup_min: int = setting(2, cli=False)  # ngram: the shortest
     # The policy: rows speculate only while the worker holds at most this many requests, running or
     # waiting (at larger batches a step is no longer bound by reading the weights; rows run ahead).
-    speculative_max_batch: int = 4
+    speculative_max_batch: int = setting(4, cli=False)
 
 
 PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig,

@@ -166,12 +166,15 @@ def listening_sockets(pids: list[int]) -> list[tuple[int, str, int]]:
 def serving_http(coord: Server, ssl_keyfile: str | None = None, ssl_certfile: str | None = None,
                  **settings: object) -> Iterator[HttpServer]:
     """The OpenAI gateway of a running coordinator on an ephemeral port, as ``serve`` builds it
-    (``settings``: ``GatewayConfig`` fields)."""
+    (``settings``: ``GatewayConfig`` or ``HttpConfig`` fields). Its model is named ``default`` and
+    tool_choice auto is on (``--enable-auto-tool-choice``) unless ``settings`` say otherwise."""
     from fusedserve.coordinator.openai.gateway import Gateway, GatewayConfig
     from fusedserve.coordinator.openai.http_server import HttpServer
 
-    gw = Gateway(GatewayConfig.for_server(coord, "default", **settings), coord.tokenizer)
-    http = HttpServer(gw, "127.0.0.1", 0, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)
+    settings = {"served_model_name": ("default",), "enable_auto_tool_choice": True, **settings}
+    gw = Gateway(GatewayConfig.for_server(coord, port=0, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
+                                          **settings), coord.tokenizer)
+    http = HttpServer(gw)
     http.start()
     try:
         yield http

@@ -39,8 +39,11 @@ def resolve_config(cfg: EngineConfig, device_kind: str, ranks_on_node: int = 1) 
     m = cfg.model
     model_dir = str(resolve_model(m.model, m.revision, m.download_dir))
     model = Qwen3Config.from_dir(model_dir)
+    fmt = checkpoint_format(model_dir)
+    if quantization == "fp8":  # vLLM's name: an FP8 checkpoint's own path, else 8-bit weights as int8
+        quantization = None if fmt.method == "fp8" else "int8"
     # A quantized checkpoint decides (or refuses) the quantization; an unknown format is refused.
-    quantization = checkpoint_format(model_dir).quantization(quantization, device_kind)
+    quantization = fmt.quantization(quantization, device_kind)
     limit = model.max_context  # YaRN's stretched window where the config has one
     max_len = m.max_model_len
     if max_len is not None and max_len > limit:

@@ -132,6 +132,10 @@ class TextTokenizer:
             return self._token_bytes[token]
         return self.decode([token]).encode()
 
+    def token_piece(self, token: int) -> str:
+        """The vocabulary's own string for a token (``Ġ`` for a leading space: vLLM's token_strs)."""
+        return self._tok.id_to_token(token) or f"<id:{token}>"
+
     def token_text(self, token: int) -> str:
         """One token as text, for logprobs: its characters, or ``bytes:\\xNN...`` (OpenAI's
         convention) for a piece of a character; a special token by its name, and an id the

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 
 import anyio
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from fusedserve.coordinator.client import ServerError
@@ -66,6 +67,10 @@ def _sse(obj: dict | str) -> str:
 
 def build_app(gw: Gateway) -> FastAPI:
     app = FastAPI(title="fusedserve", docs_url=None, redoc_url=None, openapi_url=None)
+    http = gw.config.http
+    app.add_middleware(CORSMiddleware, allow_origins=list(http.allowed_origins),
+                       allow_methods=list(http.allowed_methods), allow_headers=list(http.allowed_headers),
+                       allow_credentials=http.allow_credentials)
 
     @app.exception_handler(oa.ApiError)
     async def _api_error(request: Request, exc: oa.ApiError) -> JSONResponse:
@@ -136,7 +141,12 @@ def build_app(gw: Gateway) -> FastAPI:
                 raise oa.ApiError(413, f"the prompt has {len(prompt)} characters; the limit is "
                                   f"{gw.max_prompt_chars}", param="prompt", code="prompt_too_long")
             ids = await anyio.to_thread.run_sync(gw.tokenizer.encode, prompt)
-        return {"count": len(ids), "max_model_len": gw.max_model_len, "tokens": ids, "token_strs": None}
+        strs = body.get("return_token_strs", False)
+        if not isinstance(strs, bool | None):
+            raise oa.ApiError(400, "'return_token_strs' must be a boolean", param="return_token_strs",
+                              code="bad_field")
+        token_strs = [gw.tokenizer.token_piece(t) for t in ids] if strs else None
+        return {"count": len(ids), "max_model_len": gw.max_model_len, "tokens": ids, "token_strs": token_strs}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
@@ -153,8 +163,9 @@ def build_app(gw: Gateway) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         gw.check_auth(request)
-        return {"object": "list", "data": [{"id": gw.model_name, "object": "model", "created": 0,
-                                            "owned_by": "fusedserve", "max_model_len": gw.max_model_len}]}
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "fusedserve", "root": gw.model_name,
+             "max_model_len": gw.max_model_len} for name in gw.model_names]}
 
     async def as_completion(request: Request, body: dict) -> Response:
         # Tokenizing (and, for chat, rendering the template) runs on a thread: never on this loop.
@@ -165,7 +176,7 @@ def build_app(gw: Gateway) -> FastAPI:
     async def as_chat(request: Request, body: dict) -> Response:
         prep = await anyio.to_thread.run_sync(oa.chat_request, body, gw.tokenizer, gw.template, gw.max_tokens,
                                               gw.reasoning, gw.tool_parser, gw.max_prompt_chars,
-                                              gw.trust_request_template, gw.defaults)
+                                              gw.trust_request_template, gw.defaults, gw.auto_tools)
         return await _run(gw, request, gw.admit(prep, request), chat=True)
 
     @app.post("/v1/completions")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from fastapi import Request
@@ -14,41 +15,51 @@ from fusedserve.coordinator.client import MAX_CLIENT_CHARS, AsyncClient
 from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
 from fusedserve.coordinator.openai import protocol as oa
 from fusedserve.coordinator.openai.chat_template import ChatTemplate
+from fusedserve.coordinator.openai.generation_defaults import generation_defaults
+from fusedserve.coordinator.openai.http_config import HttpConfig
 from fusedserve.coordinator.openai.metrics import Metrics
 
 if TYPE_CHECKING:
     from fusedserve.coordinator.server.server import Server
 
 log = logging.getLogger(__name__)
+# --enable-log-requests: one INFO line per request, whatever FUSEDSERVE_LOG says of the rest.
+REQUEST_LOG = logging.getLogger("fusedserve.requests")
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    """What the gateway is built with: the coordinator it talks to, the model it serves under
-    which name and limits, and how it reads chat (``for_server`` fills the first part from a
+    """What the gateway is built with: the coordinator it talks to, the model it serves under which
+    names and limits, and the HTTP API's settings (``for_server`` fills the first part from a
     running coordinator)."""
 
     coordinator: str  # the coordinator's ZeroMQ address
     model_dir: str  # chat template, tokenizer files, generation_config.json
-    model_name: str  # what requests name in ``model`` and /v1/models lists
+    model_names: tuple[str, ...]  # what requests may name in ``model``: the first names responses
     max_model_len: int
     max_tokens: int  # a request's max_tokens at most (the coordinator's limit)
-    token: str | None = None  # bearer token of /v1/* (the coordinator's ZeroMQ auth token)
-    reasoning_parser: str = "auto"  # auto | qwen3 | none
-    tool_call_parser: str = "auto"  # auto | hermes | none
+    token: str | None = None  # the coordinator's ZeroMQ auth token (and the bearer token without an API key)
     max_prompt_chars: int = oa.MAX_PROMPT_CHARS
     curve_server_key: str | None = None  # the coordinator's public key, where its socket is encrypted
-    chat_template: str | None = None  # a file or inline template replacing the model's
-    trust_request_template: bool = False  # a request's own chat_template runs
+    http: HttpConfig = field(default_factory=HttpConfig)
     # Sampling defaults a request's own fields override (``generation_defaults.py``).
     defaults: dict = field(default_factory=dict)
 
     @classmethod
-    def for_server(cls, server: Server, model_name: str, **settings: object) -> GatewayConfig:
-        """For a coordinator running in this process: its loopback address, model and limits."""
+    def for_server(cls, server: Server, http: HttpConfig | None = None, **settings: object) -> GatewayConfig:
+        """For a coordinator running in this process: its loopback address, model, token and limits
+        (``settings``: ``HttpConfig`` or this class's fields to set)."""
+        own = {f.name for f in fields(cls)}
+        http = dataclasses.replace(http or HttpConfig(),
+                                   **{k: v for k, v in settings.items() if k not in own})
+        settings = {k: v for k, v in settings.items() if k in own}
         local = server.address.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")
-        return cls(local, str(server.model_dir), model_name, server.max_model_len,
-                   server.admission.max_tokens, curve_server_key=server.curve_public_key, **settings)
+        given = server.server_config.engine.model.model
+        settings.setdefault("defaults", generation_defaults(server.model_dir, http.generation_config))
+        settings.setdefault("max_prompt_chars", server.server_config.limits.max_prompt_chars)
+        return cls(local, str(server.model_dir), http.served_model_name or (given,), server.max_model_len,
+                   server.admission.max_tokens, token=server.server_config.auth_token,
+                   curve_server_key=server.curve_public_key, http=http, **settings)
 
 
 class Gateway:
@@ -56,41 +67,55 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig, tokenizer: TextTokenizer | None):
         self.config = config
+        http = config.http
         self.coordinator = config.coordinator
         self.tokenizer = tokenizer  # the server's: loaded once per process
-        self.template = ChatTemplate.from_dir(config.model_dir, config.chat_template)
-        self.trust_request_template = config.trust_request_template
+        self.template = ChatTemplate.from_dir(config.model_dir, http.chat_template)
+        self.trust_request_template = http.trust_request_chat_template
         self.defaults = config.defaults
-        self.model_name = config.model_name
+        self.model_name = config.model_names[0]
+        self.model_names = config.model_names
         self.max_model_len = config.max_model_len
         self.max_tokens = config.max_tokens
         self.max_prompt_chars = config.max_prompt_chars
         self.curve_server_key = config.curve_server_key
-        self.token = config.token
-        self.metrics = Metrics(config.model_name)
+        self.bearer = http.api_key or config.token  # what every /v1 request must carry, if any
+        self.metrics = Metrics(self.model_name)
         self.client: AsyncClient | None = None
         # Qwen3's <think> split and Hermes tool calls: on where the chat template speaks them.
         source = self.template.source if self.template is not None else ""
         auto_reasoning, auto_tools = "<think>" in source, "<tool_call>" in source
-        reasoning, tools = config.reasoning_parser, config.tool_call_parser
-        self.reasoning = reasoning == "qwen3" or (reasoning == "auto" and auto_reasoning)
+        reasoning, tools = http.reasoning_parser, http.tool_call_parser
+        self.reasoning = reasoning in ("qwen3", "deepseek_r1") or (reasoning == "auto" and auto_reasoning)
         self.tool_parser = tools == "hermes" or (tools == "auto" and auto_tools)
+        self.auto_tools = http.enable_auto_tool_choice and self.tool_parser
+        self.token_ids_as_tokens = http.return_tokens_as_token_ids
+        self.log_requests = http.enable_log_requests
+        if self.log_requests:
+            REQUEST_LOG.setLevel(logging.INFO)
+
+    @property
+    def token(self) -> str | None:
+        """The coordinator's ZeroMQ auth token (the gateway's own client carries it)."""
+        return self.config.token
 
     def check_auth(self, request: Request) -> None:
-        if self.token is None:
+        if self.bearer is None:
             return
         given = request.headers.get("authorization", "")
         scheme, _, value = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), self.token.encode()):
+        right = hmac.compare_digest(value.strip().encode(), self.bearer.encode())
+        if scheme.lower() != "bearer" or not right:
             raise oa.ApiError(401, "missing or wrong bearer token (Authorization: Bearer ...)",
                               code="unauthorized")
 
     def admit(self, prepared: oa.Prepared, request: Request) -> oa.Prepared:
         """The request for this server's model, named for its end client (whom the coordinator's
         per-client limits count it for)."""
-        if prepared.model and prepared.model != self.model_name:
+        if prepared.model and prepared.model not in self.model_names:
             raise oa.ApiError(404, f"model {prepared.model!r} does not exist; this server has "
-                              f"{self.model_name!r}", param="model", code="model_not_found")
+                              f"{', '.join(map(repr, self.model_names))}", param="model",
+                              code="model_not_found")
         prepared.model = self.model_name
         prepared.params["client"] = end_client(request)
         session = request.headers.get("x-session-id") or prepared.user
@@ -101,6 +126,10 @@ class Gateway:
             prepared.params["session_id"] = session
         if prepared.user is not None:
             log.info("request for user %r from %s", prepared.user, prepared.params["client"])
+        if self.log_requests:
+            REQUEST_LOG.info("request %s from %s: %d prompt tokens, %s", prepared.request_id or "-",
+                             prepared.params["client"], len(prepared.prompt_ids),
+                             {k: v for k, v in prepared.params.items() if k not in ("client", "structured")})
         return prepared
 
 

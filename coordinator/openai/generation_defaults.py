@@ -14,8 +14,9 @@ FILE_NAMES = {"max_tokens": "max_new_tokens"}
 
 def generation_defaults(model_dir: str | Path, setting: str = "auto") -> dict:
     """The sampling defaults of ``--generation-config``: "auto" (the model directory's
-    generation_config.json), "none", or a directory holding one. Malformed values are skipped."""
-    if setting == "none":
+    generation_config.json), "none" (or vLLM's "vllm": its own defaults, OpenAI's), or a directory
+    holding one. Malformed values are skipped."""
+    if setting in ("none", "vllm"):
         return {}
     path = Path(model_dir if setting == "auto" else setting) / "generation_config.json"
     if not path.is_file():

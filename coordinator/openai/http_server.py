@@ -14,19 +14,21 @@ from fusedserve.coordinator.openai.gateway import Gateway
 
 
 class HttpServer:
-    """uvicorn on a thread of its own; ``start`` returns once it accepts connections. With
-    ``ssl_certfile`` and ``ssl_keyfile`` (PEM) it serves HTTPS only."""
+    """uvicorn on a thread of its own, where the gateway's ``HttpConfig`` says; ``start`` returns
+    once it accepts connections. With ``ssl_certfile`` and ``ssl_keyfile`` (PEM) it serves HTTPS
+    only."""
 
-    def __init__(self, gw: Gateway, host: str, port: int, ssl_keyfile: str | None = None,
-                 ssl_certfile: str | None = None):
-        if (ssl_keyfile is None) != (ssl_certfile is None):
-            raise ValueError("TLS needs both --ssl-keyfile and --ssl-certfile")
+    def __init__(self, gw: Gateway):
+        http = gw.config.http
+        http.check()
         self.gw = gw
         self.app = build_app(gw)
-        self.tls = ssl_certfile is not None
-        config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=2, ssl_keyfile=ssl_keyfile,
-                                ssl_certfile=ssl_certfile)
+        self.tls = http.ssl_certfile is not None
+        host, port = http.host, http.port
+        access = http.uvicorn_log_level in ("info", "debug", "trace")
+        config = uvicorn.Config(self.app, host=host, port=port, log_level=http.uvicorn_log_level,
+                                access_log=access, lifespan="off", timeout_graceful_shutdown=2,
+                                ssl_keyfile=http.ssl_keyfile, ssl_certfile=http.ssl_certfile)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._run, daemon=True, name="http")
         self.host, self.port = host, port

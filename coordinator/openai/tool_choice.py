@@ -69,9 +69,10 @@ def _grammar(functions: dict[str, dict], several: bool, marker_tokens: bool) -> 
     return f'{head}\ncall: {start} "\\n" body "\\n" {end}\nbody: %json {json.dumps(schema)}'
 
 
-def plan(body: dict, parser_on: bool, marker_tokens: bool = False) -> ToolPlan:
+def plan(body: dict, parser_on: bool, marker_tokens: bool = False, auto_on: bool = True) -> ToolPlan:
     """The request's tool plan; ``parser_on``: the server parses tool calls for this model;
-    ``marker_tokens``: ``<tool_call>`` and ``</tool_call>`` are tokens of its vocabulary."""
+    ``marker_tokens``: ``<tool_call>`` and ``</tool_call>`` are tokens of its vocabulary;
+    ``auto_on``: the model may choose (``--enable-auto-tool-choice``, as vLLM asks for it)."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
     if tools is None:
@@ -89,6 +90,10 @@ def plan(body: dict, parser_on: bool, marker_tokens: bool = False) -> ToolPlan:
         if not parser_on:
             raise _bad("this server does not parse tool calls (--tool-call-parser none); "
                        "use tool_choice 'required' or a named function", "tool_choice")
+        if not auto_on:
+            raise _bad('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                       "set (tools without tool_choice mean auto); or use tool_choice 'required' or a named "
+                       "function", "tool_choice")
         return ToolPlan("auto", rendered)
     if choice == "none":
         return ToolPlan("none")

@@ -7,6 +7,8 @@ server nothing and names the limit that was hit.
 
 from __future__ import annotations
 
+import random
+
 from fusedserve.coordinator.engine.input_processor import InputProcessor
 from fusedserve.coordinator.engine.request_limits import RequestLimits
 from fusedserve.coordinator.engine.sequence import Sequence
@@ -22,8 +24,12 @@ from fusedserve.shared_memory.engine_config import EngineConfig
 
 class Admission:
     def __init__(self, limits: Limits, engine: EngineConfig, config: Qwen3Config,
-                 tokenizer: TextTokenizer | None, grammar_limits: GrammarLimits | None = None):
+                 tokenizer: TextTokenizer | None, grammar_limits: GrammarLimits | None = None,
+                 seed: int | None = None):
+        """``seed``: the server's base seed, which unseeded requests draw theirs from (in arrival
+        order, on the loop thread: the same requests in the same order repeat per run)."""
         self.limits = limits
+        self.seeds = random.Random(seed) if seed is not None else None
         max_model_len = engine.max_model_len
         self.max_tokens = min(limits.max_tokens or max_model_len, max_model_len)
         # Every worker has the same shape: one check answers "can this be served?".
@@ -44,6 +50,10 @@ class Admission:
         if req.prompt is not None and len(req.prompt) > lim.max_prompt_chars:
             raise RequestError("prompt_too_long", f"prompt has {len(req.prompt)} characters; "
                                f"the limit is {lim.max_prompt_chars}")
+        asked = max(req.params.top_logprobs, req.params.prompt_logprobs or 0)
+        if asked > lim.max_logprobs:
+            raise RequestError("bad_param", f"{asked} logprobs asked; this server allows {lim.max_logprobs} "
+                               "(--max-logprobs)")
         if req.params.max_tokens > self.max_tokens:
             raise RequestError("max_tokens_too_large",
                                f"max_tokens is {req.params.max_tokens}; this server allows {self.max_tokens}")
@@ -51,6 +61,8 @@ class Admission:
     def sequence(self, seq_id: str, arrival: int, req: GenerateRequest) -> Sequence:
         """The request as a sequence, or RequestError (with the client's id) naming what it exceeds.
         Its constraint, if any, is not compiled here: the server's ``CompileQueue`` does that."""
+        if self.seeds is not None and not req.seeded:
+            req.params.seed = self.seeds.getrandbits(63)
         try:
             prompt = req.prompt if req.prompt is not None else req.prompt_ids
             seq = self.input.process(seq_id, arrival, prompt, req.params, compile_grammar=False)

@@ -40,6 +40,7 @@ class GenerateRequest:
     # The end client a gateway serves this for (its key or address): limits count per end client.
     client: str | None = None
     session: str | None = None  # the client's session: routing may keep it on one worker
+    seeded: bool = True  # the request named its seed (else the server's --seed may give it one)
 
 
 @dataclass
@@ -147,7 +148,7 @@ def _parse_generate(msg: dict, rid: Any) -> GenerateRequest:
         params = SamplingParams(**kwargs)
     except SamplingError as exc:
         raise RequestError("bad_param", str(exc), rid) from None
-    return GenerateRequest(rid, prompt, prompt_ids, params, stream, client, session)
+    return GenerateRequest(rid, prompt, prompt_ids, params, stream, client, session, "seed" in kwargs)
 
 
 def pack(msg: dict) -> bytes:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fusedserve.coordinator.engine.sequence import Sequence
+from fusedserve.shared_memory.setting import setting
 
 if TYPE_CHECKING:
     from fusedserve.coordinator.server.worker_pool import WorkerHandle
@@ -37,13 +38,18 @@ REASONS = ("session", "prefix_hit", "least_loaded", "load_bound")
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    policy: str = "cache-aware"
-    # Sequences above the least loaded a cache hit may still be chosen at: 8 kept every follow-up
-    # turn on its worker in benchmarks/multiturn.py where 4 lost 1-2 of 32 with other traffic,
-    # at the same load spread.
-    balance_abs: int = 8
-    balance_rel: float = 0.25  # ... or this share of the least load, whichever is more
-    max_sessions: int = 1 << 16  # sessions remembered (least recently routed forgotten first)
+    policy: str = setting(
+        "cache-aware",
+        "which worker a request goes to: cache-aware (the one holding most of its prefix among those near "
+        "the least load), session (its session's last worker first: X-Session-Id or user over HTTP, "
+        "session_id on ZeroMQ), least-loaded",
+        flag="--routing", choices=POLICIES)
+    # 8 kept every follow-up turn on its worker in benchmarks/multiturn.py where 4 lost 1-2 of 32
+    # with other traffic, at the same load spread.
+    balance_abs: int = setting(
+        8, "sequences above the least-loaded worker's load a prefix hit may still go to")
+    balance_rel: float = setting(0.25, "... or this share of the least load, whichever is more")
+    max_sessions: int = setting(1 << 16, "sessions remembered (least recently routed forgotten first)")
 
     def check(self) -> None:
         if self.policy not in POLICIES:

@@ -62,7 +62,7 @@ class Server:
         self.max_model_len = self.engine_config.max_model_len
         self.tokenizer = TextTokenizer.from_dir(self.model_dir)
         self.admission = Admission(cfg.limits, self.engine_config, self.model_config, self.tokenizer,
-                                   cfg.grammar)
+                                   cfg.grammar, cfg.seed)
         grammars = self.admission.input.grammars
         self.compiles = CompileQueue(grammars) if grammars is not None else None
         self.output = OutputProcessor(self.model_config.eos_token_ids, self.max_model_len)

@@ -29,6 +29,7 @@ from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
 from fusedserve.coordinator.structured.grammar_state import GrammarState
 from fusedserve.coordinator.structured.structured_spec import StructuredError, StructuredSpec
 from fusedserve.kernels.model_description.config import Qwen3Config
+from fusedserve.shared_memory.setting import setting
 
 if TYPE_CHECKING:
     import llguidance
@@ -60,13 +61,19 @@ def _llguidance() -> ModuleType:
 class GrammarLimits:
     """llguidance's parser limits (``LLParserLimits``; its defaults), and how long a compile may take."""
 
-    max_items_in_row: int = 2000  # alternatives of one production row
-    initial_lexer_fuel: int = 1_000_000  # building the lexer's regexes (~50k/ms)
-    step_lexer_fuel: int = 200_000  # one token's mask in the lexer (~14k/ms)
-    step_max_items: int = 50_000  # Earley items of one token's mask (~20k/ms)
-    max_lexer_states: int = 250_000  # ~1-2 kB each
-    max_grammar_size: int = 500_000  # symbols in the grammar's productions
-    compile_timeout_s: float = 10.0  # a compile still running then is refused (grammar_timeout)
+    max_items_in_row: int = setting(2000, "alternatives one grammar production may have")
+    initial_lexer_fuel: int = setting(
+        1_000_000, "work allowed building a grammar's lexer (about 50k a millisecond)")
+    step_lexer_fuel: int = setting(
+        200_000, "lexer work allowed for one token's mask (about 14k a millisecond)")
+    step_max_items: int = setting(
+        50_000, "Earley items allowed for one token's mask (about 20k a millisecond)")
+    max_lexer_states: int = setting(250_000, "lexer states a grammar may build (1-2 kB each)")
+    max_grammar_size: int = setting(500_000, "symbols a grammar's productions may hold")
+    compile_timeout_s: float = setting(
+        10.0,
+        "seconds a grammar may take to compile (off the loop) before its request is refused "
+        "(grammar_timeout)")
 
     def parser_limits(self) -> llguidance.LLParserLimits:
         kw = {k: v for k, v in asdict(self).items() if k != "compile_timeout_s"}

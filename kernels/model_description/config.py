@@ -22,6 +22,8 @@ _DTYPES = {
     "bf16": torch.bfloat16,
     "float16": torch.float16,
     "fp16": torch.float16,
+    "half": torch.float16,  # vLLM's names
+    "float": torch.float32,
 }
 
 

@@ -12,6 +12,8 @@ def check_quantization(mode: str | None) -> str | None:
     """The mode as the model takes it (None for none); ValueError naming the choices otherwise."""
     if mode in (None, "none"):
         return None
+    if mode == "fp8":  # vLLM's: resolved against the checkpoint (coordinator/engine/config_resolution.py)
+        return mode
     if mode not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be none, {', '.join(QUANTIZATIONS)}; got {mode!r}")
+        raise ValueError(f"quantization must be none, fp8, {', '.join(QUANTIZATIONS)}; got {mode!r}")
     return mode

@@ -134,11 +134,10 @@ def test_grammar_and_fairness_flags_reach_the_server_config():
 
 
 def test_port_is_the_http_port_as_in_vllm_and_zeromq_has_its_own():
-    from fusedserve.coordinator.cli_parser import build_parser, server_config
+    from fusedserve.coordinator.cli_parser import build_parser, http_config, server_config
 
     args = build_parser().parse_args(["serve", "--port", "8080"])
-    assert args.http_port == 8080 and server_config(args).port == 5557  # ZeroMQ keeps its default
+    assert http_config(args).port == 8080 and server_config(args).port == 5557  # ZeroMQ keeps its default
     older = build_parser().parse_args(["serve", "--http-port", "8081", "--zmq-port", "6000"])
-    assert older.http_port == 8081 and server_config(older).port == 6000
-    assert build_parser().parse_args(["serve"]).http_port == 8000
-
+    assert http_config(older).port == 8081 and server_config(older).port == 6000
+    assert http_config(build_parser().parse_args(["serve"])).port == 8000

@@ -9,12 +9,12 @@ import logging
 import pytest
 import torch
 
-from fusedserve.coordinator.cli_parser import parse_size
 from fusedserve.coordinator.engine import kv_sizing
 from fusedserve.coordinator.model_files.default_model import default_model_dir
 from fusedserve.coordinator.server.core_slots import CoreSlots, usable_cpus
 from fusedserve.kernels.model_description.config import Qwen3Config
 from fusedserve.shared_memory.engine_config import CacheConfig
+from fusedserve.shared_memory.setting import parse_size
 
 GIB = 1 << 30
 
