@@ -285,3 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     kg = sub.add_parser("curve-keygen", help=COMMAND_HELP["curve-keygen"])
     kg.add_argument("dir")
     return ap
+
+
+if __name__ == "__main__":  # the README's table of vLLM's flags
+    sys.stdout.write(vllm_flags.table(honoured_vllm_flags()) + "\n")

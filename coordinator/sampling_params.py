@@ -187,7 +187,7 @@ class SamplingParams:
     # Each prompt token's logprob given the ones before it, and the n most likely tokens'
     # there (None: not asked). A request asking for them computes its whole prompt: no cache.
     prompt_logprobs: int | None = spec(None, kind=int, lo=0, hi=MAX_TOP_LOGPROBS, nullable=True,
-                                       front_ends=(ZMQ,))
+                                       front_ends=_MAPPED)
     # Structured outputs: the output is held to this constraint by a token mask on the device. Its
     # wire forms are its own (``StructuredSpec.from_wire``; OpenAI's response_format and tools).
     structured: StructuredSpec | None = spec(None, kind=StructuredSpec, nullable=True, front_ends=())

@@ -2,14 +2,13 @@
 notice saying what fusedserve does instead, or refused by name with why.
 
 The honoured ones are the settings' own flags (``coordinator/config_flags.py``); together they
-make the README's table (``python -m fusedserve.coordinator.vllm_flags`` prints it, and a test
+make the README's table (``python -m fusedserve.coordinator.cli_parser`` prints it, and a test
 keeps the README equal to it).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 
 NOOP, REFUSED = "no-op", "refused"
@@ -211,13 +210,3 @@ def table(honoured: list[tuple[str, str]]) -> str:
         lines.append(f"| `{f.flag}` | {f.status} | {why} |")
     return "\n".join(lines)
 
-
-def main() -> int:
-    from fusedserve.coordinator.cli_parser import honoured_vllm_flags
-
-    sys.stdout.write(table(honoured_vllm_flags()) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -20,6 +20,7 @@ row is never scheduled.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import numpy as np
@@ -28,6 +29,7 @@ from fusedserve.coordinator.engine.block_manager import BlockManager, OutOfBlock
 from fusedserve.coordinator.engine.scheduled_batch import ScheduledBatch
 from fusedserve.coordinator.engine.sequence import Sequence, TokenEvent
 from fusedserve.coordinator.engine.speculative.speculation_policy import SpecState, Speculation
+from fusedserve.coordinator.engine.token_histogram import TokenHistogram
 from fusedserve.shared_memory.engine_config import EngineConfig
 
 
@@ -44,6 +46,7 @@ class Scheduler:
         self.steps = 0
         self.preemptions = 0  # requests preempted to free blocks (stats)
         self.tokens_scheduled = 0  # every token a launch carried: the work this worker was given
+        self.launch_tokens = TokenHistogram()  # tokens per launch (vLLM's iteration_tokens_total)
 
     @classmethod
     def for_worker(cls, cfg: EngineConfig) -> Scheduler:
@@ -109,8 +112,9 @@ class Scheduler:
                 seq.num_computed = self.blocks.allocate(seq.seq_id, seq.all_ids, reserve=1, hit=hit)
             except OutOfBlocks:
                 break
-            if seq.cached_tokens is None:
+            if seq.cached_tokens is None:  # its first admission: its queue time ends
                 seq.cached_tokens = seq.num_computed
+                seq.t_scheduled = time.perf_counter()
             self.waiting.popleft()
             self.running.append(seq)
             seq.feed_row = -1
@@ -162,6 +166,7 @@ class Scheduler:
             t = self.blocks.table(s.seq_id)
             tables[r, : len(t)] = t
         self.tokens_scheduled += len(ids)
+        self.launch_tokens.observe(len(ids))
         reach = {id(s): a for s, a in zip(seqs, after)}  # a speculating sequence's: its last row's
         return ScheduledBatch(
             seqs=tuple(seqs), num_decode=num_decode, query_lens=tuple(query_lens),

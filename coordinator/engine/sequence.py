@@ -42,6 +42,7 @@ class Sequence:
     # Prompt tokens whose K/V came from the prefix cache when it was first admitted (usage's
     # cached_tokens); None before that.
     cached_tokens: int | None = None
+    t_scheduled: float | None = None  # perf_counter when a launch first took it (its queue time ends)
     spec: SpecState | None = None  # speculative decoding: whether its proposals pay (made on first use)
     _hashes: tuple[int, int, list[bytes]] | None = field(default=None, repr=False)
 

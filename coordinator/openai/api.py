@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
-import json
 import logging
-import time
-from collections.abc import AsyncIterator
 
 import anyio
 from fastapi import FastAPI, Request
@@ -23,7 +20,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from fusedserve.coordinator.client import ServerError
-from fusedserve.coordinator.openai import chat_output
+from fusedserve.coordinator.openai import chat_output, event_stream
 from fusedserve.coordinator.openai import protocol as oa
 from fusedserve.coordinator.openai import response_fields as rf
 from fusedserve.coordinator.openai.gateway import Gateway
@@ -59,10 +56,6 @@ async def _read_body(request: Request) -> dict:
 async def _until_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
 def build_app(gw: Gateway) -> FastAPI:
@@ -207,9 +200,9 @@ def build_app(gw: Gateway) -> FastAPI:
 
 async def _run(gw: Gateway, request: Request, prep: oa.Prepared, chat: bool) -> Response:
     if prep.stream:
-        gen = _stream(gw, prep, chat)
+        gen = event_stream.stream(gw, prep, chat)
         first = await gen.__anext__()  # errors before the first token become a plain HTTP error
-        return StreamingResponse(_chain(first, gen), media_type="text/event-stream")
+        return StreamingResponse(event_stream.chain(first, gen), media_type="text/event-stream")
     rids = [gw.client.new_id() for _ in range(prep.choices)]
     tasks = [asyncio.ensure_future(gw.client.generate(prep.prompt(i)[0], request_id=rid,
                                                       **prep.choice_params(i))) for i, rid in enumerate(rids)]
@@ -236,12 +229,12 @@ async def _run(gw: Gateway, request: Request, prep: oa.Prepared, chat: bool) -> 
         raise exc
     dones = [t.result() for t in tasks]
     for done in dones:
-        gw.metrics.finished(done)
+        gw.metrics.finished(done, prep.params["max_tokens"])
     return JSONResponse(_final(gw, prep, dones, chat))
 
 
 def _final(gw: Gateway, prep: oa.Prepared, dones: list[dict], chat: bool) -> dict:
-    choices = []
+    choices, as_ids = [], event_stream.names_as_ids(gw, prep)
     for i, done in enumerate(dones):
         ids, lps, tops = done["token_ids"], done.get("logprobs"), done.get("top_logprobs")
         choice: dict = {"index": i, "finish_reason": done["finish_reason"], "logprobs": None}
@@ -249,139 +242,23 @@ def _final(gw: Gateway, prep: oa.Prepared, dones: list[dict], chat: bool) -> dic
             choice["message"], choice["finish_reason"] = chat_output.message(
                 done["text"], done["finish_reason"], prep.reasoning, prep.thinking_opened, prep.tools)
             if prep.logprobs is not None and lps is not None:
-                choice["logprobs"] = rf.chat_logprobs(gw.tokenizer, ids, lps, tops)
+                choice["logprobs"] = rf.chat_logprobs(gw.tokenizer, ids, lps, tops, as_ids)
         else:
             text = "" if prep.echo_only else done["text"]
             if prep.echo_only:
                 ids, lps, tops, choice["finish_reason"] = [], [], [], "length"
             choice["text"] = (prep.prompt(i)[1] if prep.echo else "") + text
             if prep.logprobs is not None and lps is not None:
-                choice["logprobs"] = rf.completion_logprobs(gw.tokenizer, ids, lps, tops)
+                choice["logprobs"] = rf.completion_logprobs(gw.tokenizer, ids, lps, tops, as_ids=as_ids)
                 if prep.echo:
-                    choice["logprobs"] = rf.echo_logprobs(gw.tokenizer, done, choice["logprobs"])
+                    choice["logprobs"] = rf.echo_logprobs(gw.tokenizer, done, choice["logprobs"], as_ids)
+            if prep.prompt_logprobs is not None:  # vLLM puts a completion's in each choice
+                choice["prompt_logprobs"] = rf.prompt_logprobs(gw.tokenizer, done, as_ids)
         choices.append(choice)
-    return {"id": prep.request_id or rf.new_id("chatcmpl" if chat else "cmpl"), "created": prep.created,
-            "model": prep.model,
-            "object": "chat.completion" if chat else "text_completion", "choices": choices,
-            "usage": rf.usage(dones, prep.n, prep.echo_only)}
+    out = {"id": prep.request_id or rf.new_id("chatcmpl" if chat else "cmpl"), "created": prep.created,
+           "model": prep.model, "object": "chat.completion" if chat else "text_completion",
+           "choices": choices, "usage": rf.usage(dones, prep.n, prep.echo_only)}
+    if chat and prep.prompt_logprobs is not None:  # ... and a chat completion's beside its choices
+        out["prompt_logprobs"] = rf.prompt_logprobs(gw.tokenizer, dones[0], as_ids)
+    return out
 
-
-async def _chain(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
-    yield first
-    async for item in rest:
-        yield item
-
-
-async def _merged(gw: Gateway, prep: oa.Prepared, rids: list[str]) -> AsyncIterator[tuple[int, dict]]:
-    """The frames of every choice, as they come, tagged with the choice's index."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, rid: str) -> None:
-        try:
-            async for frame in gw.client.stream(prep.prompt(i)[0], request_id=rid, **prep.choice_params(i)):
-                await queue.put((i, frame, None))
-        except Exception as exc:  # noqa: BLE001 - a ServerError or a bug: handed to the consumer
-            await queue.put((i, None, exc))
-
-    tasks = [asyncio.ensure_future(pump(i, rid)) for i, rid in enumerate(rids)]
-    try:
-        left = len(rids)
-        while left:
-            i, frame, exc = await queue.get()
-            if exc is not None:
-                raise exc
-            if frame["type"] == "done":
-                left -= 1
-            yield i, frame
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
-async def _stream(gw: Gateway, prep: oa.Prepared, chat: bool) -> AsyncIterator[str]:
-    """Server-sent events, every choice's chunks interleaved as they come; a client that
-    disconnects cancels this and the requests are aborted."""
-    rids = [gw.client.new_id() for _ in range(prep.choices)]
-    finished: set[int] = set()
-    cid = prep.request_id or rf.new_id("chatcmpl" if chat else "cmpl")
-    head = {"id": cid, "created": prep.created, "model": prep.model,
-            "object": "chat.completion.chunk" if chat else "text_completion"}
-    frames = _merged(gw, prep, rids)
-    states = [chat_output.ChatStream(prep.reasoning, prep.thinking_opened, prep.tools) for _ in rids]
-    offsets, last, dones, started = [0] * len(rids), None, [None] * len(rids), set()
-    try:
-        try:
-            i, frame = await frames.__anext__()
-        except ServerError as exc:
-            finished.update(range(len(rids)))
-            gw.metrics.failed()
-            raise oa.ApiError.from_reply(exc.reply) from None
-        while True:
-            if i not in started:  # a choice's first chunk: the role, or the echoed prompt
-                started.add(i)
-                first: dict = {"index": i, "logprobs": None, "finish_reason": None}
-                if chat:
-                    first["delta"] = {"role": "assistant", "content": ""}
-                    yield _sse({**head, "choices": [first]})
-                elif prep.echo:
-                    first["text"] = prep.prompt(i)[1]
-                    if prep.logprobs is not None and "prompt_logprobs" in frame:
-                        first["logprobs"] = rf.echo_logprobs(gw.tokenizer, frame, None)
-                    offsets[i] = len(first["text"])
-                    yield _sse({**head, "choices": [first]})
-            if frame["type"] == "done":
-                finished.add(i)
-                dones[i] = frame
-                gw.metrics.finished(frame)
-                reason = "length" if prep.echo_only else frame["finish_reason"]
-                tail: list[dict] = []
-                if chat:
-                    tail, reason = states[i].finish(reason)
-                for delta in tail:
-                    yield _sse({**head, "choices": [{"index": i, "delta": delta, "logprobs": None,
-                                                     "finish_reason": None}]})
-                fin = {"index": i, "finish_reason": reason, "logprobs": None}
-                fin.update({"delta": {}} if chat else {"text": ""})
-                yield _sse({**head, "choices": [fin]})
-                if len(finished) == len(rids):
-                    if prep.include_usage:
-                        yield _sse({**head, "choices": [], "usage": rf.usage(dones, prep.n, prep.echo_only)})
-                    yield _sse("[DONE]")
-                    return
-            elif not prep.echo_only:
-                now = time.perf_counter()
-                if last is not None:
-                    gw.metrics.itl.observe(now - last)
-                last = now
-                lp = [frame["logprob"]] if "logprob" in frame else None
-                tops = [frame["top_logprobs"]] if "top_logprobs" in frame else None
-                if chat:
-                    deltas = states[i].push(frame["text"]) or [{"content": ""}]
-                    for k, delta in enumerate(deltas):
-                        choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
-                        if k == 0 and prep.logprobs is not None and lp:
-                            choice["logprobs"] = rf.chat_logprobs(gw.tokenizer, [frame["token"]], lp, tops)
-                        yield _sse({**head, "choices": [choice]})
-                else:
-                    choice = {"index": i, "text": frame["text"], "logprobs": None, "finish_reason": None}
-                    if prep.logprobs is not None and lp:
-                        choice["logprobs"] = rf.completion_logprobs(gw.tokenizer, [frame["token"]], lp, tops,
-                                                                    offsets[i])
-                    offsets[i] += len(frame["text"])
-                    yield _sse({**head, "choices": [choice]})  # one chunk a token, even mid-character
-            try:
-                i, frame = await frames.__anext__()
-            except ServerError as exc:  # failed mid-stream: an error event, then the end
-                finished.update(range(len(rids)))
-                gw.metrics.failed()
-                yield _sse(oa.ApiError.from_reply(exc.reply).body())
-                yield _sse("[DONE]")
-                return
-    finally:  # shielded: a cancelled scope would cancel these awaits too
-        with anyio.CancelScope(shield=True):
-            await frames.aclose()
-            for i, rid in enumerate(rids):
-                if i not in finished:  # cancelled (the client disconnected) or failed
-                    await gw.client.abort(rid)
-            if len(finished) < len(rids):
-                gw.metrics.failed("abort")

@@ -13,6 +13,7 @@ import asyncio
 import json
 import math
 import random
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
@@ -115,9 +116,17 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
                "request_throughput": len(ok) / duration, "output_throughput": out / duration,
                "total_token_throughput": (out + sum(r.prompt_tokens for r in ok)) / duration,
                "output_tokens": out, "errors": sorted({r.error for r in results if not r.ok})[:5]}
-    for name, values in (("ttft_ms", [r.ttft for r in ok]), ("tpot_ms", tpot), ("itl_ms", itl)):
+    summary["total_input_tokens"] = sum(r.prompt_tokens for r in ok)
+    summary["total_output_tokens"] = out
+    e2el = [r.latency for r in ok]
+    for name, values in (("ttft", [r.ttft for r in ok]), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
+        ms = [v * 1e3 for v in values]
         for q in (50, 90, 99):
-            summary[f"{name}_p{q}"] = _pct(values, q) * 1e3
+            summary[f"{name}_ms_p{q}"] = _pct(values, q) * 1e3
+            summary[f"p{q}_{name}_ms"] = summary[f"{name}_ms_p{q}"]  # vLLM bench serve's name
+        summary[f"mean_{name}_ms"] = statistics.fmean(ms) if ms else 0.0
+        summary[f"median_{name}_ms"] = statistics.median(ms) if ms else 0.0
+        summary[f"std_{name}_ms"] = statistics.pstdev(ms) if ms else 0.0
     return summary
 
 
@@ -178,12 +187,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=d.num_prompts)
     p.add_argument("--request-rate", type=float, default=d.request_rate, help="requests/s (default: inf)")
     p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--input-len", type=int, default=d.input_len, help="prompt length in words")
-    p.add_argument("--output-len", type=int, default=d.output_len, help="output length in tokens")
-    p.add_argument("--range-ratio", type=float, default=d.range_ratio, help="0: fixed lengths")
+    p.add_argument("--input-len", "--random-input-len", type=int, default=d.input_len,
+                   help="prompt length in words (vLLM's --random-input-len counts tokens)")
+    p.add_argument("--output-len", "--random-output-len", type=int, default=d.output_len,
+                   help="output length in tokens")
+    p.add_argument("--range-ratio", "--random-range-ratio", type=float, default=d.range_ratio,
+                   help="0: fixed lengths")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--api-key", default=None)
-    p.add_argument("--json", default=None, help="also write the summary to this file")
+    p.add_argument("--json", "--result-filename", default=None,
+                   help="also write the summary to this file (vLLM's key names beside ours)")
     p.add_argument("--no-progress", action="store_true")
 
 

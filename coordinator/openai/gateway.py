@@ -57,9 +57,10 @@ class GatewayConfig:
         given = server.server_config.engine.model.model
         settings.setdefault("defaults", generation_defaults(server.model_dir, http.generation_config))
         settings.setdefault("max_prompt_chars", server.server_config.limits.max_prompt_chars)
+        settings.setdefault("token", server.server_config.auth_token)
         return cls(local, str(server.model_dir), http.served_model_name or (given,), server.max_model_len,
-                   server.admission.max_tokens, token=server.server_config.auth_token,
-                   curve_server_key=server.curve_public_key, http=http, **settings)
+                   server.admission.max_tokens, curve_server_key=server.curve_public_key, http=http,
+                   **settings)
 
 
 class Gateway:
@@ -80,7 +81,7 @@ class Gateway:
         self.max_prompt_chars = config.max_prompt_chars
         self.curve_server_key = config.curve_server_key
         self.bearer = http.api_key or config.token  # what every /v1 request must carry, if any
-        self.metrics = Metrics(self.model_name)
+        self.metrics = Metrics(self.model_name, config.max_model_len)
         self.client: AsyncClient | None = None
         # Qwen3's <think> split and Hermes tool calls: on where the chat template speaks them.
         source = self.template.source if self.template is not None else ""
@@ -118,6 +119,7 @@ class Gateway:
                               code="model_not_found")
         prepared.model = self.model_name
         prepared.params["client"] = end_client(request)
+        self.metrics.admitted(prepared.n, prepared.params["max_tokens"])
         session = request.headers.get("x-session-id") or prepared.user
         if session is not None:
             if not 0 < len(session) <= MAX_CLIENT_CHARS:

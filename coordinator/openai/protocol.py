@@ -8,15 +8,16 @@ fields are ignored. Every error is an ``ApiError`` in OpenAI's shape with its st
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
-from fusedserve.coordinator.openai import output_constraint, tool_choice
+from fusedserve.coordinator.openai import output_constraint, response_options, tool_choice
 from fusedserve.coordinator.openai.api_error import ApiError
 from fusedserve.coordinator.openai.chat_template import ChatTemplate, ChatTemplateError
+from fusedserve.coordinator.openai.request_fields import get as _get
+from fusedserve.coordinator.openai.request_fields import wire_int as _wire_int
 from fusedserve.coordinator.openai.tool_choice import ToolPlan
 from fusedserve.coordinator.sampling_params import OPENAI, SamplingError, SamplingParams, check_stops, is_kind
 from fusedserve.coordinator.structured.structured_spec import StructuredError, StructuredSpec
@@ -81,26 +82,6 @@ def _check_text(s: str) -> None:
                        f"{exc.start}", code="bad_text") from None
 
 
-def _get(body: dict, key: str, kind: type, default: Any = None) -> Any:
-    value = body.get(key)
-    if value is None:
-        return default
-    if not is_kind(value, kind):
-        want = "a number" if kind is float else f"of type {kind.__name__}"
-        raise ApiError(400, f"'{key}' must be {want}, got {type(value).__name__}", param=key,
-                       code="bad_field")
-    if kind is float and not math.isfinite(value):
-        raise ApiError(400, f"'{key}' must be finite", param=key, code="bad_field")
-    if is_kind(value, int) and not _wire_int(value):
-        raise ApiError(400, f"'{key}' is {value}: beyond any accepted value", param=key, code="bad_param")
-    return value
-
-
-def _wire_int(value: int) -> bool:
-    """Whether an integer fits the coordinator's frames (msgpack: [-2^63, 2^64))."""
-    return -(1 << 63) <= value < 1 << 64
-
-
 @dataclass
 class Prepared:
     """One OpenAI request, ready for the coordinator."""
@@ -132,6 +113,9 @@ class Prepared:
     reasoning: bool = False  # chat: split <think> blocks into reasoning_content
     thinking_opened: bool = False  # the prompt opened a think block: the output starts in it
     tools: ToolPlan = field(default_factory=lambda: ToolPlan("none"))
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and this many top ones
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    token_ids_as_tokens: bool | None = None  # return_tokens_as_token_ids (None: the server's default)
 
     def choice_params(self, i: int) -> dict:
         """Choice ``i``'s generate fields: its own seed stream when a seed is given (prompt k's
@@ -173,12 +157,12 @@ UNSUPPORTED: dict[str, tuple] = {
     "suffix": (None, ""), "audio": (None,), "prediction": (None,), "web_search_options": (None,),
     "functions": (None,), "function_call": (None,), "reasoning_effort": (None,), "documents": (None,),
     "logits_processors": (None,), "cache_salt": (None,), "kv_transfer_params": (None,),
-    "vllm_xargs": (None,), "mm_processor_kwargs": (None,), "prompt_logprobs": (None,),
+    "vllm_xargs": (None,), "mm_processor_kwargs": (None,),
     "modalities": (None, ["text"]), "parallel_tool_calls": (None, True), "store": (None, False),
     "metadata": (None, {}), "service_tier": (None, "auto", "default"), "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0), "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True), "continue_final_message": (None, False),
-    "add_special_tokens": (None, False), "priority": (None, 0), "return_tokens_as_token_ids": (None, False),
+    "add_special_tokens": (None, False), "priority": (None, 0),
 }
 # vLLM's extra sampling fields, passed to the coordinator as they are (SamplingParams declares them).
 PASSED = SamplingParams.front_end_fields(OPENAI)
@@ -239,12 +223,6 @@ def _identity(body: dict) -> dict:
     return {"request_id": _get(body, "request_id", str), "user": _get(body, "user", str)}
 
 
-def _stream_opts(body: dict) -> tuple[bool, bool]:
-    stream = _get(body, "stream", bool, False)
-    opts = _get(body, "stream_options", dict, {})
-    return stream, bool(stream and _get(opts, "include_usage", bool, False))
-
-
 def _prompt_ids(prompt: Any, tok: TextTokenizer | None) -> list[int]:
     if isinstance(prompt, str):
         if tok is None:
@@ -288,12 +266,12 @@ def completion_request(body: dict, tok: TextTokenizer | None, default_max: int =
         if echo:  # the prompt's own logprobs: what lm-eval's loglikelihood reads
             params["prompt_logprobs"] = logprobs
     _constrain(params, body)
-    stream, usage = _stream_opts(body)
+    stream, usage = response_options.stream_options(body)
     texts = [p if isinstance(p, str) else (tok.decode(i) if tok is not None and echo else "")
              for p, i in zip(batch, ids)]
     return Prepared(_get(body, "model", str, ""), ids[0], params, stream, usage, logprobs, n=n, echo=echo,
                     echo_only=echo_only, prompt_text=texts[0], more_prompts=list(zip(ids[1:], texts[1:])),
-                    **_identity(body))
+                    **_identity(body), **response_options.vllm_extras(body, params, stream, usage))
 
 
 def _message_text(content: Any, i: int) -> str:
@@ -384,6 +362,7 @@ def chat_request(body: dict, tok: TextTokenizer | None, template: ChatTemplate |
     if _get(body, "logprobs", bool, False):
         logprobs = _get(body, "top_logprobs", int, 0)
         params["logprobs"], params["top_logprobs"] = True, logprobs
-    stream, usage = _stream_opts(body)
+    stream, usage = response_options.stream_options(body)
     return Prepared(_get(body, "model", str, ""), ids, params, stream, usage, logprobs, n=n,
-                    reasoning=reasoning, thinking_opened=thinking == "open", tools=tools, **_identity(body))
+                    reasoning=reasoning, thinking_opened=thinking == "open", tools=tools, **_identity(body),
+                    **response_options.vllm_extras(body, params, stream, usage))

@@ -294,7 +294,10 @@ class Server:
         self.requests.pop(seq.seq_id)
         self.counters.completed += 1
         now = time.perf_counter()
-        timings = {"ttft_s": (req.t_first or now) - req.t_arrival, "total_s": now - req.t_arrival}
+        first, scheduled = req.t_first or now, seq.t_scheduled or req.t_arrival
+        timings = {"ttft_s": first - req.t_arrival, "total_s": now - req.t_arrival,
+                   "queue_s": scheduled - req.t_arrival, "prefill_s": first - scheduled,
+                   "decode_s": now - first, "inference_s": now - scheduled}
         self._send(req.identity, protocol.done(req.client_id, seq, timings))
 
     def _fail(self, seq_id: str, code: str, message: str) -> None:

@@ -55,6 +55,7 @@ def worker_stats(w: WorkerHandle) -> dict:
         "launch_in_flight": not w.core.idle,
         "waiting": len(w.scheduler.waiting), "running": len(w.scheduler.running),
         "preemptions": w.scheduler.preemptions, "tokens_scheduled": w.scheduler.tokens_scheduled,
+        "launch_tokens": w.scheduler.launch_tokens.to_dict(),
         "kv_blocks_used": b.num_used, "kv_blocks_free": b.num_free, "kv_blocks_cached": b.num_cached,
         "prefix_cache": {"enabled": b.enable_prefix_caching, **asdict(b.stats), "hit_rate": hit_rate},
         "h2d_bytes": s.h2d_bytes, "d2h_bytes": s.d2h_bytes,

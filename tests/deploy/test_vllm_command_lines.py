@@ -135,7 +135,7 @@ def test_the_command_lines_cover_every_flag_this_issue_names():
 
 def test_readme_table_lists_every_vllm_flag_as_the_code_treats_it():
     table = vllm_flags.table(honoured_vllm_flags())
-    stale = "README's flag table is stale: python -m fusedserve.coordinator.vllm_flags prints it"
+    stale = "README's flag table is stale: python -m fusedserve.coordinator.cli_parser prints it"
     assert table in README.read_text(), stale
     rows = re.findall(r"^\| `([^`]+)` \| (honoured|no-op|refused) \|", table, re.M)
     assert len(rows) == len(VLLM_HONOURED) + len(vllm_flags.FLAGS) and len({f for f, _ in rows}) == len(rows)

@@ -23,7 +23,8 @@ def server(ray_session, tmp_path_factory):
     d = tmp_path_factory.mktemp("agent")
     model = write_agent_model(d / "model")
     srv = ServeProcess.start(d / "serve.log", "--model", str(model), "--workers", "1", "--dtype", "float32",
-                             "--max-batch", "8", "--num-blocks", "128", "--http-port", "0")
+                             "--max-batch", "8", "--num-blocks", "128", "--http-port", "0",
+                             "--enable-auto-tool-choice")
     yield srv
     srv.stop()
 

@@ -308,6 +308,10 @@ def test_bench_serve_loads_the_api_and_reports(server, tmp_path, capsys):
     assert 12 * 3 <= s["output_tokens"] <= 12 * 9  # lengths drawn from [3, 9]
     assert 0 < s["ttft_ms_p50"] <= s["ttft_ms_p90"] <= s["ttft_ms_p99"]
     assert 0 < s["itl_ms_p50"] <= s["itl_ms_p99"]
+    # vLLM bench serve's names, which its users' scripts read
+    assert s["p99_ttft_ms"] == s["ttft_ms_p99"] and s["median_ttft_ms"] > 0 and s["mean_e2el_ms"] > 0
+    assert s["total_output_tokens"] == s["output_tokens"] and s["total_input_tokens"] > 0
+    assert 0 < s["mean_tpot_ms"] and s["std_itl_ms"] >= 0
 
 
 def test_a_non_streaming_client_that_leaves_has_its_request_aborted(server):
@@ -473,3 +477,67 @@ def test_sagemaker_ping_and_invocations_and_vllm_load(server, oai):
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_field"
     load = httpx.get(f"{server.http}/load", headers=_auth())
     assert load.status_code == 200 and load.json() == {"server_load": 0}
+
+
+def test_prompt_logprobs_as_vllm_returns_them(server, offline):
+    """vLLM's ``prompt_logprobs``: per prompt token (None first) the token's own logprob and the
+    top ones, by id, with rank and decoded text; equal to the offline engine's."""
+    prompt = "The quick brown fox jumps over the lazy dog."
+    want = offline.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+    body = {"model": "default", "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2}
+    r = httpx.post(f"{server.http}/v1/completions", json=body, headers=_auth(), timeout=60).json()
+    got = r["choices"][0]["prompt_logprobs"]
+    assert len(got) == len(want.prompt_ids) and got[0] is None
+    for pos in range(1, len(got)):
+        own = got[pos][str(want.prompt_ids[pos])]
+        assert own["logprob"] == pytest.approx(want.prompt_logprobs[pos], abs=1e-4)
+        assert own["decoded_token"] and (own["rank"] is None or 1 <= own["rank"] <= 2)
+        ranks = sorted(e["rank"] for e in got[pos].values() if e["rank"] is not None)
+        assert ranks == [1, 2]
+    chat = httpx.post(f"{server.http}/v1/chat/completions", headers=_auth(), timeout=60, json={
+        "model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+        "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+    streamed = httpx.post(f"{server.http}/v1/completions", json={**body, "stream": True}, headers=_auth())
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+    for bad in (-1, 21, "2"):
+        r = httpx.post(f"{server.http}/v1/completions", json={**body, "prompt_logprobs": bad},
+                       headers=_auth())
+        assert r.status_code == 400, bad
+
+
+def test_continuous_usage_stats_ride_on_every_chunk(oai):
+    chunks = list(oai.completions.create(model="default", prompt="The with statement", max_tokens=5,
+                                         stream=True, extra_body={"ignore_eos": True},
+                                         stream_options={"include_usage": True,
+                                                         "continuous_usage_stats": True}))
+    with_choices = [c for c in chunks if c.choices]
+    assert with_choices and all(c.usage is not None for c in with_choices)
+    counts = [c.usage.completion_tokens for c in with_choices]
+    assert counts == sorted(counts) and counts[-1] == 5 == chunks[-1].usage.completion_tokens
+    assert len({c.usage.prompt_tokens for c in chunks}) == 1
+    plain = list(oai.completions.create(model="default", prompt="The with statement", max_tokens=3,
+                                        stream=True, stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain if c.choices)  # only the last chunk, as before
+
+
+def test_tokens_as_token_ids_name_logprobs_by_id(oai):
+    kw = dict(model="default", prompt="The with statement", max_tokens=3, temperature=0, logprobs=2)
+    plain = oai.completions.create(**kw).choices[0].logprobs
+    by_id = oai.completions.create(**kw, extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs
+    assert all(re.fullmatch(r"token_id:\d+", t) for t in by_id.tokens) and by_id.tokens != plain.tokens
+    assert by_id.token_logprobs == plain.token_logprobs
+    assert all(re.fullmatch(r"token_id:\d+", t) for step in by_id.top_logprobs for t in step)
+    chat = oai.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=2, logprobs=True, top_logprobs=1,
+                                       extra_body={"return_tokens_as_token_ids": True})
+    assert all(e.token.startswith("token_id:") for e in chat.choices[0].logprobs.content)
+
+
+def test_tokenize_returns_token_strings_when_asked(server):
+    url = f"{server.http}/tokenize"
+    r = httpx.post(url, json={"prompt": "The with statement", "return_token_strs": True},
+                   headers=_auth()).json()
+    assert len(r["token_strs"]) == r["count"] == len(r["tokens"]) and all(r["token_strs"])
+    assert httpx.post(url, json={"prompt": "x"}, headers=_auth()).json()["token_strs"] is None
+    assert httpx.post(url, json={"prompt": "x", "return_token_strs": 1}, headers=_auth()).status_code == 400

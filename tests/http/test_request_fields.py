@@ -34,7 +34,7 @@ def _text(r: dict, chat: bool) -> str:
 
 
 REFUSED = [  # (chat, field, value)
-    (False, "suffix", "tail"), (False, "best_of", 3), (False, "prompt_logprobs", 1),
+    (False, "suffix", "tail"), (False, "best_of", 3),
     (True, "audio", {"voice": "alloy", "format": "wav"}), (True, "function_call", "auto"),
     (True, "functions", [{"name": "f", "parameters": {}}]), (True, "metadata", {"k": "v"}),
     (True, "modalities", ["text", "audio"]), (True, "parallel_tool_calls", False),
@@ -45,7 +45,7 @@ REFUSED = [  # (chat, field, value)
     (False, "add_special_tokens", True), (True, "chat_template", "{{ messages }}"),
     (True, "documents", [{}]),
     (True, "echo", True), (False, "priority", 1), (False, "logits_processors", ["x"]),
-    (False, "return_tokens_as_token_ids", True), (False, "cache_salt", "s"),
+    (False, "cache_salt", "s"),
     (False, "kv_transfer_params", {}),
     (False, "vllm_xargs", {"a": 1}), (False, "mm_processor_kwargs", {"a": 1}),
 ]
@@ -161,7 +161,7 @@ def test_logprobs_echo_stream_stop_and_field_specific_ones(http, caplog):
 def test_a_trusted_server_renders_a_request_s_own_chat_template(ray_session):
     with running_server(dtype="float32", max_batch=4, block_size=16, num_blocks=64,
                         max_model_len=256) as coord:
-        with serving_http(coord, trust_request_template=True) as server, \
+        with serving_http(coord, trust_request_chat_template=True) as server, \
                 httpx.Client(base_url=server.url, timeout=60) as client:
             own = "{% for m in messages %}Q: {{ m.content }}\nA:{% endfor %}"
             r = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2, "chat_template": own})
@@ -202,3 +202,49 @@ def test_the_grafana_dashboard_names_only_exported_metrics(http):
     exprs.append(dashboard["templating"]["list"][0]["query"])
     names = {n for e in exprs for n in re.findall(r"fusedserve:[A-Za-z0-9_:]+", e)}
     assert len(names) >= 14 and names <= exported, names - exported
+
+
+# What vLLM's own Grafana dashboard (examples/online_serving/prometheus_grafana/grafana.json) queries,
+# its vllm: prefix swapped for ours: that dashboard works on this server with the prefix changed.
+VLLM_DASHBOARD = ("e2e_request_latency_seconds_bucket", "e2e_request_latency_seconds_sum",
+                  "e2e_request_latency_seconds_count", "prompt_tokens_total", "generation_tokens_total",
+                  "time_per_output_token_seconds_bucket", "time_per_output_token_seconds_sum",
+                  "time_per_output_token_seconds_count", "num_requests_running", "num_requests_swapped",
+                  "num_requests_waiting", "time_to_first_token_seconds_bucket",
+                  "time_to_first_token_seconds_sum", "time_to_first_token_seconds_count",
+                  "gpu_cache_usage_perc", "cpu_cache_usage_perc",
+                  "request_prompt_tokens_bucket", "request_generation_tokens_bucket", "request_success_total",
+                  "request_queue_time_seconds_sum", "request_prefill_time_seconds_sum",
+                  "request_decode_time_seconds_sum", "request_max_num_generation_tokens_sum")
+# The rest of vLLM's request metrics, which its newer dashboards and alerts read.
+VLLM_MORE = ("request_inference_time_seconds_bucket", "iteration_tokens_total_bucket",
+             "request_params_n_bucket", "request_params_max_tokens_bucket",
+             "inter_token_latency_seconds_bucket",
+             "kv_cache_usage_perc", "request_time_per_output_token_seconds_bucket")
+
+
+def test_every_metric_vllms_dashboard_queries_is_exported(http):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client = http.client
+    assert _post(client, False, {**BASE, "n": 2, "temperature": 1.0}).status_code == 200
+    text = client.get("/metrics").text
+    samples = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+    missing = [n for n in VLLM_DASHBOARD + VLLM_MORE if "fusedserve:" + n not in samples]
+    assert not missing, missing
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+
+    def bounds(name: str) -> list[float]:
+        return [float(s.labels["le"]) for s in families["fusedserve:" + name].samples
+                if s.name.endswith("_bucket") and s.labels["le"] != "+Inf"]
+
+    assert bounds("time_to_first_token_seconds")[-1] == 2560.0  # vLLM's ranges
+    assert bounds("e2e_request_latency_seconds")[-1] == 7680.0
+    assert bounds("request_prompt_tokens")[:4] == [1, 2, 5, 10] and bounds("request_prompt_tokens")[-1] <= 512
+    assert bounds("request_params_n") == [1, 2, 5, 10, 20]
+    n = {s.labels["le"]: s.value for s in families["fusedserve:request_params_n"].samples
+         if s.name.endswith("_bucket")}
+    assert n["2.0"] - n["1.0"] >= 1  # the n=2 request
+    steps = {s.labels["le"]: s.value for s in families["fusedserve:iteration_tokens_total"].samples
+             if s.name.endswith("_bucket")}
+    assert steps["+Inf"] >= N  # a launch per generated token at least
