@@ -126,12 +126,15 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_refuses_a_public_bind_without_a_token(tmp_path):
-    out = _cli("serve", "--host", "0.0.0.0", "--zmq-port", "0")
+    out = _cli("serve", "--zmq-host", "0.0.0.0", "--zmq-port", "0")  # ZeroMQ beyond loopback
     assert out.returncode == 2
-    assert "refusing to bind 0.0.0.0" in out.stderr and "--auth-token-file" in out.stderr
+    assert "refusing to bind ZeroMQ to 0.0.0.0" in out.stderr and "--auth-token-file" in out.stderr
+    out = _cli("serve", "--host", "0.0.0.0", "--zmq-port", "0")  # the HTTP API beyond loopback
+    assert out.returncode == 2
+    assert "refusing to bind the HTTP API to 0.0.0.0" in out.stderr and "--api-key" in out.stderr
     short = tmp_path / "short"
     short.write_text("abc\n")
-    out = _cli("serve", "--host", "0.0.0.0", "--auth-token-file", str(short))
+    out = _cli("serve", "--zmq-host", "0.0.0.0", "--auth-token-file", str(short))
     assert out.returncode == 2 and "at least 16 characters" in out.stderr
 
 
