@@ -118,7 +118,7 @@ COMMAND_HELP = {
 }
 EXAMPLES = """examples:
   fusedserve demo                                   # the embedded model, no download
-  fusedserve serve --model Qwen/Qwen3-0.6B          # then: curl http://127.0.0.1:8000/v1/models
+  fusedserve serve Qwen/Qwen3-0.6B                  # then: curl http://127.0.0.1:8000/v1/models
   fusedserve generate "The with statement" --stream
   fusedserve stats
   fusedserve scale 2

@@ -140,7 +140,7 @@ def enabled() -> bool:
     return os.environ.get("FUSEDSERVE_NATIVE", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
-STALE_LOCK_S = 600.0  # a build takes about a minute on 2 cores: a lock this old outlived its build
+STALE_LOCK_S = 600.0  # a build takes about 30 s on 2 cores: a lock this old outlived its build
 
 
 def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S, now: float | None = None) -> bool:
@@ -212,7 +212,7 @@ def build(isa: str, csrc: Path = CSRC, name: str = "fusedserve_cpu") -> ModuleTy
         raise NativeUnavailable(missing)
     fresh = not is_built(isa, name)
     if fresh:
-        log.warning("building the native CPU kernels for %s (first run on this machine only: about 3 minutes "
+        log.warning("building the native CPU kernels for %s (first run on this machine only: about 30 s "
                     "on 2 cores) ...", isa)
     started = time.monotonic()
     src = staged_sources(csrc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -58,6 +59,28 @@ def test_demo_serves_every_prompt_and_prints_stats(tmp_path):
     stats = json.loads(out[out.index("\n{") + 1 :])
     assert stats["completed"] == len(DEMO_PROMPTS) and len(stats["workers"]) == 2
     assert sum(w["tokens"] for w in stats["workers"]) == stats["tokens"]
+
+
+def test_demo_on_a_clean_cache_says_it_builds_before_any_bar(tmp_path):
+    """A fresh machine's first run: nothing built, nothing cached. The native build announces
+    itself (and its time) before the weight-loading bar starts, and the demo still fits a screen."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "HOME": str(home), "RAY_USAGE_STATS_ENABLED": "0",
+           "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions"),
+           "FUSEDSERVE_CACHE": str(tmp_path / "cache")}
+    for var in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+        env.pop(var, None)
+    r = subprocess.run([sys.executable, "-m", "fusedserve.coordinator.cli", "demo", "--max-tokens", "4",
+                        "--workers", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:]
+    out = r.stdout
+    build, ready, bar = (out.find(s) for s in ("building the native CPU kernels", "native CPU kernels for",
+                                                "loading weights"))
+    assert 0 <= build < bar and ready > build, out[-4000:]
+    assert re.search(r"native CPU kernels for \w+ ready in \d+ s", out)
+    assert len(out.splitlines()) <= 40, out  # everything the terminal shows, the build's lines included
 
 
 @pytest.fixture(scope="module")
