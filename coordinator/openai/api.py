@@ -169,7 +169,8 @@ def build_app(gw: Gateway) -> FastAPI:
     async def as_chat(request: Request, body: dict) -> Response:
         prep = await anyio.to_thread.run_sync(oa.chat_request, body, gw.tokenizer, gw.template, gw.max_tokens,
                                               gw.reasoning, gw.tool_parser, gw.max_prompt_chars,
-                                              gw.trust_request_template, gw.defaults, gw.auto_tools)
+                                              gw.trust_request_template, gw.defaults, gw.auto_tools,
+                                              gw.tool_format)
         return await _run(gw, request, gw.admit(prep, request), chat=True)
 
     @app.post("/v1/completions")

@@ -1,5 +1,5 @@
 """One chat choice's output -> OpenAI's message (whole) or deltas (streamed): the reasoning
-split, then Hermes tool calls (free in ``auto`` mode, held to the functions' schemas when
+split, then tool calls, Hermes JSON or Qwen's XML (free in ``auto`` mode, held to the functions' schemas when
 forced). Streamed and whole outputs go through the same parsers, so they always agree."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def message(text: str, finish_reason: str, reasoning: bool, opened: bool,
     if thought is not None:
         msg["reasoning_content"] = msg["reasoning"] = thought
     if tools.parsed:
-        msg["content"], calls = tool_parser.extract(content)
+        msg["content"], calls = tool_parser.extract(content, tools.parser())
         if calls:
             msg["tool_calls"] = [c.to_openai() for c in calls]
             return msg, "tool_calls"
@@ -35,7 +35,7 @@ class ChatStream:
 
     def __init__(self, reasoning: bool, opened: bool, tools: ToolPlan):
         self.reasoning = reasoning_parser.ReasoningStream(opened) if reasoning else None
-        self.tools = ToolStream() if tools.parsed else None
+        self.tools = ToolStream(tools.parser()) if tools.parsed else None
         self.calls = 0
 
     def push(self, text: str) -> list[dict]:

@@ -83,12 +83,14 @@ class Gateway:
         self.bearer = http.api_key or config.token  # what every /v1 request must carry, if any
         self.metrics = Metrics(self.model_name, config.max_model_len)
         self.client: AsyncClient | None = None
-        # Qwen3's <think> split and Hermes tool calls: on where the chat template speaks them.
+        # Qwen3's <think> split and its tool calls: on where the chat template speaks them, in the
+        # format it renders (Qwen3-Coder's and Qwen3.5's templates write <function=...> XML).
         source = self.template.source if self.template is not None else ""
-        auto_reasoning, auto_tools = "<think>" in source, "<tool_call>" in source
-        reasoning, tools = http.reasoning_parser, http.tool_call_parser
-        self.reasoning = reasoning in ("qwen3", "deepseek_r1") or (reasoning == "auto" and auto_reasoning)
-        self.tool_parser = tools == "hermes" or (tools == "auto" and auto_tools)
+        reasoning = http.reasoning_parser
+        self.reasoning = reasoning in ("qwen3", "deepseek_r1") or (
+            reasoning == "auto" and "<think>" in source)
+        self.tool_format = call_format(http.tool_call_parser, source)
+        self.tool_parser = self.tool_format is not None
         self.auto_tools = http.enable_auto_tool_choice and self.tool_parser
         self.token_ids_as_tokens = http.return_tokens_as_token_ids
         self.log_requests = http.enable_log_requests
@@ -133,6 +135,20 @@ class Gateway:
                              prepared.params["client"], len(prepared.prompt_ids),
                              {k: v for k, v in prepared.params.items() if k not in ("client", "structured")})
         return prepared
+
+
+def call_format(parser: str, template: str) -> str | None:
+    """How the model's tool calls are read: ``hermes`` (JSON), ``qwen3_coder`` (Qwen's XML), or
+    None (not parsed); ``auto`` reads the chat template."""
+    if parser in ("qwen3_coder", "qwen3_xml"):
+        return "qwen3_coder"
+    if parser == "hermes":
+        return "hermes"
+    if parser == "auto" and "<function=" in template:
+        return "qwen3_coder"
+    if parser == "auto" and "<tool_call>" in template:
+        return "hermes"
+    return None
 
 
 def end_client(request: Request) -> str:

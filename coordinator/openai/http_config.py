@@ -13,12 +13,7 @@ from fusedserve.shared_memory.setting import setting
 API_KEY_ENV = "FUSEDSERVE_API_KEY"
 # vLLM's parser names: the ones built here, and the others (refused by name, with why).
 REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", "none")
-TOOL_CALL_PARSERS = ("auto", "hermes", "none")
-NOT_BUILT_TOOL_PARSERS = {
-    "qwen3_coder": "Qwen3-Coder's XML tool calls (<function=...>) are not parsed yet; Qwen3's own "
-                   "<tool_call> JSON is 'hermes'",
-    "qwen3_xml": "Qwen3-Coder's XML tool calls are not parsed yet; Qwen3's own <tool_call> JSON is 'hermes'",
-}
+TOOL_CALL_PARSERS = ("auto", "hermes", "qwen3_coder", "qwen3_xml", "none")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -82,8 +77,8 @@ class HttpConfig:
         choices=REASONING_PARSERS)
     tool_call_parser: str = setting(
         "auto",
-        "how tool calls in the output are read: hermes (Qwen3's <tool_call> JSON), none; auto: hermes where "
-        "the chat template renders tools that way",
+        "how tool calls in the output are read: hermes (Qwen3's <tool_call> JSON), qwen3_coder or qwen3_xml "
+        "(Qwen3-Coder's and Qwen3.5's <function=...> XML), none; auto: as the chat template renders tools",
         parse=str)
     enable_auto_tool_choice: bool = setting(
         False,
@@ -103,9 +98,6 @@ class HttpConfig:
         "gets 400")
 
     def check(self) -> None:
-        if self.tool_call_parser in NOT_BUILT_TOOL_PARSERS:
-            raise ValueError(f"--tool-call-parser {self.tool_call_parser}: "
-                             f"{NOT_BUILT_TOOL_PARSERS[self.tool_call_parser]}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"--tool-call-parser {self.tool_call_parser}: vLLM's parser for another model "
                              f"family; fusedserve serves Qwen3 models, whose calls are "

@@ -316,8 +316,10 @@ def thinking_state(prompt: str, reasoning: bool) -> str:
 def chat_request(body: dict, tok: TextTokenizer | None, template: ChatTemplate | None,
                  default_max: int, reasoning: bool = False, tool_parser: bool = False,
                  max_prompt_chars: int = MAX_PROMPT_CHARS, trust_request_template: bool = False,
-                 defaults: dict | None = None, auto_tools: bool = True) -> Prepared:
-    """``auto_tools``: the model may choose to call a tool (``--enable-auto-tool-choice``)."""
+                 defaults: dict | None = None, auto_tools: bool = True,
+                 tool_format: str = "hermes") -> Prepared:
+    """``auto_tools``: the model may choose to call a tool (``--enable-auto-tool-choice``);
+    ``tool_format``: how the model writes calls (hermes JSON, qwen3_coder XML)."""
     refuse_unsupported(body, {"echo": (None, False)})
     own = _get(body, "chat_template", str)
     if own is not None:
@@ -337,7 +339,8 @@ def chat_request(body: dict, tok: TextTokenizer | None, template: ChatTemplate |
     if template is None or tok is None:
         raise ApiError(400, "this model has no chat template (tokenizer_config.json)",
                        code="no_chat_template")
-    tools = tool_choice.plan(body, tool_parser, tok.token_id("<tool_call>") is not None, auto_tools)
+    markers = tok.token_id("<tool_call>") is not None
+    tools = tool_choice.plan(body, tool_parser, markers, auto_tools, tool_format)
     kwargs = _get(body, "chat_template_kwargs", dict, {})
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
     if reserved:

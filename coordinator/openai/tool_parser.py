@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fusedserve.coordinator.openai.reasoning_parser import _prefix_tail
@@ -48,9 +49,11 @@ def parse_call(body: str) -> ToolCall | None:
 
 
 class ToolStream:
-    """Content deltas in, (content delta, finished calls) out."""
+    """Content deltas in, (content delta, finished calls) out; ``parse`` reads one call's body
+    (Hermes JSON here, Qwen's XML in ``xml_tool_parser``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, parse: Callable[[str], ToolCall | None] = parse_call) -> None:
+        self.parse = parse
         self._buf = ""
         self._in_call = False
         self._ws = ""  # whitespace between calls, emitted only if more text follows
@@ -82,7 +85,7 @@ class ToolStream:
             if j < 0:
                 return content, calls
             body, self._buf, self._in_call = self._buf[:j], self._buf[j + len(END):], False
-            call = parse_call(body)
+            call = self.parse(body)
             if call is None:
                 content += self._text(START + body + END)
             else:
@@ -100,9 +103,10 @@ class ToolStream:
         return out
 
 
-def extract(text: str) -> tuple[str | None, list[ToolCall]]:
+def extract(text: str, parse: Callable[[str], ToolCall | None] = parse_call
+            ) -> tuple[str | None, list[ToolCall]]:
     """(content or None when only calls remain, calls) of a whole content."""
-    stream = ToolStream()
+    stream = ToolStream(parse)
     content, calls = stream.push(text)
     content += stream.finish()
     if calls and not content.strip():

@@ -55,6 +55,8 @@ HONOURED = [
     (["Qwen/Qwen3-8B", "--reasoning-parser", "deepseek_r1"],
      lambda s, h: h.reasoning_parser == "deepseek_r1"),
     (["Qwen/Qwen3-8B", "--reasoning-parser", "qwen3"], lambda s, h: h.reasoning_parser == "qwen3"),
+    (["Qwen/Qwen3-Coder-30B-A3B-Instruct", "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder"],
+     lambda s, h: h.tool_call_parser == "qwen3_coder" and h.enable_auto_tool_choice),
     (["Qwen/Qwen3-8B", "--max-logprobs", "5"], lambda s, h: s.limits.max_logprobs == 5),
     (["Qwen/Qwen3-8B", "--uvicorn-log-level", "info", "--enable-log-requests"],
      lambda s, h: h.uvicorn_log_level == "info" and h.enable_log_requests),
@@ -87,7 +89,6 @@ NOOPS = [
 REFUSED = [
     (["Qwen/Qwen3-8B", "--enable-lora", "--lora-modules", "sql=/adapters/sql"], "--enable-lora"),
     (["Qwen/Qwen3-8B", "--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2"),
-    (["Qwen/Qwen3-8B", "--tool-call-parser", "qwen3_coder"], "--tool-call-parser qwen3_coder"),
     (["Qwen/Qwen3-8B", "--tool-call-parser", "mistral"], "--tool-call-parser mistral"),
     (["Qwen/Qwen3-8B", "--task", "embed"], "--task embed"),
     (["Qwen/Qwen3-8B", "--max-logprobs", "64"], "max_logprobs"),

@@ -248,3 +248,31 @@ def test_every_metric_vllms_dashboard_queries_is_exported(http):
     steps = {s.labels["le"]: s.value for s in families["fusedserve:iteration_tokens_total"].samples
              if s.name.endswith("_bucket")}
     assert steps["+Inf"] >= N  # a launch per generated token at least
+
+
+def test_a_qwen3_coder_server_forces_and_reads_xml_calls(http):
+    """--tool-call-parser qwen3_coder: a named or required tool choice holds the output to Qwen's
+    XML calls (values typed by the schema) and reads them back, whole and streamed alike."""
+    tool = {"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                         "nights": {"type": "integer", "minimum": 1, "maximum": 9},
+                                         "breakfast": {"type": "boolean"}},
+        "required": ["city", "nights", "breakfast"]}}}
+    body = {**CHAT, "max_tokens": 80, "temperature": 0.7, "seed": 1, "tools": [tool],
+            "tool_choice": {"type": "function", "function": {"name": "book"}}}
+    with serving_http(http.coord, tool_call_parser="qwen3_coder") as server, \
+            httpx.Client(base_url=server.url, timeout=60) as client:
+        whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert whole["finish_reason"] == "tool_calls", whole
+        (call,) = whole["message"]["tool_calls"]
+        args = json.loads(call["function"]["arguments"])
+        assert call["function"]["name"] == "book" and set(args) == {"city", "nights", "breakfast"}
+        assert isinstance(args["nights"], int) and isinstance(args["breakfast"], bool)
+        assert args["city"] in ("Paris", "Rome") and 1 <= args["nights"] <= 9
+        lines = client.post("/v1/chat/completions", json={**body, "stream": True}).text.splitlines()
+        chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        deltas = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls", [])]
+        assert deltas[0]["function"]["name"] == "book"
+        assert json.loads("".join(d["function"].get("arguments", "") for d in deltas)) == args
+        required = client.post("/v1/chat/completions", json={**body, "tool_choice": "required"}).json()
+        assert required["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "book"
