@@ -101,6 +101,14 @@ def remove_stale(shm_dir: Path = SHM_DIR) -> list[str]:
     return removed
 
 
+def remove_owned_by(pid: int, shm_dir: Path = SHM_DIR) -> list[str]:
+    """Unlink the segments ``pid`` created that no process holds any more (a watchdog's cleanup
+    once that process is gone, even while it is still an unreaped zombie); returns their names."""
+    if not shm_dir.is_dir():
+        return []
+    return [e.name for e in shm_dir.glob(f"{PREFIX}_{pid}_*") if _unlink_if_unheld(e)]
+
+
 def _unlink_if_unheld(path: Path) -> bool:
     """Unlink ``path`` if it is this user's and no process holds its lock (taken here first, so
     nobody can attach to it meanwhile)."""

@@ -139,14 +139,29 @@ def stop_head(temp_dir: str, grace_s: float = 5.0, session: int | None = None) -
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+REAPER_ENV = "FUSEDSERVE_HEAD_REAPER"  # "0": no watchdog (the tests' negative control)
+
+
+def spawn_reaper(temp_dir: str, session: int) -> subprocess.Popen | None:
+    """The watchdog that ends this process's head if this process dies without stopping it
+    (``head_reaper.py``), in a session of its own; None where ``FUSEDSERVE_HEAD_REAPER=0``."""
+    if os.environ.get(REAPER_ENV, "1").strip() == "0":
+        return None
+    cmd = [sys.executable, "-m", "fusedserve.coordinator.server.head_reaper", "--parent", str(os.getpid()),
+           "--temp-dir", temp_dir, "--session", str(session)]
+    return subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL)
+
+
 class EmbeddedHead:
     """A local Ray head owned by one server process: in a session of its own, every server of it
-    on loopback (``LOCAL_ONLY_ENV``), every process of it ended with it."""
+    on loopback (``LOCAL_ONLY_ENV``), every process of it ended with it, by ``stop`` or, if the
+    server is killed, by its reaper."""
 
     def __init__(self, temp_dir: str, ports: RayPorts, session: int | None = None):
         self.temp_dir = temp_dir
         self.ports = ports
         self.session = session
+        self.reaper: subprocess.Popen | None = None
 
     @property
     def address(self) -> str:
@@ -178,10 +193,14 @@ class EmbeddedHead:
             raise RuntimeError(f"could not start an embedded Ray head: {(err or '')[-2000:]}")
         log.info("embedded Ray head at %s in %s (session %d, ports %s)", head.address, temp_dir, proc.pid,
                  ports)
+        head.reaper = spawn_reaper(temp_dir, proc.pid)
         return head
 
     def stop(self, grace_s: float = 5.0) -> None:
         stop_head(self.temp_dir, grace_s, self.session)
+        if self.reaper is not None:  # nothing left for it to end
+            self.reaper.kill()
+            self.reaper.wait()
 
 
 def connect(address: str | None, num_cpus: int, ports: RayPorts | None = None) -> EmbeddedHead | None:
