@@ -11,7 +11,7 @@ import sys
 
 from fusedserve.coordinator import vllm_flags
 from fusedserve.coordinator.client import DEFAULT_ADDRESS, TOKEN_ENV
-from fusedserve.coordinator.config_flags import Section, add_flags, build, values
+from fusedserve.coordinator.config_flags import Section, add_flags, build, parse_json, values
 from fusedserve.coordinator.openai.http_config import API_KEY_ENV, HttpConfig
 from fusedserve.coordinator.server.config import Limits, ServerConfig
 from fusedserve.coordinator.server.routing_policy import RoutingConfig
@@ -83,12 +83,7 @@ def speculative_settings(text: str) -> dict[str, object]:
     """``--speculative-config``'s JSON (or ``off``) as engine settings (``SpeculativeConfig``'s names)."""
     if text.strip().lower() in ("off", "none", "{}"):
         return {"speculative_method": "off"}
-    try:
-        spec = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(spec, dict):
-        raise argparse.ArgumentTypeError("a JSON object, such as {\"method\": \"ngram\"}")
+    spec = parse_json(text)
     names = {"method": "speculative_method", "model": "speculative_model",
              "num_speculative_tokens": "num_speculative_tokens",
              "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min",
