@@ -1,7 +1,8 @@
 """What a server leaves when it dies without stopping (SIGKILL, the OOM killer): a watchdog
-process, started beside its embedded Ray head, that waits for the server to be gone and then
-ends the head's whole session (GCS, raylet, agents, the worker actors) and unlinks the server's
-shared-memory segments once no worker holds them.
+process, started with the server's Ray connection, that waits for the server to be gone and then
+ends its embedded head's whole session if it had one (GCS, raylet, agents, the worker actors;
+in a joined cluster the actors die with their owner) and unlinks the server's shared-memory
+segments once no worker holds them.
 
 A clean shutdown stops the head itself and then this watchdog; a killed server cannot, and
 before this its head's processes and both arena segments stayed on the machine (issue 57
@@ -9,7 +10,8 @@ measured six processes and two segments 30 s after a SIGKILL under load).
 
     python -m fusedserve.coordinator.server.head_reaper --parent PID --temp-dir DIR --session S
 
-(``ray_cluster.EmbeddedHead.start`` starts it; ``FUSEDSERVE_HEAD_REAPER=0`` does without.)
+(``ray_cluster.EmbeddedHead.start``, or ``connect`` for a joined cluster, starts it;
+``FUSEDSERVE_HEAD_REAPER=0`` does without.)
 """
 
 from __future__ import annotations
@@ -36,25 +38,33 @@ def start_time(pid: int) -> int | None:
     return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
-def watch(parent: int, temp_dir: str, session: int, poll_s: float = 0.2, shm_wait_s: float = 20.0) -> bool:
-    """Wait for ``parent`` to end; if its head is still up, end it and unlink the parent's
-    segments. True when there was something to clean (the parent did not stop its head)."""
+def watch(parent: int, temp_dir: str | None, session: int | None, poll_s: float = 0.2,
+          shm_wait_s: float = 30.0) -> bool:
+    """Wait for ``parent`` to end; then end its head if it left one up (``temp_dir``, ``session``:
+    an embedded head) and unlink the segments it left once no worker holds them (a joined
+    cluster's actors die with their owner, within seconds). True when there was something to
+    clean (the parent did not stop cleanly)."""
+    from fusedserve.shared_memory.arena import PREFIX, SHM_DIR, remove_owned_by
+
     born = start_time(parent)
     while born is not None and start_time(parent) == born:
         time.sleep(poll_s)
-    if not Path(temp_dir).exists():  # a clean shutdown stopped the head already
-        return False
-    log.warning("server %d is gone without stopping its Ray head (session %d): ending it", parent, session)
-    stop_head(temp_dir, grace_s=1.0, session=session)
-    from fusedserve.shared_memory.arena import PREFIX, SHM_DIR, remove_owned_by
 
+    def left() -> bool:
+        return SHM_DIR.is_dir() and any(SHM_DIR.glob(f"{PREFIX}_{parent}_*"))
+
+    head_up = temp_dir is not None and Path(temp_dir).exists()  # a clean stop removed it
+    if not head_up and not left():
+        return False
+    if head_up:
+        log.warning("server %d is gone without stopping its Ray head (session %s): ending it", parent,
+                    session)
+        stop_head(temp_dir, grace_s=1.0, session=session)
     deadline = time.monotonic() + shm_wait_s  # a worker may hold a segment until it is reaped
-    while time.monotonic() < deadline:
+    while left() and time.monotonic() < deadline:
         removed = remove_owned_by(parent)
         if removed:
             log.warning("unlinked server %d's shared-memory segments %s", parent, removed)
-        if not any(SHM_DIR.glob(f"{PREFIX}_{parent}_*")):
-            break
         time.sleep(0.2)
     return True
 
@@ -62,8 +72,8 @@ def watch(parent: int, temp_dir: str, session: int, poll_s: float = 0.2, shm_wai
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parent", type=int, required=True)
-    ap.add_argument("--temp-dir", required=True)
-    ap.add_argument("--session", type=int, required=True)
+    ap.add_argument("--temp-dir", default=None, help="its embedded head's (none: it joined a cluster)")
+    ap.add_argument("--session", type=int, default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     watch(args.parent, args.temp_dir, args.session)

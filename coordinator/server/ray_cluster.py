@@ -142,13 +142,15 @@ def stop_head(temp_dir: str, grace_s: float = 5.0, session: int | None = None) -
 REAPER_ENV = "FUSEDSERVE_HEAD_REAPER"  # "0": no watchdog (the tests' negative control)
 
 
-def spawn_reaper(temp_dir: str, session: int) -> subprocess.Popen | None:
-    """The watchdog that ends this process's head if this process dies without stopping it
-    (``head_reaper.py``), in a session of its own; None where ``FUSEDSERVE_HEAD_REAPER=0``."""
+def spawn_reaper(temp_dir: str | None = None, session: int | None = None) -> subprocess.Popen | None:
+    """The watchdog that cleans up after this process if it dies without stopping (``head_reaper.py``),
+    in a session of its own: ends its embedded head (``temp_dir``, ``session``) if it has one, and
+    unlinks its shared-memory segments; None where ``FUSEDSERVE_HEAD_REAPER=0``."""
     if os.environ.get(REAPER_ENV, "1").strip() == "0":
         return None
-    cmd = [sys.executable, "-m", "fusedserve.coordinator.server.head_reaper", "--parent", str(os.getpid()),
-           "--temp-dir", temp_dir, "--session", str(session)]
+    cmd = [sys.executable, "-m", "fusedserve.coordinator.server.head_reaper", "--parent", str(os.getpid())]
+    if temp_dir is not None and session is not None:
+        cmd += ["--temp-dir", temp_dir, "--session", str(session)]
     return subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL)
 
 
@@ -219,6 +221,7 @@ def connect(address: str | None, num_cpus: int, ports: RayPorts | None = None) -
     # Workers' logs come here: warnings, and the progress bars of their weights loading.
     if head is None:
         ray.init(address=address)
+        spawn_reaper()  # a joined cluster's actors die with their owner; its segments are the watchdog's
         return head
     try:
         ray.init(address=address, _node_ip_address="127.0.0.1")

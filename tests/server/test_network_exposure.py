@@ -112,3 +112,27 @@ def test_a_killed_server_leaves_nothing_behind(tmp_path, reaper):
             _kill_sessions({head})
         for seg in _segments(pid):
             seg.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("reaper", [True, False], ids=["reaped", "negative-control"])
+def test_a_killed_server_in_a_joined_cluster_leaves_no_segment(ray_session, tmp_path, reaper):
+    """`serve --ray-address ...` SIGKILLed: its actors die with their owner (Ray's rule) and its
+    watchdog unlinks the segments the workers held, within 30 s; without it they stay."""
+    env = None if reaper else {"FUSEDSERVE_HEAD_REAPER": "0"}
+    serve = ServeProcess.start(tmp_path / "serve.log", "--workers", "1", "--dtype", "float32", env=env)
+    pid = serve.proc.pid
+    try:
+        with Client(serve.address, timeout_s=5) as c:
+            assert len(c.generate("hello", max_tokens=3)["token_ids"]) == 3
+        assert _segments(pid) and bool(_reapers(pid)) == reaper
+        serve.signal(signal.SIGKILL)
+        serve.proc.wait()
+        if not reaper:
+            time.sleep(15)
+            assert _segments(pid), "the check fires without the watchdog"
+            return
+        wait_for(lambda: not _segments(pid) and not _reapers(pid), 30, "the segments and the watchdog to go")
+    finally:
+        serve.stop()
+        for seg in _segments(pid):
+            seg.unlink(missing_ok=True)
