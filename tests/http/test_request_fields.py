@@ -276,3 +276,15 @@ def test_a_qwen3_coder_server_forces_and_reads_xml_calls(http):
         assert json.loads("".join(d["function"].get("arguments", "") for d in deltas)) == args
         required = client.post("/v1/chat/completions", json={**body, "tool_choice": "required"}).json()
         assert required["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "book"
+
+
+def test_enable_log_requests_logs_each_request_and_nothing_without_it(http, caplog):
+    with caplog.at_level(logging.INFO):
+        assert _post(http.client, False, {**BASE, "max_tokens": 2}).status_code == 200
+        assert "fusedserve.requests" not in caplog.text
+        with serving_http(http.coord, enable_log_requests=True) as server, \
+                httpx.Client(base_url=server.url, timeout=60) as client:
+            body = {**BASE, "max_tokens": 2, "request_id": "logged-req-1"}
+            assert _post(client, False, body).status_code == 200
+    lines = [r.getMessage() for r in caplog.records if r.name == "fusedserve.requests"]
+    assert len(lines) == 1 and "logged-req-1" in lines[0] and "'max_tokens': 2" in lines[0], lines
