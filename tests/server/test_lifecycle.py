@@ -80,7 +80,9 @@ def test_sigterm_mid_stream_drains_and_unlinks(ray_session, tmp_path):
 
 
 def test_sigkill_leaves_segments_that_the_next_start_removes(ray_session, tmp_path):
-    first = ServeProcess.start(tmp_path / "first.log", *ARGS)
+    """The fallback behind the watchdog (tests/server/test_network_exposure.py): with it off, or
+    killed too, the segments of a SIGKILLed server stay until the next start removes them."""
+    first = ServeProcess.start(tmp_path / "first.log", *ARGS, env={"FUSEDSERVE_HEAD_REAPER": "0"})
     try:
         pid = first.proc.pid
         workers = _worker_pids(first.address)
@@ -90,7 +92,7 @@ def test_sigkill_leaves_segments_that_the_next_start_removes(ray_session, tmp_pa
         assert first.wait() == -signal.SIGKILL
         # Ray kills the actors a dead driver owned; the segments have no one to unlink them.
         wait_for(lambda: not any(pid_alive(w) for w in workers), 60, "the orphaned workers to die")
-        assert _owned(pid) == left, "a SIGKILLed coordinator cannot clean up"
+        assert _owned(pid) == left, "a SIGKILLed coordinator without its watchdog cannot clean up"
     finally:
         first.stop()
     second = ServeProcess.start(tmp_path / "second.log", *ARGS)
