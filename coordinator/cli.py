@@ -165,7 +165,7 @@ def _serve(coord: Server, http_cfg: HttpConfig) -> int:
             except RuntimeError as exc:
                 http = None
                 return _refuse(str(exc))
-            key = "bearer token required" if gw.token else "no auth (loopback only)"
+            key = "bearer token required" if gw.bearer else "no auth (loopback only)"
             print(f"fusedserve: OpenAI API on {http.url}/v1 (model {gw.model_name!r}); {key}", flush=True)
         while not stop.wait(0.5):
             if not coord.alive():

@@ -193,6 +193,7 @@ def test_port_serves_the_openai_api_behind_the_api_key(ray_session, tmp_path):
                               "--allowed-origins", "https://app.example")
     try:
         assert proc.http == f"http://127.0.0.1:{port}"
+        assert any("OpenAI API on" in line and "bearer token required" in line for line in proc.lines)
         assert any("--trust-remote-code: accepted, no effect" in line for line in
                    (tmp_path / "serve.log").read_text().splitlines())
         client = openai.OpenAI(base_url=f"{proc.http}/v1", api_key="sk-test-key")
