@@ -27,6 +27,10 @@ class ForwardBatch:
     # reads nothing back from the device: new tokens, and context after this launch.
     prompt_query_lens: list[int] = field(default_factory=list)
     prompt_seq_lens: list[int] = field(default_factory=list)
+    # A hybrid model's rows: each row's recurrent-state slot [B] int64, and the slots this launch
+    # starts from zero (their first chunk is in it) [R] int64 (kernels/hybrid_cache.py).
+    state_slots: torch.Tensor | None = None
+    state_resets: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

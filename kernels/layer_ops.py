@@ -103,6 +103,29 @@ def rope_tables(
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
+def rotary_permutation(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """Partial rotary (a hybrid's: the first ``rotary_dim`` dims of a head rotate, pairing i with
+    i + rotary_dim / 2) as full-head rotate-half: a head's dims reordered so that each rotated pair
+    sits at (j, j + head_dim / 2), the unrotated dims after them in each half. Applied to q and k
+    alike (and their norms), it leaves every q.k unchanged, so the layer ops' rotary serves both
+    kinds; ``partial_rope_tables`` gives the unrotated dims cos 1, sin 0."""
+    r, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    return torch.cat([torch.arange(r), torch.arange(rotary_dim, rotary_dim + rest),
+                      torch.arange(r, 2 * r), torch.arange(rotary_dim + rest, head_dim)])
+
+
+def partial_rope_tables(cos: torch.Tensor, sin: torch.Tensor,
+                        head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope_tables`` of the rotary dims [P, rotary_dim] widened to the permuted head [P, head_dim]
+    (``rotary_permutation``): x * 1 + rotate_half(x) * 0 leaves an unrotated dim exactly as it was."""
+    r = cos.shape[1] // 2
+    pad = head_dim // 2 - r
+    one = torch.ones(cos.shape[0], pad, dtype=cos.dtype)
+    zero = torch.zeros(cos.shape[0], pad, dtype=cos.dtype)
+    return (torch.cat([cos[:, :r], one, cos[:, r:], one], dim=1),
+            torch.cat([sin[:, :r], zero, sin[:, r:], zero], dim=1))
+
+
 def _yarn(dim: int, base: float, p: dict, original_positions: int) -> tuple[torch.Tensor, float]:
     """YaRN's inverse frequencies (interpolated below the correction range, extrapolated above it,
     a linear ramp between) and its attention scale, transformers' ``_compute_yarn_parameters``."""

@@ -71,6 +71,9 @@ class CacheConfig:
         "CPU kernels, kernels/kv_cache.py): half the bytes a decode step reads, twice the tokens in the "
         "same memory",
         choices=("auto", "int8"))
+    # Set by resolution, not a flag: the model keeps a recurrent state per running sequence (a
+    # hybrid's linear-attention layers), so each launch carries its rows' state slots.
+    recurrent_state: bool = setting(False, cli=False)
 
 
 @dataclass(frozen=True)
@@ -297,4 +300,6 @@ class EngineConfig:
             "S": b,  # speculating requests
             "K1": self.rows_per_request,  # rows of one speculating request
             "BD": b,  # rows a draft model's first pass reads
+            "RS": b,  # rows with a recurrent-state slot (a hybrid model's: every row)
+            "SR": b,  # state slots a launch starts from zero
         }

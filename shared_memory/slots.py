@@ -187,6 +187,9 @@ def step_table() -> SlotTable:
             # each speculating request's first row's index among them.
             Slot("draft_rows", ("BD",), i64, IN, HS),
             Slot("draft_leads", ("S",), i64, IN, HS),
+            # A hybrid model's rows: each one's recurrent-state slot, and the slots starting afresh.
+            Slot("state_slots", ("RS",), i64, IN, HS),
+            Slot("state_resets", ("SR",), i64, IN, HS),
             Slot("sampled_ids", ("B",), i32, OUT, HS),  # -1 on a speculating request's rejected rows
             Slot("spec_accepted", ("S",), i32, OUT, HS),  # tokens each speculating request gained
 

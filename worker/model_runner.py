@@ -45,7 +45,8 @@ class ModelRunner:
         max_batch, block_size = cfg.scheduler.max_batch, cfg.cache.block_size
         self.candidates = cfg.device.sampler_candidates
         # One spare block beyond the allocatable ones: graph padding rows write there.
-        self.kv = model.new_kv_cache(cfg.num_blocks + 1, block_size, cfg.cache.kv_cache_dtype)
+        self.kv = model.new_kv_cache(cfg.num_blocks + 1, block_size, cfg.cache.kv_cache_dtype, max_batch)
+        self.hybrid = model.config.hybrid
         self.ws = model.new_workspace(max_batch, block_size, cfg.cache.kv_cache_dtype)
         self.pool = DeviceScratchPool(self.table, self.max_dims, model.device)
         self.runtime = LaunchRuntime(self.table, arenas, self.pool, writes_outputs)
@@ -65,9 +66,10 @@ class ModelRunner:
         # A Qwen3-MoE layer reads its routing back to the host: no device graph can capture it.
         # Tensor-parallel ranks run eagerly too (collectives in a captured graph: not yet checked).
         # So do the Ascend fused kernels, whose attention takes the lengths as host lists.
+        # A hybrid's prompt chunks index their states from host lists: eager too (not yet captured).
         has_graphs = (model.device.type in ("cuda", "npu") and not model.config.num_experts
-                      and model.tp.size == 1 and model.kernels.capturable)
-        graphs = cfg.device.graphs
+                      and model.tp.size == 1 and model.kernels.capturable and not self.hybrid)
+        graphs = "off" if self.hybrid else cfg.device.graphs
         if graphs == "padded" or (graphs == "auto" and has_graphs):
             inputs = {name: self.pool.full(name) for name in FORWARD_SLOTS}
             self.graphs = DecodeGraphs(model, self.kv, self.ws, self.logits, inputs, cfg.pad_slot,
@@ -79,9 +81,11 @@ class ModelRunner:
         selection, page faults in the workspace) happen before the first request."""
         dev = self.model.device
         zero = torch.zeros(1, dtype=torch.int32, device=dev)
+        spare = torch.tensor([self.cfg.scheduler.max_batch], device=dev)  # a hybrid's spare state slot
         batch = ForwardBatch(zero, zero, torch.tensor([self.cfg.pad_slot], device=dev),
                              torch.tensor([0, 1], dtype=torch.int32, device=dev),
-                             torch.ones(1, dtype=torch.int32, device=dev), zero.view(1, 1), num_decode=1)
+                             torch.ones(1, dtype=torch.int32, device=dev), zero.view(1, 1), num_decode=1,
+                             state_slots=spare if self.hybrid else None)
         self.model.forward(batch, self.kv, self.ws, self.logits[:1])
 
     def close(self) -> None:
@@ -109,7 +113,8 @@ class ModelRunner:
             self.drafter.propose(v, desc)
         batch = ForwardBatch(v["token_ids"], v["positions"], v["slot_mapping"], v["query_start_loc"],
                              v["seq_lens"], v["block_tables"], desc.num_decode, desc.prompt_query_lens,
-                             desc.prompt_seq_lens)
+                             desc.prompt_seq_lens, v["state_slots"] if dims["RS"] else None,
+                             v["state_resets"] if dims["RS"] else None)
         logits = self.logits[:b]
         hidden = None
         plan = SamplingPlan.of(desc.sampling)

@@ -51,6 +51,8 @@ def resolve_config(cfg: EngineConfig, device_kind: str, ranks_on_node: int = 1) 
         max_len = limit
     dtype = resolve_dtype(m.dtype, parse_dtype(model.dtype), device_kind)
     c, p = cfg.cache, cfg.parallel
+    if model.hybrid:
+        cfg = _hybrid_settings(cfg)
     if c.kv_cache_dtype == "int8" and device_kind != "cpu":
         raise ValueError(f"kv_cache_dtype int8 runs on the native CPU kernels; this engine's device is "
                          f"{device_kind}: use kv_cache_dtype auto there")
@@ -61,6 +63,24 @@ def resolve_config(cfg: EngineConfig, device_kind: str, ranks_on_node: int = 1) 
                            dtype=dtype_name(dtype), num_blocks=kv.num_blocks,
                            speculative_model=_draft_dir(cfg, model))
     return ResolvedEngine(resolved, model, kv, parameter_count(model_dir))
+
+
+def _hybrid_settings(cfg: EngineConfig) -> EngineConfig:
+    """A hybrid model (Gated DeltaNet layers) runs with a recurrent-state slot per request. What
+    is not exact for it yet is off, and said: prefix caching (a cached prefix has no state to
+    restore: state snapshots at block boundaries are not built) and speculative decoding
+    (rejected proposals would stay in the states). Tensor parallelism is refused."""
+    if cfg.parallel.tensor_parallel_size > 1:
+        raise ValueError("a hybrid (Gated DeltaNet) model runs on one device per worker: tensor parallelism "
+                         "is not supported for it yet; use --data-parallel-size for more devices")
+    if cfg.cache.enable_prefix_caching:
+        log.warning("prefix caching is off for this hybrid model: its linear-attention states cannot be "
+                    "restored at a cached prefix yet")
+    if cfg.speculating:
+        log.warning("speculative decoding (%s) is off for this hybrid model: rejected proposals would stay "
+                    "in its recurrent states", cfg.speculative.speculative_method)
+    return cfg.replace(recurrent_state=True, enable_prefix_caching=False, speculative_method="off",
+                       speculative_model=None)
 
 
 def _draft_dir(cfg: EngineConfig, target: Qwen3Config) -> str | None:

@@ -59,7 +59,8 @@ class Inflight:
 
 class EngineCore:
     def __init__(self, scheduler: Scheduler, output: OutputProcessor, arenas: list[HostArena],
-                 executor: Executor, candidates: int, vocab_size: int, async_scheduling: bool = False):
+                 executor: Executor, candidates: int, vocab_size: int, async_scheduling: bool = False,
+                 recurrent_state: bool = False):
         self.scheduler = scheduler
         self.output = output
         self.arenas = arenas
@@ -69,13 +70,15 @@ class EngineCore:
         self.async_scheduling = async_scheduling and len(arenas) > 1
         self.stats = StepStats()
         self.penalties = PenaltySlots(scheduler.max_batch)
+        # A hybrid model's recurrent state: a slot per running request (kernels/hybrid_cache.py).
+        self.states = PenaltySlots(scheduler.max_batch, every=True) if recurrent_state else None
 
     @classmethod
     def for_worker(cls, cfg: EngineConfig, vocab_size: int, output: OutputProcessor, arenas: list[HostArena],
                    executor: Executor) -> EngineCore:
         """One worker's core, offline and served alike: its scheduler over its own KV blocks."""
         return cls(Scheduler.for_worker(cfg), output, arenas, executor, cfg.device.sampler_candidates,
-                   vocab_size, cfg.scheduler.async_scheduling)
+                   vocab_size, cfg.scheduler.async_scheduling, cfg.cache.recurrent_state)
 
     def has_work(self) -> bool:
         """Requests to run, or launches whose replies are still owed."""
@@ -112,7 +115,9 @@ class EngineCore:
             return False
         bank = self.scheduler.steps % len(self.arenas)
         slots = self.penalties.assign(batch, self.scheduler.running)
-        desc, plan = write_batch(self.arenas[bank], batch, self.scheduler.steps, bank, *self._sampling, slots)
+        states = None if self.states is None else self.states.assign(batch, self.scheduler.running)
+        desc, plan = write_batch(self.arenas[bank], batch, self.scheduler.steps, bank, *self._sampling, slots,
+                                 states)
         self.executor.submit(desc)
         self.stats.ahead += bool(self.inflight)
         self.stats.fed_rows += int((batch.feed_rows >= 0).sum())

@@ -37,6 +37,9 @@ class KVPlan:
     max_model_len: int
     source: str  # where the budget came from, for the startup line
     kv_cache_dtype: str = "auto"
+    # A hybrid's recurrent states: bytes per sequence, and the slots held (max_batch and a spare).
+    state_bytes: int = 0
+    state_slots: int = 0
 
     @property
     def tokens(self) -> int:
@@ -50,17 +53,24 @@ class KVPlan:
     def describe(self) -> str:
         gib = self.num_blocks * self.bytes_per_block / (1 << 30)
         kind = "" if self.kv_cache_dtype == "auto" else f" ({self.kv_cache_dtype})"
+        states = ""
+        if self.state_bytes:
+            states = (f"; recurrent states: {self.state_bytes / (1 << 20):.2f} MiB per sequence x "
+                      f"{self.state_slots} slots = "
+                      f"{self.state_bytes * self.state_slots / (1 << 30):.2f} GiB, "
+                      f"{self.bytes_per_block // self.block_size} bytes per token in the attention layers")
         return (f"KV cache{kind}: {self.num_blocks} blocks x {self.block_size} tokens = {self.tokens} "
-                f"tokens per worker ({gib:.2f} GiB, {self.source}); maximum concurrency for "
+                f"tokens per worker ({gib:.2f} GiB, {self.source}){states}; maximum concurrency for "
                 f"{self.max_model_len} tokens per request: {self.max_concurrency:.2f}x")
 
 
 def bytes_per_token(model: Qwen3Config, dtype: torch.dtype, tp: int, kv_cache_dtype: str = "auto") -> int:
-    """K and V of every layer for one token on one rank (KV heads split, or replicated past them);
-    an int8 cache's rows hold a byte per value and a 4-byte scale."""
+    """K and V of every attention layer (a hybrid's full-attention ones) for one token on one rank
+    (KV heads split, or replicated past them); an int8 cache's rows hold a byte per value and a
+    4-byte scale."""
     kv_heads = max(1, math.ceil(model.num_key_value_heads / tp))
     element, extra = kv_element(dtype, kv_cache_dtype)
-    return model.num_hidden_layers * 2 * kv_heads * (model.head_dim + extra) * element.itemsize
+    return len(model.attention_layers) * 2 * kv_heads * (model.head_dim + extra) * element.itemsize
 
 
 def memory_left() -> int:
@@ -108,7 +118,10 @@ def plan(model: Qwen3Config, dtype: torch.dtype, cache: CacheConfig, *, device_k
         blocks, source = num_blocks, "--num-blocks"
     else:
         budget, source = _budget(kv_memory, gpu_util, device_kind, weight_bytes, ranks_on_node, tp)
-        blocks = min(budget // per_block, max_batch * -(-context // block_size))
+        budget -= model.state_bytes(dtype) * (max_batch + 1)  # a hybrid's states come first
+        if model.hybrid:
+            source += f", less {max_batch + 1} sequences' recurrent states"
+        blocks = min(max(budget, 0) // per_block, max_batch * -(-context // block_size))
     if blocks * block_size < context:
         if max_model_len is not None or blocks < 1:
             raise ValueError(
@@ -120,7 +133,8 @@ def plan(model: Qwen3Config, dtype: torch.dtype, cache: CacheConfig, *, device_k
                     "(--kv-cache-memory, --gpu-memory-utilization)", context, blocks * block_size, source,
                     blocks * block_size)
         context = blocks * block_size
-    return KVPlan(blocks, block_size, per_block, context, source, kv_cache_dtype)
+    return KVPlan(blocks, block_size, per_block, context, source, kv_cache_dtype, model.state_bytes(dtype),
+                  max_batch + 1 if model.hybrid else 0)
 
 
 def weight_bytes(model_dir: str) -> int:

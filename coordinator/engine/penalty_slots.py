@@ -1,7 +1,9 @@
-"""Which row of its worker's device-side token counts (``kernels/penalties.py``) each penalized
-request holds: given when it first runs, taken back once it no longer runs. A request that comes
-back (preempted, or moved from a lost worker) recomputes from its first chunk, which resets and
-rebuilds its counts, so a slot never has to outlive a stay in the running batch."""
+"""Which row of a worker's per-request device state each request holds: its token counts
+(``kernels/penalties.py``: penalized requests) or a hybrid model's recurrent states
+(``kernels/hybrid_cache.py``: every request). Given when it first runs, taken back once it no
+longer runs. A request that comes back (preempted, or moved from a lost worker) recomputes from
+its first chunk, which resets and rebuilds its state, so a slot never has to outlive a stay in the
+running batch."""
 
 from __future__ import annotations
 
@@ -10,18 +12,20 @@ from fusedserve.coordinator.engine.sequence import Sequence
 
 
 class PenaltySlots:
-    def __init__(self, slots: int):
+    def __init__(self, slots: int, every: bool = False):
+        """``every``: every request holds a slot (recurrent states), else penalized ones."""
         self._free = list(range(slots - 1, -1, -1))
         self._held: dict[str, int] = {}
+        self._every = every
 
     def assign(self, batch: ScheduledBatch, running: list[Sequence]) -> dict[int, int]:
-        """Row -> slot for the batch's penalized rows (at most one slot per running request)."""
+        """Row -> slot for the batch's rows that hold one (at most one slot per running request)."""
         live = {s.seq_id for s in running}
         for seq_id in [k for k in self._held if k not in live]:
             self._free.append(self._held.pop(seq_id))
         rows = {}
         for row, seq in enumerate(batch.seqs):
-            if seq.params.penalized:
+            if self._every or seq.params.penalized:
                 if seq.seq_id not in self._held:
                     self._held[seq.seq_id] = self._free.pop()
                 rows[row] = self._held[seq.seq_id]

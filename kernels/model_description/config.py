@@ -13,7 +13,16 @@ from typing import Any
 
 import torch
 
+from fusedserve.kernels.model_description.config_error import ConfigError
+from fusedserve.kernels.model_description.hybrid import (
+    HYBRID_TYPES,
+    MULTIMODAL_TYPES,
+    LinearAttention,
+    hybrid_fields,
+)
 from fusedserve.kernels.native import build as native
+
+__all__ = ["ConfigError", "Qwen3Config", "parse_dtype", "resolve_dtype"]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -25,10 +34,6 @@ _DTYPES = {
     "half": torch.float16,  # vLLM's names
     "float": torch.float32,
 }
-
-
-class ConfigError(ValueError):
-    """A model's config.json is unreadable or describes an unsupported model."""
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -78,6 +83,40 @@ class Qwen3Config:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # Hybrids (Qwen3-Next, Qwen3.5; ``hybrid.py``): each layer's kind (empty: every layer full
+    # attention), the linear layers' shape, the rotary dims of a head (partial rotary), the
+    # checkpoint's tensor layout, and the sigmoid-gated shared expert of their MoE layers.
+    layer_types: tuple[str, ...] = ()
+    linear_attention: LinearAttention | None = None
+    rotary_dim: int = 0
+    checkpoint_layout: str = "qwen3"
+    shared_expert_intermediate_size: int = 0
+
+    @property
+    def hybrid(self) -> bool:
+        """Gated DeltaNet layers beside full attention: gated attention, zero-centred norms."""
+        return bool(self.layer_types)
+
+    def linear_layer(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers with a KV cache."""
+        return tuple(i for i in range(self.num_hidden_layers) if not self.linear_layer(i))
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The layers with a recurrent state per sequence."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.linear_layer(i))
+
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        """One sequence's recurrent state over every linear layer: the conv state in ``dtype``, the
+        delta rule's in float32."""
+        if self.linear_attention is None:
+            return 0
+        conv, rec = self.linear_attention.state_elements()
+        return len(self.linear_layers) * (conv * dtype.itemsize + rec * 4)
 
     @property
     def max_context(self) -> int:
@@ -107,9 +146,17 @@ class Qwen3Config:
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         model_type = raw.get("model_type", "qwen3")
-        if model_type not in ("qwen3", "qwen3_moe"):
-            raise ConfigError(f"{source}: model_type {model_type!r} is not supported (want 'qwen3' or "
-                              "'qwen3_moe')")
+        if model_type in MULTIMODAL_TYPES:  # served as a text model: its language model's config
+            text = raw.get("text_config")
+            if not isinstance(text, dict):
+                raise ConfigError(f"{source}: model_type {model_type!r} needs a 'text_config' object")
+            outer = {k: raw[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings") if k in raw}
+            raw = {**outer, **text, "model_type": MULTIMODAL_TYPES[model_type]}
+            model_type = raw["model_type"]
+        known = ("qwen3", "qwen3_moe", *HYBRID_TYPES, *MULTIMODAL_TYPES)
+        if model_type not in known:
+            raise ConfigError(f"{source}: model_type {model_type!r} is not supported (want one of "
+                              f"{', '.join(known)})")
 
         def need_int(key: str, default: int | None = None, minimum: int = 1) -> int:
             value = raw.get(key, default)
@@ -180,7 +227,7 @@ class Qwen3Config:
         dtype = raw.get("dtype", raw.get("torch_dtype")) or "bfloat16"
         parse_dtype(dtype)
         moe = {}
-        if model_type == "qwen3_moe":
+        if model_type == "qwen3_moe" or (model_type in HYBRID_TYPES and raw.get("num_experts")):
             layers = need_int("num_hidden_layers")
             only = raw.get("mlp_only_layers") or []
             if not isinstance(only, list) or not all(isinstance(i, int) and 0 <= i < layers for i in only):
@@ -193,10 +240,12 @@ class Qwen3Config:
             if moe["num_experts_per_tok"] > experts:
                 raise ConfigError(f"{source}: num_experts_per_tok ({moe['num_experts_per_tok']}) exceeds "
                                   f"num_experts ({experts})")
+        if model_type in HYBRID_TYPES:
+            moe.update(hybrid_fields(raw, model_type, need_int("num_hidden_layers"), head_dim, source))
         return cls(
             vocab_size=need_int("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=need_int("intermediate_size"),
+            intermediate_size=need_int("intermediate_size", moe.get("moe_intermediate_size")),
             num_hidden_layers=need_int("num_hidden_layers"),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,

@@ -23,7 +23,7 @@ from fusedserve.kernels.linear import Int4Weight, Weight
 from fusedserve.kernels.model_description.checkpoint_format import PLAIN, CheckpointFormat, GroupQuant
 from fusedserve.kernels.model_description.config import Qwen3Config
 from fusedserve.kernels.quantize import dequantize_int4
-from fusedserve.worker.model import group_quant
+from fusedserve.worker.model import group_quant, hybrid_loader
 from fusedserve.worker.model.gguf_tensors import GGUFTensors
 from fusedserve.worker.model.tensor_parallel import SINGLE, TensorParallel
 from fusedserve.worker.model.weights import LayerWeights, Quantizer, Qwen3Weights
@@ -227,10 +227,7 @@ def load_weights(model_dir: str | Path, config: Qwen3Config, dtype: torch.dtype,
     pk = True  # projections: packed in AWQ/GPTQ checkpoints, int4 already where the model runs int4
     c = config
     tp.check(c)
-    hidden, hd = c.hidden_size, c.head_dim
-    heads, kv_heads = tp.heads(c), tp.kv_heads(c)
-    nh, nkv = c.num_attention_heads, c.num_key_value_heads
-    q_cols = range(heads.start * hd, heads.stop * hd)  # o_proj's inputs from this rank's heads
+    hidden = c.hidden_size
     inter = tp.split(c.intermediate_size)
 
     def gate_up_down(prefix: str, width: int, share: range | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,18 +237,15 @@ def load_weights(model_dir: str | Path, config: Qwen3Config, dtype: torch.dtype,
         return (q_(_fuse([gate, up])),
                 q_(reader.get(prefix + "down_proj.weight", (hidden, width), cols=share, dtype=pd, packed=pk)))
 
+    # A Qwen3.5 ``...ForConditionalGeneration`` checkpoint keeps its language model under
+    # ``model.language_model.`` (its vision tower is not read).
+    root = "model.language_model." if reader.has("model.language_model.embed_tokens.weight") else "model."
+    if c.hybrid and tp.size > 1:
+        raise WeightError("a hybrid (Gated DeltaNet) model runs on one device per worker: tensor parallelism "
+                          "is not supported for it yet")
     layers = []
     for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        q = reader.heads(a + "q_proj.weight", heads, hd, nh, hidden, pd, pk)
-        k = reader.heads(a + "k_proj.weight", kv_heads, hd, nkv, hidden, pd, pk)
-        v = reader.heads(a + "v_proj.weight", kv_heads, hd, nkv, hidden, pd, pk)
-        bias = None
-        if c.attention_bias:
-            bias = torch.cat([reader.heads(a + "q_proj.bias", heads, hd, nh, None),
-                              reader.heads(a + "k_proj.bias", kv_heads, hd, nkv, None),
-                              reader.heads(a + "v_proj.bias", kv_heads, hd, nkv, None)])
+        p = f"{root}layers.{i}."
         router = experts = gate_up = down = None
         if c.sparse(i):
             mi = c.moe_intermediate_size
@@ -261,34 +255,72 @@ def load_weights(model_dir: str | Path, config: Qwen3Config, dtype: torch.dtype,
                        else None for e in range(c.num_experts)]
         else:
             gate_up, down = gate_up_down(p + "mlp.", c.intermediate_size, inter)
-        layers.append(
-            LayerWeights(
-                input_norm=reader.get(p + "input_layernorm.weight", (hidden,)),
-                qkv=q_(_fuse([q, k, v])),
-                qkv_bias=bias,
-                q_norm=reader.get(a + "q_norm.weight", (hd,)),
-                k_norm=reader.get(a + "k_norm.weight", (hd,)),
-                o_proj=q_(reader.get(a + "o_proj.weight", (hidden, c.q_size), cols=q_cols, dtype=pd,
-                                     packed=pk)),
-                post_norm=reader.get(p + "post_attention_layernorm.weight", (hidden,)),
-                gate_up=gate_up,
-                down=down,
-                router=router,
-                experts=experts,
-            )
-        )
+        mlp = dict(gate_up=gate_up, down=down, router=router, experts=experts)
+        if c.hybrid:
+            layers.append(_hybrid_layer(reader, i, p, c, pd, q_, mlp))
+        else:
+            layers.append(_attention_layer(reader, p, c, tp, pd, pk, q_, mlp))
         if progress is not None:
             progress(i + 1, c.num_hidden_layers + 1)
-    embed = _vocab_rows(reader, "model.embed_tokens.weight", c, tp)
+    embed = _vocab_rows(reader, root + "embed_tokens.weight", c, tp)
     lm_head = embed if c.tie_word_embeddings else _vocab_rows(reader, "lm_head.weight", c, tp)
     if progress is not None:
         progress(c.num_hidden_layers + 1, c.num_hidden_layers + 1)
     return Qwen3Weights(
         embed=embed,
         layers=layers,
-        final_norm=reader.get("model.norm.weight", (hidden,)),
+        final_norm=(hybrid_loader.norm(reader, root + "norm.weight", hidden, dtype) if c.hybrid
+                    else reader.get(root + "norm.weight", (hidden,))),
         lm_head=lm_head,
     )
+
+
+def _attention_layer(reader: _Reader, p: str, c: Qwen3Config, tp: TensorParallel, pd, pk, q_,
+                     mlp: dict) -> LayerWeights:
+    """A Qwen3 layer: attention (this rank's heads) and the MLP read already."""
+    a = p + "self_attn."
+    hidden, hd = c.hidden_size, c.head_dim
+    heads, kv_heads = tp.heads(c), tp.kv_heads(c)
+    nh, nkv = c.num_attention_heads, c.num_key_value_heads
+    q = reader.heads(a + "q_proj.weight", heads, hd, nh, hidden, pd, pk)
+    k = reader.heads(a + "k_proj.weight", kv_heads, hd, nkv, hidden, pd, pk)
+    v = reader.heads(a + "v_proj.weight", kv_heads, hd, nkv, hidden, pd, pk)
+    bias = None
+    if c.attention_bias:
+        bias = torch.cat([reader.heads(a + "q_proj.bias", heads, hd, nh, None),
+                          reader.heads(a + "k_proj.bias", kv_heads, hd, nkv, None),
+                          reader.heads(a + "v_proj.bias", kv_heads, hd, nkv, None)])
+    q_cols = range(heads.start * hd, heads.stop * hd)  # o_proj's inputs from this rank's heads
+    return LayerWeights(
+        input_norm=reader.get(p + "input_layernorm.weight", (hidden,)),
+        qkv=q_(_fuse([q, k, v])),
+        qkv_bias=bias,
+        q_norm=reader.get(a + "q_norm.weight", (hd,)),
+        k_norm=reader.get(a + "k_norm.weight", (hd,)),
+        o_proj=q_(reader.get(a + "o_proj.weight", (hidden, c.q_size), cols=q_cols, dtype=pd, packed=pk)),
+        post_norm=reader.get(p + "post_attention_layernorm.weight", (hidden,)),
+        **mlp,
+    )
+
+
+def _hybrid_layer(reader: _Reader, i: int, p: str, c: Qwen3Config, pd, q_, mlp: dict) -> LayerWeights:
+    """A hybrid's layer: Gated DeltaNet or gated full attention, zero-centred norms, the MLP read
+    already (and a MoE layer's shared expert)."""
+    hidden, dtype = c.hidden_size, reader.dtype
+    shared = hybrid_loader.shared_expert(reader, p, c, pd, q_) if mlp["experts"] is not None else {}
+    common = dict(input_norm=hybrid_loader.norm(reader, p + "input_layernorm.weight", hidden, dtype),
+                  post_norm=hybrid_loader.norm(reader, p + "post_attention_layernorm.weight", hidden, dtype),
+                  qkv_bias=None, **mlp, **shared)
+    if c.linear_layer(i):
+        la = hybrid_loader.linear_attention(reader, p + "linear_attn.", c, dtype, pd, q_)
+        return LayerWeights(qkv=None, q_norm=None, k_norm=None, o_proj=None, linear_attn=la, **common)
+    a = p + "self_attn."
+    q, gate, k = hybrid_loader.gated_attention(reader, a, c, pd)
+    v = reader.get(a + "v_proj.weight", (c.kv_size, hidden), dtype=pd)
+    q_norm, k_norm = hybrid_loader.qk_norms(reader, a, c, dtype)
+    return LayerWeights(qkv=q_(torch.cat([q, k, v]).contiguous()), q_norm=q_norm, k_norm=k_norm,
+                        o_proj=q_(reader.get(a + "o_proj.weight", (hidden, c.q_size), dtype=pd)),
+                        attn_gate=q_(gate), **common)
 
 
 def _vocab_rows(reader: _Reader, name: str, c: Qwen3Config, tp: TensorParallel) -> torch.Tensor:

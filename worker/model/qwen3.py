@@ -15,12 +15,14 @@ import torch
 
 from fusedserve.kernels.backend_table import select_kernels
 from fusedserve.kernels.forward_batch import ForwardBatch
+from fusedserve.kernels.hybrid_cache import HybridKVCache
 from fusedserve.kernels.kv_cache import PagedKVCache
-from fusedserve.kernels.layer_ops import rope_tables
+from fusedserve.kernels.layer_ops import partial_rope_tables, rope_tables
 from fusedserve.kernels.model_description.checkpoint_format import checkpoint_format
 from fusedserve.kernels.model_description.config import ConfigError, Qwen3Config, parse_dtype, resolve_dtype
 from fusedserve.kernels.model_description.quantization import check_quantization
 from fusedserve.kernels.native import build as native_build
+from fusedserve.worker.model.gated_delta_net import delta_net_forward
 from fusedserve.worker.model.loader import Progress, load_weights
 from fusedserve.worker.model.moe import moe_forward
 from fusedserve.worker.model.tensor_parallel import SINGLE, TensorParallel
@@ -50,9 +52,13 @@ class Qwen3Model:
                               f"device ({self.device}) has none: use int8 or none")
         self.w = prepare_weights(weights, self.kernels.linear, self.quantization, dtype, self.device,
                                  self.kernels.grouped_moe)
-        self.cos, self.sin = rope_tables(config.head_dim, config.rope_theta, self.max_model_len, dtype,
+        rotary = config.rotary_dim or config.head_dim
+        self.cos, self.sin = rope_tables(rotary, config.rope_theta, self.max_model_len, torch.float32,
                                          None if config.yarn is None else dict(config.yarn),
                                          config.max_position_embeddings)
+        if rotary < config.head_dim:  # partial rotary: the permuted head's tables (hybrid_loader.py)
+            self.cos, self.sin = partial_rope_tables(self.cos, self.sin, config.head_dim)
+        self.cos, self.sin = self.cos.to(dtype), self.sin.to(dtype)
         self.cos, self.sin = self.cos.to(self.device), self.sin.to(self.device)
 
     @classmethod
@@ -87,12 +93,17 @@ class Qwen3Model:
 
     # ----------------------------------------------------------------- allocation
 
-    def new_kv_cache(self, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto") -> PagedKVCache:
+    def new_kv_cache(self, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto",
+                     max_seqs: int = 1) -> PagedKVCache:
         """``kv_cache_dtype``: ``auto`` (this model's dtype) or ``int8``, which only the native CPU
-        kernels read and write."""
+        kernels read and write. ``max_seqs``: the running sequences a hybrid's states serve (and a
+        spare slot more)."""
         if kv_cache_dtype != "auto" and self.kernels.name != "native":
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype} needs the native CPU kernels; this model "
                              f"runs the {self.kernels.name} backend on {self.device.type}")
+        if self.config.hybrid:
+            return HybridKVCache(self.local, num_blocks, block_size, max_seqs + 1, self.dtype, self.device,
+                                 kv_cache_dtype)
         return PagedKVCache(self.local, num_blocks, block_size, self.dtype, self.device, kv_cache_dtype)
 
     def new_workspace(self, max_rows: int, block_size: int, kv_cache_dtype: str = "auto") -> Workspace:
@@ -118,9 +129,11 @@ class Qwen3Model:
         torch.index_select(self.sin, 0, batch.positions, out=sin)
         buf = ws.layer_buffers(t)
         ws.attention.begin(batch, kv.block_size)
+        if batch.state_resets is not None and batch.state_resets.numel():
+            kv.reset(batch.state_resets)
         pending = None  # the previous layer's MLP output, added to the residual by the next norm
         for i, lw in enumerate(self.w.layers):
-            pending = self._layer(i, lw, x, pending, buf, cos, sin, batch.slot_mapping, kv, ws)
+            pending = self._layer(i, lw, x, pending, buf, cos, sin, batch, kv, ws)
         if pending is not None:
             x.add_(pending)
         if logits is None:
@@ -131,31 +144,53 @@ class Qwen3Model:
         return x
 
     def _layer(self, i: int, lw, x: torch.Tensor, pending: torch.Tensor | None, buf: LayerBuffers,
-               cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor, kv: PagedKVCache,
+               cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache,
                ws: Workspace) -> torch.Tensor:
         """One transformer layer over n tokens: the residual ``x`` [n, D] gets ``pending`` and the
-        attention output in place; returns the MLP's output, for the next layer to add."""
+        attention output (a hybrid's linear-attention layer: its Gated DeltaNet's) in place;
+        returns the MLP's output, for the next layer to add."""
         c, ops, linear, tp = self.local, self.kernels.ops, self.kernels.linear, self.tp
         n = x.shape[0]
         ops.add_rms_norm(x, pending, lw.input_norm, buf.h, buf.norm)
-        linear(buf.h, lw.qkv, buf.qkv)
-        if lw.qkv_bias is not None:
-            buf.qkv.add_(lw.qkv_bias)
-        k_cache, v_cache = kv.layer(i)
-        ops.qk_norm_rope(buf.qkv, lw.q_norm, lw.k_norm, cos, sin, buf.q, buf.norm, k_cache, v_cache,
-                         slot_mapping)
-        ws.attention.attend(buf.q, k_cache, v_cache, buf.attn)
-        linear(buf.attn.view(n, c.q_size), lw.o_proj, buf.o)
+        if lw.linear_attn is not None:
+            delta_net_forward(c, linear, lw.linear_attn, buf.h, batch, kv.state(i), buf.o)
+        else:
+            linear(buf.h, lw.qkv, buf.qkv)
+            if lw.qkv_bias is not None:
+                buf.qkv.add_(lw.qkv_bias)
+            k_cache, v_cache = kv.layer(i)
+            ops.qk_norm_rope(buf.qkv, lw.q_norm, lw.k_norm, cos, sin, buf.q, buf.norm, k_cache, v_cache,
+                             batch.slot_mapping)
+            ws.attention.attend(buf.q, k_cache, v_cache, buf.attn)
+            if lw.attn_gate is not None:  # a hybrid's output gate: attn * sigmoid(h W_gate)
+                gate = torch.empty(n, c.q_size, dtype=x.dtype, device=x.device)
+                linear(buf.h, lw.attn_gate, gate)
+                buf.attn.view(n, c.q_size).mul_(gate.sigmoid_())
+            linear(buf.attn.view(n, c.q_size), lw.o_proj, buf.o)
         tp.all_reduce(buf.o)
         ops.add_rms_norm(x, buf.o, lw.post_norm, buf.h, buf.norm)
         if lw.experts is not None:
             moe_forward(c, self.kernels, lw, buf.h, buf.o)
+            if lw.shared_gate_up is not None:
+                self._shared_expert(lw, buf.h, buf.o)
         else:
             linear(buf.h, lw.gate_up, buf.gate_up)
             ops.silu_mul(buf.gate_up, buf.act)
             linear(buf.act, lw.down, buf.o)
         tp.all_reduce(buf.o)
         return buf.o
+
+    def _shared_expert(self, lw, h: torch.Tensor, out: torch.Tensor) -> None:
+        """A hybrid MoE layer's shared expert, gated by sigmoid(h . w), added to the experts' ``out``."""
+        linear, ops = self.kernels.linear, self.kernels.ops
+        n, width = h.shape[0], self.local.shared_expert_intermediate_size
+        gu = torch.empty(n, 2 * width, dtype=h.dtype, device=h.device)
+        act = torch.empty(n, width, dtype=h.dtype, device=h.device)
+        y = torch.empty_like(out)
+        linear(h, lw.shared_gate_up, gu)
+        ops.silu_mul(gu, act)
+        linear(act, lw.shared_down, y)
+        out.add_(y.mul_(torch.sigmoid(h @ lw.shared_gate.t())))
 
     def compute_logits(self, x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, ws: Workspace) -> None:
         """``out`` [R, V] float32 = lm_head(final_norm(x[rows])), ``ws.max_rows`` rows at a time."""

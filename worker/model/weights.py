@@ -11,13 +11,27 @@ from fusedserve.kernels.linear import Int4Weight, Int8Weight, LinearOp, Weight
 
 
 @dataclass
+class LinearAttnWeights:
+    """A Gated DeltaNet layer (Qwen3-Next, Qwen3.5), in one layout whatever the checkpoint's."""
+
+    in_proj: Weight  # [q, k, v, z (value dim each for v and z), b, a (a row per value head)] x hidden
+    conv: torch.Tensor  # [q + k + v channels, kernel]: the depthwise causal conv
+    dt_bias: torch.Tensor  # [value heads] float32
+    neg_a: torch.Tensor  # [value heads] float32: -exp(A_log), each head's decay rate
+    norm: torch.Tensor  # [value_head_dim]: the gated RMSNorm of the output
+    out_proj: Weight  # [hidden, value dim]
+
+
+@dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    # Full attention (None in a linear-attention layer): q/k/v fused; a hybrid's q and k rows are
+    # permuted so that its partial rotary pairs sit where rotate-half rotates (layer_ops.py).
+    qkv: torch.Tensor | None  # [q_size + 2 * kv_size, hidden]
     qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor  # [head_dim]
-    k_norm: torch.Tensor  # [head_dim]
-    o_proj: torch.Tensor  # [hidden, q_size]
+    q_norm: torch.Tensor | None  # [head_dim]
+    k_norm: torch.Tensor | None  # [head_dim]
+    o_proj: torch.Tensor | None  # [hidden, q_size]
     post_norm: torch.Tensor  # [hidden]
     gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None in a sparse (MoE) layer
     down: torch.Tensor | None  # [hidden, intermediate]
@@ -28,6 +42,12 @@ class LayerWeights:
     # The same experts stacked, (gate_up [E, 2 * moe_intermediate, hidden], down [E, hidden, mi]),
     # where the grouped-GEMM path runs them (``experts`` are then views into these).
     expert_stack: tuple[torch.Tensor, torch.Tensor] | None = None
+    linear_attn: LinearAttnWeights | None = None  # a hybrid's linear-attention layer
+    attn_gate: Weight | None = None  # [q_size, hidden]: a hybrid's attention output gate
+    # A hybrid MoE layer's shared expert: its MLP and the sigmoid gate [1, hidden] of its output.
+    shared_gate_up: Weight | None = None
+    shared_down: Weight | None = None
+    shared_gate: torch.Tensor | None = None
 
 
 @dataclass
@@ -36,6 +56,10 @@ class Qwen3Weights:
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+
+
+# The projections a layer may have, each quantized and packed like the others.
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down", "attn_gate", "shared_gate_up", "shared_down")
 
 
 @dataclass(frozen=True)
@@ -74,9 +98,12 @@ def _quantize(w: Qwen3Weights, mode: str, dtype: torch.dtype, device: torch.devi
     embedding gather stays 16-bit."""
     q = Quantizer(mode, dtype, device)
     for lw in w.layers:
-        for name in ("qkv", "o_proj", "gate_up", "down"):
+        for name in PROJECTIONS:
             if getattr(lw, name) is not None:
                 setattr(lw, name, q(getattr(lw, name)))
+        if lw.linear_attn is not None:
+            lw.linear_attn.in_proj, lw.linear_attn.out_proj = (q(lw.linear_attn.in_proj),
+                                                                q(lw.linear_attn.out_proj))
         if lw.experts is not None:  # the experts; the router stays 16-bit (routing is sensitive)
             lw.experts = [None if ex is None else (q(ex[0]), q(ex[1])) for ex in lw.experts]
     w.lm_head = Int8Weight.quantize(w.lm_head, dtype, device)
@@ -87,9 +114,12 @@ def _prepare(w: Qwen3Weights, linear: LinearOp, grouped_moe: bool) -> None:
     keeps its own tensor, so a tied lm_head is then a packed copy). ``grouped_moe``: a sparse
     layer's 16-bit experts, all held here, stacked for the grouped GEMMs."""
     for lw in w.layers:
-        for name in ("qkv", "o_proj", "gate_up", "down", "router"):
+        for name in (*PROJECTIONS, "router"):
             if getattr(lw, name) is not None:
                 setattr(lw, name, linear.prepare(getattr(lw, name)))
+        if lw.linear_attn is not None:
+            la = lw.linear_attn
+            la.in_proj, la.out_proj = linear.prepare(la.in_proj), linear.prepare(la.out_proj)
         if (grouped_moe and lw.experts is not None and all(isinstance(ex, tuple) for ex in lw.experts)
                 and all(isinstance(t, torch.Tensor) for ex in lw.experts for t in ex)):
             lw.expert_stack = (torch.stack([gu for gu, _ in lw.experts]),
@@ -109,6 +139,8 @@ def _to_device(w: Qwen3Weights, device: torch.device) -> Qwen3Weights:
     def move(t):
         if isinstance(t, list):  # a sparse layer's experts
             return [None if ex is None else (ex[0].to(device), ex[1].to(device)) for ex in t]
+        if isinstance(t, LinearAttnWeights):
+            return LinearAttnWeights(**{k: v.to(device) for k, v in vars(t).items()})
         return None if t is None else t.to(device)
 
     return Qwen3Weights(

@@ -1,0 +1,58 @@
+"""A hybrid model's device cache: paged K/V for its full-attention layers only, and a recurrent
+state per sequence slot for each linear-attention layer (vLLM's hybrid cache, in two pools).
+
+A state slot is a running sequence's for its whole stay (the coordinator's ``SequenceSlots``
+gives it when the sequence first runs and takes it back when it no longer does); the launch that
+carries a sequence's first chunk zeroes it (``reset``). Slot ``slots - 1`` is a spare, which
+warm-up rows use. States are float32 for the delta rule (transformers keeps them so) and the
+model's dtype for the conv's last inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from fusedserve.kernels.kv_cache import PagedKVCache
+from fusedserve.kernels.model_description.config import Qwen3Config
+
+
+@dataclass
+class LayerState:
+    conv: torch.Tensor  # [slots, conv channels, kernel - 1]: each sequence's last inputs
+    recurrent: torch.Tensor  # [slots, value heads, key_head_dim, value_head_dim] float32
+
+
+class HybridKVCache(PagedKVCache):
+    def __init__(self, config: Qwen3Config, num_blocks: int, block_size: int, slots: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", kv_cache_dtype: str = "auto"):
+        attention = dataclasses.replace(config, num_hidden_layers=len(config.attention_layers))
+        super().__init__(attention, num_blocks, block_size, dtype, device, kv_cache_dtype)
+        la = config.linear_attention
+        self._kv_index = {layer: i for i, layer in enumerate(config.attention_layers)}
+        self._state_index = {layer: i for i, layer in enumerate(config.linear_layers)}
+        n = len(config.linear_layers)
+        self.conv = torch.zeros(n, slots, la.conv_dim, la.conv_kernel - 1, dtype=dtype, device=device)
+        self.recurrent = torch.zeros(n, slots, la.num_value_heads, la.key_head_dim, la.value_head_dim,
+                                     dtype=torch.float32, device=device)
+        self.slots = slots
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Model layer ``i``'s K and V (a full-attention layer's)."""
+        return super().layer(self._kv_index[i])
+
+    def state(self, i: int) -> LayerState:
+        """Model layer ``i``'s states (a linear-attention layer's)."""
+        j = self._state_index[i]
+        return LayerState(self.conv[j], self.recurrent[j])
+
+    def reset(self, slots: torch.Tensor) -> None:
+        """Zero ``slots`` in every layer: their sequences start (their first chunk is in this launch)."""
+        self.conv.index_fill_(1, slots, 0)
+        self.recurrent.index_fill_(1, slots, 0)
+
+    @property
+    def state_nbytes(self) -> int:
+        return self.conv.numel() * self.conv.element_size() + self.recurrent.numel() * 4
