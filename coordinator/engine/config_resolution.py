@@ -73,6 +73,9 @@ def _hybrid_settings(cfg: EngineConfig) -> EngineConfig:
     if cfg.parallel.tensor_parallel_size > 1:
         raise ValueError("a hybrid (Gated DeltaNet) model runs on one device per worker: tensor parallelism "
                          "is not supported for it yet; use --data-parallel-size for more devices")
+    if cfg.cache.kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype {cfg.cache.kv_cache_dtype} is not supported for a hybrid (Gated "
+                         "DeltaNet) model yet: its attention layers write K/V in the model's dtype; use auto")
     if cfg.cache.enable_prefix_caching:
         log.warning("prefix caching is off for this hybrid model: its linear-attention states cannot be "
                     "restored at a cached prefix yet")

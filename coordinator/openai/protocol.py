@@ -274,12 +274,22 @@ def completion_request(body: dict, tok: TextTokenizer | None, default_max: int =
                     **_identity(body), **response_options.vllm_extras(body, params, stream, usage))
 
 
+# OpenAI's and vLLM's non-text content parts: refused with the reason, not as a malformed message.
+MEDIA_PARTS = ("image_url", "input_image", "image", "video_url", "video", "input_audio", "audio_url")
+
+
 def _message_text(content: Any, i: int) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
+    media = [p.get("type") for p in content if isinstance(p, dict)] if isinstance(content, list) else []
+    if any(t in MEDIA_PARTS for t in media):
+        kind = next(t for t in media if t in MEDIA_PARTS)
+        raise ApiError(400, f"messages[{i}].content has a {kind!r} part: this server runs the model as a "
+                       "text model (a Qwen3.5 checkpoint's vision tower is not loaded); send text parts only",
+                       param="messages", code="unsupported_modality")
     raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
                    param="messages", code="bad_field")
 

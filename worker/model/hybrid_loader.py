@@ -18,8 +18,9 @@ from fusedserve.worker.model.weights import LinearAttnWeights
 
 
 def norm(reader, name: str, dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """A zero-centred RMSNorm's weight as the kernels multiply by it: ``1 + w`` (in float32)."""
-    return (1.0 + reader.get(name, (dim,), dtype=torch.float32)).to(dtype)
+    """A zero-centred RMSNorm's weight as ``hybrid_norms.py`` multiplies by it: ``1 + w``, float32
+    (transformers widens the stored weight and adds 1 in float32)."""
+    return 1.0 + reader.get(name, (dim,)).float()
 
 
 def gated_attention(reader, a: str, c: Qwen3Config, pd) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -23,6 +23,7 @@ from fusedserve.kernels.model_description.config import ConfigError, Qwen3Config
 from fusedserve.kernels.model_description.quantization import check_quantization
 from fusedserve.kernels.native import build as native_build
 from fusedserve.worker.model.gated_delta_net import delta_net_forward
+from fusedserve.worker.model.hybrid_norms import HybridNorms
 from fusedserve.worker.model.loader import Progress, load_weights
 from fusedserve.worker.model.moe import moe_forward
 from fusedserve.worker.model.tensor_parallel import SINGLE, TensorParallel
@@ -59,6 +60,8 @@ class Qwen3Model:
         if rotary < config.head_dim:  # partial rotary: the permuted head's tables (hybrid_loader.py)
             self.cos, self.sin = partial_rope_tables(self.cos, self.sin, config.head_dim)
         self.cos, self.sin = self.cos.to(dtype), self.sin.to(dtype)
+        # The norms' kernels: a hybrid's zero-centred ones round as transformers does (hybrid_norms.py).
+        self.norms = HybridNorms(self.local) if config.hybrid else self.kernels.ops
         self.cos, self.sin = self.cos.to(self.device), self.sin.to(self.device)
 
     @classmethod
@@ -149,9 +152,9 @@ class Qwen3Model:
         """One transformer layer over n tokens: the residual ``x`` [n, D] gets ``pending`` and the
         attention output (a hybrid's linear-attention layer: its Gated DeltaNet's) in place;
         returns the MLP's output, for the next layer to add."""
-        c, ops, linear, tp = self.local, self.kernels.ops, self.kernels.linear, self.tp
+        c, ops, linear, tp, norms = self.local, self.kernels.ops, self.kernels.linear, self.tp, self.norms
         n = x.shape[0]
-        ops.add_rms_norm(x, pending, lw.input_norm, buf.h, buf.norm)
+        norms.add_rms_norm(x, pending, lw.input_norm, buf.h, buf.norm)
         if lw.linear_attn is not None:
             delta_net_forward(c, linear, lw.linear_attn, buf.h, batch, kv.state(i), buf.o)
         else:
@@ -159,8 +162,8 @@ class Qwen3Model:
             if lw.qkv_bias is not None:
                 buf.qkv.add_(lw.qkv_bias)
             k_cache, v_cache = kv.layer(i)
-            ops.qk_norm_rope(buf.qkv, lw.q_norm, lw.k_norm, cos, sin, buf.q, buf.norm, k_cache, v_cache,
-                             batch.slot_mapping)
+            norms.qk_norm_rope(buf.qkv, lw.q_norm, lw.k_norm, cos, sin, buf.q, buf.norm, k_cache, v_cache,
+                               batch.slot_mapping)
             ws.attention.attend(buf.q, k_cache, v_cache, buf.attn)
             if lw.attn_gate is not None:  # a hybrid's output gate: attn * sigmoid(h W_gate)
                 gate = torch.empty(n, c.q_size, dtype=x.dtype, device=x.device)
@@ -168,7 +171,7 @@ class Qwen3Model:
                 buf.attn.view(n, c.q_size).mul_(gate.sigmoid_())
             linear(buf.attn.view(n, c.q_size), lw.o_proj, buf.o)
         tp.all_reduce(buf.o)
-        ops.add_rms_norm(x, buf.o, lw.post_norm, buf.h, buf.norm)
+        norms.add_rms_norm(x, buf.o, lw.post_norm, buf.h, buf.norm)
         if lw.experts is not None:
             moe_forward(c, self.kernels, lw, buf.h, buf.o)
             if lw.shared_gate_up is not None:
@@ -199,7 +202,7 @@ class Qwen3Model:
             n = min(step, rows.shape[0] - s)
             h = ws.final[:n]
             torch.index_select(x, 0, rows[s : s + n], out=h)
-            self.kernels.ops.add_rms_norm(h, None, self.w.final_norm, h, ws.buffers.norm.rows(n))
+            self.norms.add_rms_norm(h, None, self.w.final_norm, h, ws.buffers.norm.rows(n))
             if ws.logits_local is None:
                 self.kernels.linear(h, self.w.lm_head, out[s : s + n])
             else:  # 16-bit logits, or this rank's vocab share of them: widened or gathered into out
