@@ -31,6 +31,10 @@ class ForwardBatch:
     # starts from zero (their first chunk is in it) [R] int64 (kernels/hybrid_cache.py).
     state_slots: torch.Tensor | None = None
     state_resets: torch.Tensor | None = None
+    # Snapshots (prefix caching): (snapshot, slot) restored before the layers, (slot, snapshot)
+    # saved after them, [n, 2] int64 each.
+    state_restores: torch.Tensor | None = None
+    state_saves: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -27,7 +27,7 @@ class LayerState:
 
 class HybridKVCache(PagedKVCache):
     def __init__(self, config: Qwen3Config, num_blocks: int, block_size: int, slots: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", kv_cache_dtype: str = "auto"):
+                 device: torch.device | str = "cpu", kv_cache_dtype: str = "auto", snapshots: int = 0):
         attention = dataclasses.replace(config, num_hidden_layers=len(config.attention_layers))
         super().__init__(attention, num_blocks, block_size, dtype, device, kv_cache_dtype)
         la = config.linear_attention
@@ -38,6 +38,10 @@ class HybridKVCache(PagedKVCache):
         self.recurrent = torch.zeros(n, slots, la.num_value_heads, la.key_head_dim, la.value_head_dim,
                                      dtype=torch.float32, device=device)
         self.slots = slots
+        # Snapshots at block boundaries (prefix caching: coordinator/engine/state_snapshots.py).
+        self.conv_snapshots = torch.zeros(n, snapshots, *self.conv.shape[2:], dtype=dtype, device=device)
+        self.recurrent_snapshots = torch.zeros(n, snapshots, *self.recurrent.shape[2:], dtype=torch.float32,
+                                               device=device)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Model layer ``i``'s K and V (a full-attention layer's)."""
@@ -53,6 +57,17 @@ class HybridKVCache(PagedKVCache):
         self.conv.index_fill_(1, slots, 0)
         self.recurrent.index_fill_(1, slots, 0)
 
+    def restore(self, pairs: torch.Tensor) -> None:
+        """``pairs`` [n, 2]: (snapshot, slot): each slot takes its snapshot's states."""
+        self.conv.index_copy_(1, pairs[:, 1], self.conv_snapshots.index_select(1, pairs[:, 0]))
+        self.recurrent.index_copy_(1, pairs[:, 1], self.recurrent_snapshots.index_select(1, pairs[:, 0]))
+
+    def save(self, pairs: torch.Tensor) -> None:
+        """``pairs`` [n, 2]: (slot, snapshot): each snapshot takes its slot's states."""
+        self.conv_snapshots.index_copy_(1, pairs[:, 1], self.conv.index_select(1, pairs[:, 0]))
+        self.recurrent_snapshots.index_copy_(1, pairs[:, 1], self.recurrent.index_select(1, pairs[:, 0]))
+
     @property
     def state_nbytes(self) -> int:
-        return self.conv.numel() * self.conv.element_size() + self.recurrent.numel() * 4
+        return sum(t.numel() * t.element_size() for t in (self.conv, self.recurrent, self.conv_snapshots,
+                                                           self.recurrent_snapshots))

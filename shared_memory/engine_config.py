@@ -74,6 +74,9 @@ class CacheConfig:
     # Set by resolution, not a flag: the model keeps a recurrent state per running sequence (a
     # hybrid's linear-attention layers), so each launch carries its rows' state slots.
     recurrent_state: bool = setting(False, cli=False)
+    # With prefix caching: the worker's pool of state snapshots at block boundaries (one per
+    # request it may run), also set by resolution.
+    state_snapshots: int = setting(0, cli=False)
 
 
 @dataclass(frozen=True)
@@ -302,4 +305,6 @@ class EngineConfig:
             "BD": b,  # rows a draft model's first pass reads
             "RS": b,  # rows with a recurrent-state slot (a hybrid model's: every row)
             "SR": b,  # state slots a launch starts from zero
+            "SRS": b,  # (snapshot, state slot) restored before the launch
+            "SSV": b,  # (state slot, snapshot) saved after it
         }

@@ -190,6 +190,8 @@ def step_table() -> SlotTable:
             # A hybrid model's rows: each one's recurrent-state slot, and the slots starting afresh.
             Slot("state_slots", ("RS",), i64, IN, HS),
             Slot("state_resets", ("SR",), i64, IN, HS),
+            Slot("state_restores", ("SRS", 2), i64, IN, HS),  # (snapshot, state slot): a cached prefix's
+            Slot("state_saves", ("SSV", 2), i64, IN, HS),  # (state slot, snapshot) at a block boundary
             Slot("sampled_ids", ("B",), i32, OUT, HS),  # -1 on a speculating request's rejected rows
             Slot("spec_accepted", ("S",), i32, OUT, HS),  # tokens each speculating request gained
 

@@ -45,7 +45,8 @@ class ModelRunner:
         max_batch, block_size = cfg.scheduler.max_batch, cfg.cache.block_size
         self.candidates = cfg.device.sampler_candidates
         # One spare block beyond the allocatable ones: graph padding rows write there.
-        self.kv = model.new_kv_cache(cfg.num_blocks + 1, block_size, cfg.cache.kv_cache_dtype, max_batch)
+        self.kv = model.new_kv_cache(cfg.num_blocks + 1, block_size, cfg.cache.kv_cache_dtype, max_batch,
+                                     cfg.cache.state_snapshots)
         self.hybrid = model.config.hybrid
         self.ws = model.new_workspace(max_batch, block_size, cfg.cache.kv_cache_dtype)
         self.pool = DeviceScratchPool(self.table, self.max_dims, model.device)
@@ -113,8 +114,7 @@ class ModelRunner:
             self.drafter.propose(v, desc)
         batch = ForwardBatch(v["token_ids"], v["positions"], v["slot_mapping"], v["query_start_loc"],
                              v["seq_lens"], v["block_tables"], desc.num_decode, desc.prompt_query_lens,
-                             desc.prompt_seq_lens, v["state_slots"] if dims["RS"] else None,
-                             v["state_resets"] if dims["RS"] else None)
+                             desc.prompt_seq_lens, *self._state_args(v, dims))
         logits = self.logits[:b]
         hidden = None
         plan = SamplingPlan.of(desc.sampling)
@@ -156,6 +156,13 @@ class ModelRunner:
         if dims["TL"]:
             self._prompt_logprobs(hidden, v)
         self._verify(v, dims)
+
+    @staticmethod
+    def _state_args(v: dict[str, torch.Tensor], dims: dict[str, int]) -> tuple:
+        """A hybrid's rows' state slots, resets, snapshot restores and saves (else None)."""
+        if not dims["RS"]:
+            return None, None, None, None
+        return v["state_slots"], v["state_resets"], v["state_restores"], v["state_saves"]
 
     @staticmethod
     def _verify(v: dict[str, torch.Tensor], dims: dict[str, int]) -> None:

@@ -43,10 +43,12 @@ def _put(arena: HostArena, name: str, values: np.ndarray) -> None:
 def write_batch(arena: HostArena, batch: ScheduledBatch, step: int, bank: int, candidates: int,
                 vocab: int,
                 penalty_slots: dict[int, int] | None = None,
-                state_slots: dict[int, int] | None = None) -> tuple[LaunchDescriptor, OutputPlan]:
+                state_slots: dict[int, int] | None = None,
+                state_copies: tuple[list, list] | None = None) -> tuple[LaunchDescriptor, OutputPlan]:
     """``arena`` is bank ``bank`` of the worker's; ``candidates``: the sampler's candidate count;
     ``penalty_slots``: each penalized row's slot of the worker's token counts; ``state_slots``:
-    each row's recurrent-state slot (a hybrid model's; None otherwise)."""
+    each row's recurrent-state slot (a hybrid model's; None otherwise); ``state_copies``: its
+    snapshots restored before the launch and saved after it (``StateSnapshots.plan``)."""
     b, nd = batch.batch_size, batch.num_decode
     dims = {"B": b, "B1": b + 1, "T": batch.num_tokens, "W": batch.block_tables.shape[1], "V": vocab}
     _put(arena, "token_ids", batch.token_ids)
@@ -60,7 +62,7 @@ def write_batch(arena: HostArena, batch: ScheduledBatch, step: int, bank: int, c
     plan, rows = _write_sampling(arena, batch, dims, candidates, vocab, invalid)
     _write_bitmask(arena, batch, dims, vocab, invalid)
     _write_penalties(arena, batch, dims, penalty_slots or {})
-    _write_states(arena, batch, dims, state_slots)
+    _write_states(arena, batch, dims, state_slots, state_copies or ([], []))
     _write_logit_bias(arena, batch, dims)
     spans = _write_prompt_logprobs(arena, batch, dims)
     firsts = _write_spec_rows(arena, batch, dims)
@@ -171,15 +173,18 @@ def _write_penalties(arena: HostArena, batch: ScheduledBatch, dims: dict[str, in
 
 
 def _write_states(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int],
-                  slots: dict[int, int] | None) -> None:
-    """Each row's recurrent-state slot, and the slots of rows whose first chunk this launch carries
-    (zeroed before it runs)."""
+                  slots: dict[int, int] | None, copies: tuple[list, list]) -> None:
+    """Each row's recurrent-state slot, the slots of rows whose first chunk this launch carries
+    from the start (zeroed before it runs), and the snapshot copies."""
     rows = [] if slots is None else [slots[r] for r in range(batch.batch_size)]
     resets = [] if slots is None else [slots[r] for r in range(batch.num_decode, batch.batch_size)
                                        if batch.chunk_start(r) == 0]
-    dims["RS"], dims["SR"] = len(rows), len(resets)
+    restores, saves = copies
+    dims["RS"], dims["SR"], dims["SRS"], dims["SSV"] = len(rows), len(resets), len(restores), len(saves)
     _put(arena, "state_slots", np.asarray(rows, dtype=np.int64))
     _put(arena, "state_resets", np.asarray(resets, dtype=np.int64))
+    _put(arena, "state_restores", np.asarray(restores, dtype=np.int64).reshape(len(restores), 2))
+    _put(arena, "state_saves", np.asarray(saves, dtype=np.int64).reshape(len(saves), 2))
 
 
 def _write_logit_bias(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int]) -> None:

@@ -175,6 +175,10 @@ class BlockManager:
         """How many of the sequence's leading blocks are named (computed and reusable)."""
         return len(self._hashes.get(seq_id, ()))
 
+    def hashes(self, seq_id: str) -> list[bytes]:
+        """The hashes of the sequence's named blocks, in order."""
+        return self._hashes.get(seq_id, [])
+
     def table(self, seq_id: str) -> list[int]:
         return self._tables[seq_id]
 

@@ -56,7 +56,7 @@ def resolve_config(cfg: EngineConfig, device_kind: str, ranks_on_node: int = 1) 
     if c.kv_cache_dtype == "int8" and device_kind != "cpu":
         raise ValueError(f"kv_cache_dtype int8 runs on the native CPU kernels; this engine's device is "
                          f"{device_kind}: use kv_cache_dtype auto there")
-    kv = kv_sizing.plan(model, dtype, c, device_kind=device_kind, max_batch=cfg.scheduler.max_batch,
+    kv = kv_sizing.plan(model, dtype, cfg.cache, device_kind=device_kind, max_batch=cfg.scheduler.max_batch,
                         max_model_len=max_len, weight_bytes=kv_sizing.weight_bytes(model_dir),
                         ranks_on_node=ranks_on_node, tp=p.tensor_parallel_size)
     resolved = cfg.replace(model=model_dir, max_model_len=kv.max_model_len, quantization=quantization,
@@ -66,23 +66,21 @@ def resolve_config(cfg: EngineConfig, device_kind: str, ranks_on_node: int = 1) 
 
 
 def _hybrid_settings(cfg: EngineConfig) -> EngineConfig:
-    """A hybrid model (Gated DeltaNet layers) runs with a recurrent-state slot per request. What
-    is not exact for it yet is off, and said: prefix caching (a cached prefix has no state to
-    restore: state snapshots at block boundaries are not built) and speculative decoding
-    (rejected proposals would stay in the states). Tensor parallelism is refused."""
+    """A hybrid model (Gated DeltaNet layers) runs with a recurrent-state slot per request and,
+    with prefix caching, a snapshot slot per request (its state at its last block boundary). What
+    is not exact for it yet is off, and said: speculative decoding (rejected proposals would stay in
+    the states). Tensor parallelism and an int8 KV cache are refused."""
     if cfg.parallel.tensor_parallel_size > 1:
         raise ValueError("a hybrid (Gated DeltaNet) model runs on one device per worker: tensor parallelism "
                          "is not supported for it yet; use --data-parallel-size for more devices")
     if cfg.cache.kv_cache_dtype != "auto":
         raise ValueError(f"kv_cache_dtype {cfg.cache.kv_cache_dtype} is not supported for a hybrid (Gated "
                          "DeltaNet) model yet: its attention layers write K/V in the model's dtype; use auto")
-    if cfg.cache.enable_prefix_caching:
-        log.warning("prefix caching is off for this hybrid model: its linear-attention states cannot be "
-                    "restored at a cached prefix yet")
     if cfg.speculating:
         log.warning("speculative decoding (%s) is off for this hybrid model: rejected proposals would stay "
                     "in its recurrent states", cfg.speculative.speculative_method)
-    return cfg.replace(recurrent_state=True, enable_prefix_caching=False, speculative_method="off",
+    snapshots = cfg.scheduler.max_batch if cfg.cache.enable_prefix_caching else 0
+    return cfg.replace(recurrent_state=True, state_snapshots=snapshots, speculative_method="off",
                        speculative_model=None)
 
 

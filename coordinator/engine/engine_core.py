@@ -116,8 +116,10 @@ class EngineCore:
         bank = self.scheduler.steps % len(self.arenas)
         slots = self.penalties.assign(batch, self.scheduler.running)
         states = None if self.states is None else self.states.assign(batch, self.scheduler.running)
+        snapshots = self.scheduler.snapshots
+        copies = snapshots.plan(batch, states) if snapshots is not None and states is not None else None
         desc, plan = write_batch(self.arenas[bank], batch, self.scheduler.steps, bank, *self._sampling, slots,
-                                 states)
+                                 states, copies)
         self.executor.submit(desc)
         self.stats.ahead += bool(self.inflight)
         self.stats.fed_rows += int((batch.feed_rows >= 0).sum())

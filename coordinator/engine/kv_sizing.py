@@ -113,14 +113,16 @@ def plan(model: Qwen3Config, dtype: torch.dtype, cache: CacheConfig, *, device_k
     block_size, num_blocks, kv_cache_dtype = cache.block_size, cache.num_blocks, cache.kv_cache_dtype
     kv_memory, gpu_util = cache.kv_cache_memory, cache.gpu_memory_utilization
     per_block = bytes_per_token(model, dtype, tp, kv_cache_dtype) * block_size
+    # A hybrid's states: a slot per running request, a spare, and the snapshots of prefix caching.
+    states = max_batch + 1 + cache.state_snapshots if model.hybrid else 0
     context = max_model_len or model.max_context
     if num_blocks is not None:
         blocks, source = num_blocks, "--num-blocks"
     else:
         budget, source = _budget(kv_memory, gpu_util, device_kind, weight_bytes, ranks_on_node, tp)
-        budget -= model.state_bytes(dtype) * (max_batch + 1)  # a hybrid's states come first
+        budget -= model.state_bytes(dtype) * states  # a hybrid's states come first
         if model.hybrid:
-            source += f", less {max_batch + 1} sequences' recurrent states"
+            source += f", less {states} recurrent states"
         blocks = min(max(budget, 0) // per_block, max_batch * -(-context // block_size))
     if blocks * block_size < context:
         if max_model_len is not None or blocks < 1:
@@ -134,7 +136,7 @@ def plan(model: Qwen3Config, dtype: torch.dtype, cache: CacheConfig, *, device_k
                     blocks * block_size)
         context = blocks * block_size
     return KVPlan(blocks, block_size, per_block, context, source, kv_cache_dtype, model.state_bytes(dtype),
-                  max_batch + 1 if model.hybrid else 0)
+                  states)
 
 
 def weight_bytes(model_dir: str) -> int:

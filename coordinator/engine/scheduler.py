@@ -29,14 +29,17 @@ from fusedserve.coordinator.engine.block_manager import BlockManager, OutOfBlock
 from fusedserve.coordinator.engine.scheduled_batch import ScheduledBatch
 from fusedserve.coordinator.engine.sequence import Sequence, TokenEvent
 from fusedserve.coordinator.engine.speculative.speculation_policy import SpecState, Speculation
+from fusedserve.coordinator.engine.state_snapshots import StateSnapshots
 from fusedserve.coordinator.engine.token_histogram import TokenHistogram
 from fusedserve.shared_memory.engine_config import EngineConfig
 
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_model_len: int, max_batch: int,
-                 max_num_batched_tokens: int = 2048, speculation: Speculation | None = None):
+                 max_num_batched_tokens: int = 2048, speculation: Speculation | None = None,
+                 snapshots: StateSnapshots | None = None):
         self.speculation = speculation
+        self.snapshots = snapshots  # a hybrid model's states at block boundaries (prefix caching)
         self.blocks = blocks
         self.max_model_len = max_model_len
         self.max_batch = max_batch
@@ -52,8 +55,9 @@ class Scheduler:
     def for_worker(cls, cfg: EngineConfig) -> Scheduler:
         """The scheduler of one worker with the resolved ``cfg``: offline and served alike."""
         c, s = cfg.cache, cfg.scheduler
+        snapshots = StateSnapshots(c.state_snapshots, c.block_size) if c.state_snapshots else None
         return cls(BlockManager(cfg.num_blocks, c.block_size, c.enable_prefix_caching), cfg.max_model_len,
-                   s.max_batch, s.max_num_batched_tokens, Speculation.from_config(cfg))
+                   s.max_batch, s.max_num_batched_tokens, Speculation.from_config(cfg), snapshots)
 
     # ------------------------------------------------------------------ requests
 
@@ -104,14 +108,18 @@ class Scheduler:
                 break
             # Prompt logprobs and penalties need every token through the device: no cached prefix.
             # One lookup serves both the sibling check and the allocation.
-            hit = [] if seq.params.full_prefill else self.blocks.cached_prefix(
-                seq.all_ids, seq.prefix_hashes(self.blocks.block_size))
+            hashes = seq.prefix_hashes(self.blocks.block_size)
+            hit = [] if seq.params.full_prefill else self.blocks.cached_prefix(seq.all_ids, hashes)
+            if self.snapshots is not None:  # a hybrid: only up to a block whose state was kept
+                hit = hit[: self.snapshots.usable(hashes[: len(hit)])]
             if self._sibling_computing(seq, len(hit)):  # the same prompt is being computed: share it
                 break
             try:  # room for one generated token too
                 seq.num_computed = self.blocks.allocate(seq.seq_id, seq.all_ids, reserve=1, hit=hit)
             except OutOfBlocks:
                 break
+            if self.snapshots is not None:
+                self.snapshots.admitted(seq.seq_id, hashes, len(hit))
             if seq.cached_tokens is None:  # its first admission: its queue time ends
                 seq.cached_tokens = seq.num_computed
                 seq.t_scheduled = time.perf_counter()
@@ -312,6 +320,8 @@ class Scheduler:
         """Take ``seq`` out (running, or waiting after a preemption) and free its blocks."""
         if seq in self.running:
             self.running.remove(seq)
+            if self.snapshots is not None:
+                self.snapshots.release(seq.seq_id, self.blocks.hashes(seq.seq_id))
             self.blocks.free(seq.seq_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)

@@ -164,10 +164,10 @@ def _logits(model: Qwen3Model, ids: list[int], n: int) -> torch.Tensor:
 def test_bf16_error_no_larger_than_transformers_own(hybrids, arch):
     path, hf = hybrids[arch]
     ids = [(i * 37 + 11) % VOCAB for i in range(40)]
+    bf16 = type(hf).from_pretrained(path, dtype=torch.bfloat16).eval()  # the shared model stays fp32
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0, 29:].float()
-        theirs = hf.to(torch.bfloat16)(torch.tensor([ids])).logits[0, 29:].float()
-        hf.to(torch.float32)
+        theirs = bf16(torch.tensor([ids])).logits[0, 29:].float()
     fp32 = _logits(Qwen3Model.from_pretrained(path, dtype="float32"), ids, 30)
     torch.testing.assert_close(fp32, ref, atol=2e-4, rtol=1e-4)
     ours = _logits(Qwen3Model.from_pretrained(path, dtype="bfloat16"), ids, 30)
@@ -205,4 +205,38 @@ def test_conditional_generation_checkpoint_serves_its_text_weights(tmp_path):
     want = _reference(model, prompts, 24)
     with LLMEngine(tmp_path, dtype="float32", max_batch=4, num_blocks=64) as eng:
         got = eng.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert [o.token_ids for o in got] == want
+
+
+@pytest.mark.parametrize("block", [16, 4])
+def test_follow_up_turns_reuse_the_cached_history(hybrids, block):
+    """Three turns, each resending its history: turns 2 and 3 restore the state kept at the
+    history's last block boundary and compute only the rest; every turn's tokens equal a cold
+    engine's (no prefix caching)."""
+    path, _ = hybrids["qwen3_5"]
+    user = [[(i * 11 + 2) % 300 for i in range(21)], [250, 251, 252, 253, 254, 7, 8], list(range(60, 79))]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    rc = dict(dtype="float32", block_size=block, max_batch=4, num_blocks=128)
+    with LLMEngine(path, **rc) as eng, LLMEngine(path, enable_prefix_caching=False, **rc) as cold:
+        history, hits = [], []
+        for turn in user:
+            prompt = history + turn
+            before = eng.core.scheduler.blocks.stats.hit_tokens
+            got = eng.generate([prompt], params)[0].token_ids
+            hits.append(eng.core.scheduler.blocks.stats.hit_tokens - before)
+            assert got == cold.generate([prompt], params)[0].token_ids
+            history = prompt + got
+    assert hits[0] == 0 and hits[1] > 0 and hits[2] > hits[1], hits
+    assert all(h % block == 0 for h in hits)
+
+
+def test_prefix_hit_is_capped_at_a_kept_state(hybrids):
+    """A prompt that shares blocks with a request still running (no snapshot kept yet) reuses none:
+    it computes from the start, and its tokens equal a cold engine's."""
+    path, hf = hybrids["qwen3_next"]
+    shared = [(i * 5 + 3) % 300 for i in range(40)]
+    prompts = [shared + [1, 2], shared + [9]]
+    want = _reference(hf, prompts, 16)
+    with LLMEngine(path, dtype="float32", block_size=4, max_batch=4, num_blocks=128) as eng:
+        got = eng.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
     assert [o.token_ids for o in got] == want

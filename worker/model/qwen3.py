@@ -97,16 +97,16 @@ class Qwen3Model:
     # ----------------------------------------------------------------- allocation
 
     def new_kv_cache(self, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto",
-                     max_seqs: int = 1) -> PagedKVCache:
+                     max_seqs: int = 1, snapshots: int = 0) -> PagedKVCache:
         """``kv_cache_dtype``: ``auto`` (this model's dtype) or ``int8``, which only the native CPU
         kernels read and write. ``max_seqs``: the running sequences a hybrid's states serve (and a
-        spare slot more)."""
+        spare slot more); ``snapshots``: its states kept at block boundaries (prefix caching)."""
         if kv_cache_dtype != "auto" and self.kernels.name != "native":
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype} needs the native CPU kernels; this model "
                              f"runs the {self.kernels.name} backend on {self.device.type}")
         if self.config.hybrid:
             return HybridKVCache(self.local, num_blocks, block_size, max_seqs + 1, self.dtype, self.device,
-                                 kv_cache_dtype)
+                                 kv_cache_dtype, snapshots)
         return PagedKVCache(self.local, num_blocks, block_size, self.dtype, self.device, kv_cache_dtype)
 
     def new_workspace(self, max_rows: int, block_size: int, kv_cache_dtype: str = "auto") -> Workspace:
@@ -134,11 +134,15 @@ class Qwen3Model:
         ws.attention.begin(batch, kv.block_size)
         if batch.state_resets is not None and batch.state_resets.numel():
             kv.reset(batch.state_resets)
+        if batch.state_restores is not None and batch.state_restores.numel():
+            kv.restore(batch.state_restores)
         pending = None  # the previous layer's MLP output, added to the residual by the next norm
         for i, lw in enumerate(self.w.layers):
             pending = self._layer(i, lw, x, pending, buf, cos, sin, batch, kv, ws)
         if pending is not None:
             x.add_(pending)
+        if batch.state_saves is not None and batch.state_saves.numel():
+            kv.save(batch.state_saves)
         if logits is None:
             return x
         last = ws.last[:b]
