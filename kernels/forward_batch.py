@@ -35,6 +35,9 @@ class ForwardBatch:
     # saved after them, [n, 2] int64 each.
     state_restores: torch.Tensor | None = None
     state_saves: torch.Tensor | None = None
+    # Speculating requests' decode rows, (first row, rows) each: a hybrid runs them in order, one
+    # state per position, and keeps the accepted one after verification.
+    spec_groups: list[list[int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -38,6 +38,7 @@ class HybridKVCache(PagedKVCache):
         self.recurrent = torch.zeros(n, slots, la.num_value_heads, la.key_head_dim, la.value_head_dim,
                                      dtype=torch.float32, device=device)
         self.slots = slots
+        self._window: tuple[torch.Tensor, torch.Tensor] | None = None  # speculating rows' states
         # Snapshots at block boundaries (prefix caching: coordinator/engine/state_snapshots.py).
         self.conv_snapshots = torch.zeros(n, snapshots, *self.conv.shape[2:], dtype=dtype, device=device)
         self.recurrent_snapshots = torch.zeros(n, snapshots, *self.recurrent.shape[2:], dtype=torch.float32,
@@ -56,6 +57,25 @@ class HybridKVCache(PagedKVCache):
         """Zero ``slots`` in every layer: their sequences start (their first chunk is in this launch)."""
         self.conv.index_fill_(1, slots, 0)
         self.recurrent.index_fill_(1, slots, 0)
+
+    def speculating(self, i: int, groups: int, rows: int) -> LayerState:
+        """Layer ``i``'s per-position states of this launch's speculating requests [groups, rows, ...]
+        (state after j + 1 of a request's rows at [g, j]), kept until ``keep_accepted``."""
+        j = self._state_index[i]
+        if self._window is None or self._window[0].shape[1:3] != (groups, rows):
+            n = len(self._state_index)
+            self._window = (self.conv.new_empty(n, groups, rows, *self.conv.shape[2:]),
+                            self.recurrent.new_empty(n, groups, rows, *self.recurrent.shape[2:]))
+        return LayerState(self._window[0][j], self._window[1][j])
+
+    def keep_accepted(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
+        """After verification: each speculating request's slot (``slots`` [G]) takes the state after
+        its ``accepted`` [G] tokens (its newest and the proposals it kept), in every layer."""
+        conv, rec = self._window
+        g = torch.arange(slots.shape[0], device=slots.device)
+        pick = accepted.long() - 1
+        self.conv.index_copy_(1, slots, conv[:, g, pick])
+        self.recurrent.index_copy_(1, slots, rec[:, g, pick])
 
     def restore(self, pairs: torch.Tensor) -> None:
         """``pairs`` [n, 2]: (snapshot, slot): each slot takes its snapshot's states."""

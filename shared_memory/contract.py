@@ -36,6 +36,8 @@ class LaunchDescriptor:
     prompt_query_lens: list[int] = field(default_factory=list)
     prompt_seq_lens: list[int] = field(default_factory=list)
     sampling: list[str] = field(default_factory=list)
+    # Each speculating request's (first row, rows): a hybrid model runs their rows in order.
+    spec_groups: list[list[int]] = field(default_factory=list)
 
     @property
     def kind(self) -> str:
@@ -45,13 +47,13 @@ class LaunchDescriptor:
     def to_wire(self) -> dict:
         return {"dims": self.dims, "step": self.step, "num_decode": self.num_decode,
                 "prompt_query_lens": self.prompt_query_lens, "prompt_seq_lens": self.prompt_seq_lens,
-                "sampling": self.sampling, "bank": self.bank}
+                "sampling": self.sampling, "bank": self.bank, "spec_groups": self.spec_groups}
 
     @classmethod
     def from_wire(cls, d: dict) -> LaunchDescriptor:
         return cls(dict(d["dims"]), d["step"], d.get("bank", 0), d.get("num_decode", 0),
                    list(d.get("prompt_query_lens", [])), list(d.get("prompt_seq_lens", [])),
-                   list(d.get("sampling", [])))
+                   list(d.get("sampling", [])), [list(g) for g in d.get("spec_groups", [])])
 
 
 @dataclass

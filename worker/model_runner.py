@@ -114,7 +114,7 @@ class ModelRunner:
             self.drafter.propose(v, desc)
         batch = ForwardBatch(v["token_ids"], v["positions"], v["slot_mapping"], v["query_start_loc"],
                              v["seq_lens"], v["block_tables"], desc.num_decode, desc.prompt_query_lens,
-                             desc.prompt_seq_lens, *self._state_args(v, dims))
+                             desc.prompt_seq_lens, *self._state_args(v, dims), desc.spec_groups)
         logits = self.logits[:b]
         hidden = None
         plan = SamplingPlan.of(desc.sampling)
@@ -122,7 +122,7 @@ class ModelRunner:
         if self.graphs is not None and batch.decode_only:
             if not (processed or dims["NL"] or dims["TL"]):  # one replay: forward and sampler
                 self.graphs.run(b, plan)
-                self._verify(v, dims)
+                self._verify(v, dims, self.kv)
                 return
             self.graphs.run(b, None)
         else:
@@ -155,7 +155,7 @@ class ModelRunner:
                                    v["sampled_logprobs"], v["top_logprob_ids"], v["top_logprob_values"])
         if dims["TL"]:
             self._prompt_logprobs(hidden, v)
-        self._verify(v, dims)
+        self._verify(v, dims, self.kv)
 
     @staticmethod
     def _state_args(v: dict[str, torch.Tensor], dims: dict[str, int]) -> tuple:
@@ -165,11 +165,13 @@ class ModelRunner:
         return v["state_slots"], v["state_resets"], v["state_restores"], v["state_saves"]
 
     @staticmethod
-    def _verify(v: dict[str, torch.Tensor], dims: dict[str, int]) -> None:
+    def _verify(v: dict[str, torch.Tensor], dims: dict[str, int], kv) -> None:
         """Speculating requests keep the prefix of their proposals their own draws agree with
         (after logprobs, which every row's draw has)."""
         if dims["S"]:
             accept_prefix(v["sampled_ids"], v["token_ids"], v["spec_rows"], v["spec_accepted"])
+            if dims["RS"]:  # a hybrid: each speculating request keeps the state of its accepted tokens
+                kv.keep_accepted(v["state_slots"].index_select(0, v["spec_rows"][:, 0]), v["spec_accepted"])
 
     def _sample_rows(self, n: int, plan: SamplingPlan) -> None:
         """The sampler over the first ``n`` rows of the pool (what a decode graph captures)."""

@@ -67,7 +67,8 @@ def write_batch(arena: HostArena, batch: ScheduledBatch, step: int, bank: int, c
     spans = _write_prompt_logprobs(arena, batch, dims)
     firsts = _write_spec_rows(arena, batch, dims)
     desc = LaunchDescriptor(dims, step, bank, num_decode=nd, prompt_query_lens=list(batch.query_lens[nd:]),
-                            prompt_seq_lens=batch.seq_lens[nd:].tolist(), sampling=plan.stages())
+                            prompt_seq_lens=batch.seq_lens[nd:].tolist(), sampling=plan.stages(),
+                            spec_groups=[[first, n] for first, n in batch.spec_groups])
     return desc, OutputPlan(tuple(rows), firsts, tuple(spans), invalid)
 
 

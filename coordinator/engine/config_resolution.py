@@ -67,21 +67,17 @@ def resolve_config(cfg: EngineConfig, device_kind: str, ranks_on_node: int = 1) 
 
 def _hybrid_settings(cfg: EngineConfig) -> EngineConfig:
     """A hybrid model (Gated DeltaNet layers) runs with a recurrent-state slot per request and,
-    with prefix caching, a snapshot slot per request (its state at its last block boundary). What
-    is not exact for it yet is off, and said: speculative decoding (rejected proposals would stay in
-    the states). Tensor parallelism and an int8 KV cache are refused."""
+    with prefix caching, a snapshot slot per request (its state at its last block boundary);
+    speculating requests keep the state of their accepted tokens (``HybridKVCache.keep_accepted``).
+    Tensor parallelism and an int8 KV cache are refused, and so is a hybrid draft model."""
     if cfg.parallel.tensor_parallel_size > 1:
         raise ValueError("a hybrid (Gated DeltaNet) model runs on one device per worker: tensor parallelism "
                          "is not supported for it yet; use --data-parallel-size for more devices")
     if cfg.cache.kv_cache_dtype != "auto":
         raise ValueError(f"kv_cache_dtype {cfg.cache.kv_cache_dtype} is not supported for a hybrid (Gated "
                          "DeltaNet) model yet: its attention layers write K/V in the model's dtype; use auto")
-    if cfg.speculating:
-        log.warning("speculative decoding (%s) is off for this hybrid model: rejected proposals would stay "
-                    "in its recurrent states", cfg.speculative.speculative_method)
     snapshots = cfg.scheduler.max_batch if cfg.cache.enable_prefix_caching else 0
-    return cfg.replace(recurrent_state=True, state_snapshots=snapshots, speculative_method="off",
-                       speculative_model=None)
+    return cfg.replace(recurrent_state=True, state_snapshots=snapshots)
 
 
 def _draft_dir(cfg: EngineConfig, target: Qwen3Config) -> str | None:
@@ -91,7 +87,11 @@ def _draft_dir(cfg: EngineConfig, target: Qwen3Config) -> str | None:
         return None
     m = cfg.model
     path = str(resolve_model(name, None, m.download_dir))
-    vocab = Qwen3Config.from_dir(path).vocab_size
+    draft = Qwen3Config.from_dir(path)
+    if draft.hybrid:
+        raise ValueError(f"the draft model {name!r} is a hybrid (Gated DeltaNet) model: a draft must be a "
+                         "Qwen3 model (its states are not rolled back when proposals are rejected)")
+    vocab = draft.vocab_size
     if vocab != target.vocab_size:
         raise ValueError(f"the draft model {name!r} has a vocabulary of {vocab}, the target "
                          f"{target.vocab_size}: a draft must share the target's tokenizer")

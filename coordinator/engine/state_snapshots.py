@@ -56,9 +56,10 @@ class StateSnapshots:
                 restores.append((snap, state_slots[row]))
         keep = {snap for snap, _ in restores}
         saves = []
+        speculating = {first for first, _ in batch.spec_groups}  # their states are kept after the launch
         for row, seq in enumerate(batch.seqs):
             reach = batch.computed_to[row]
-            if reach % self.block_size or batch.follows(row):
+            if reach % self.block_size or batch.follows(row) or row in speculating:
                 continue
             slot = self._slot_for(seq.seq_id, keep)
             if slot is not None:

@@ -240,3 +240,30 @@ def test_prefix_hit_is_capped_at_a_kept_state(hybrids):
     with LLMEngine(path, dtype="float32", block_size=4, max_batch=4, num_blocks=128) as eng:
         got = eng.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
     assert [o.token_ids for o in got] == want
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_is_exact(hybrids, hf_checkpoints, arch, method):
+    """Greedy tokens with speculation equal those without: a speculating request's rows run in
+    order and its state keeps only its accepted tokens. n-gram lookup over repetitive prompts gets
+    proposals accepted; a random draft model's are rejected (a Qwen3 of the same vocabulary)."""
+    path, _ = hybrids[arch]
+    prompts = [[5, 6, 7, 8] * 6, [40, 41, 42] * 9 + [1], list(range(3, 30))]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    rc = dict(dtype="float32", block_size=4, max_batch=8, num_blocks=256)
+    with LLMEngine(path, **rc) as plain:
+        want = [o.token_ids for o in plain.generate(prompts, params)]
+    spec = dict(speculative_method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
+                prompt_lookup_max=3)
+    if method == "draft":
+        spec = dict(speculative_method="draft", speculative_model=str(hf_checkpoints["gqa4_tied"]),
+                    num_speculative_tokens=3)
+    with LLMEngine(path, **rc, **spec) as eng:
+        got = [o.token_ids for o in eng.generate(prompts, params)]
+        stats = eng.core.scheduler.speculation.stats
+    assert got == want
+    if method == "ngram":
+        assert stats.accepted > 0
+    else:
+        assert stats.proposed > stats.accepted, (stats.proposed, stats.accepted)

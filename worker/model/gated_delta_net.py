@@ -9,6 +9,8 @@ launch's host lists.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -21,9 +23,12 @@ from fusedserve.worker.model.weights import LinearAttnWeights
 
 
 def delta_net_forward(c: Qwen3Config, linear: LinearOp, w: LinearAttnWeights, h: torch.Tensor,
-                      batch: ForwardBatch, state: LayerState, out: torch.Tensor) -> None:
+                      batch: ForwardBatch, state: LayerState, out: torch.Tensor,
+                      kv_window: Callable[[int, int], LayerState]) -> None:
     """``out`` [n, D] = the layer's output for the normed input ``h`` [n, D]; each row's state
-    advanced past its tokens."""
+    advanced past its tokens. A speculating request's rows run in order from its slot's state,
+    each position's state going to ``kv_window(groups, rows)`` (the slot is left as it was: the
+    runner keeps the accepted position's after verification)."""
     la = c.linear_attention
     n, dtype = h.shape[0], h.dtype
     proj = torch.empty(n, la.in_proj_rows, dtype=dtype, device=h.device)
@@ -32,12 +37,20 @@ def delta_net_forward(c: Qwen3Config, linear: LinearOp, w: LinearAttnWeights, h:
     mixed, z = proj[:, :cd], proj[:, cd : cd + vd]
     b, a = proj[:, cd + vd : cd + vd + nv], proj[:, cd + vd + nv :]
     conv = torch.empty(n, cd, dtype=dtype, device=h.device)
-    nd, slots = batch.num_decode, batch.state_slots
-    if nd:
-        rows = slots[:nd]
-        y, new = gated_delta.conv_decode(mixed[:nd], state.conv.index_select(0, rows), w.conv)
-        conv[:nd] = y
-        state.conv.index_copy_(0, rows, new)
+    slots = batch.state_slots
+    runs = _decode_runs(batch)
+    window = kv_window(len(batch.spec_groups), max(n for _, n in batch.spec_groups)) \
+        if batch.spec_groups else None
+    for g, (s, e) in runs:
+        if g is None:  # plain decode rows: batched
+            rows = slots[s:e]
+            conv[s:e], new = gated_delta.conv_decode(mixed[s:e], state.conv.index_select(0, rows), w.conv)
+            state.conv.index_copy_(0, rows, new)
+            continue
+        prev = state.conv.index_select(0, slots[s : s + 1])  # the request's rows in order
+        for j in range(e - s):
+            conv[s + j : s + j + 1], prev = gated_delta.conv_decode(mixed[s + j : s + j + 1], prev, w.conv)
+            window.conv[g, j] = prev[0]
     spans = _prompt_spans(batch)
     for r, start, length in spans:
         one = state.conv[slots[r : r + 1]][0]  # a copy: written back below
@@ -49,11 +62,18 @@ def delta_net_forward(c: Qwen3Config, linear: LinearOp, w: LinearAttnWeights, h:
     beta = torch.sigmoid(b).float()
     g = w.neg_a * F.softplus(a.float() + w.dt_bias)
     core = torch.empty(n, nv, la.value_head_dim, dtype=torch.float32, device=h.device)
-    if nd:
-        rows = slots[:nd]
-        core[:nd], new = gated_delta.recurrent(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd],
-                                               state.recurrent.index_select(0, rows))
-        state.recurrent.index_copy_(0, rows, new)
+    for grp, (s, e) in runs:
+        if grp is None:
+            rows = slots[s:e]
+            core[s:e], new = gated_delta.recurrent(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e],
+                                                   state.recurrent.index_select(0, rows))
+            state.recurrent.index_copy_(0, rows, new)
+            continue
+        prev = state.recurrent.index_select(0, slots[s : s + 1])
+        for j in range(e - s):
+            r = slice(s + j, s + j + 1)
+            core[r], prev = gated_delta.recurrent(q[r], k[r], v[r], g[r], beta[r], prev)
+            window.recurrent[grp, j] = prev[0]
     for r, start, length in spans:
         e = start + length
         core[start:e], new = gated_delta.chunked(q[start:e], k[start:e], v[start:e], g[start:e],
@@ -61,6 +81,25 @@ def delta_net_forward(c: Qwen3Config, linear: LinearOp, w: LinearAttnWeights, h:
         state.recurrent.index_copy_(0, slots[r : r + 1], new.unsqueeze(0))
     normed = gated_delta.gated_norm(core, z.reshape(n, nv, -1), w.norm, c.rms_norm_eps, dtype)
     linear(normed.reshape(n, vd), w.out_proj, out)
+
+
+def _decode_runs(batch: ForwardBatch) -> list[tuple[int | None, tuple[int, int]]]:
+    """The decode rows as runs: (None, (start, end)) of plain rows, (group, (first, end)) of a
+    speculating request's rows."""
+    runs, row = [], 0
+    groups = {first: (i, n) for i, (first, n) in enumerate(batch.spec_groups)}
+    while row < batch.num_decode:
+        if row in groups:
+            i, n = groups[row]
+            runs.append((i, (row, row + n)))
+            row += n
+            continue
+        end = row + 1
+        while end < batch.num_decode and end not in groups:
+            end += 1
+        runs.append((None, (row, end)))
+        row = end
+    return runs
 
 
 def _prompt_spans(batch: ForwardBatch) -> list[tuple[int, int, int]]:

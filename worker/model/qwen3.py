@@ -160,7 +160,8 @@ class Qwen3Model:
         n = x.shape[0]
         norms.add_rms_norm(x, pending, lw.input_norm, buf.h, buf.norm)
         if lw.linear_attn is not None:
-            delta_net_forward(c, linear, lw.linear_attn, buf.h, batch, kv.state(i), buf.o)
+            delta_net_forward(c, linear, lw.linear_attn, buf.h, batch, kv.state(i), buf.o,
+                              lambda groups, rows: kv.speculating(i, groups, rows))
         else:
             linear(buf.h, lw.qkv, buf.qkv)
             if lw.qkv_bias is not None:
