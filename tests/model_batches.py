@@ -28,9 +28,11 @@ def prompt_batch(prompts: list[list[int]], tables: list[list[int]], bs: int,
     for i, t in enumerate(tables):
         bt[i, : len(t)] = torch.tensor(t)
     qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    rows = torch.arange(len(prompts))  # a hybrid's state slots: row i's is i, zeroed where it starts
     return ForwardBatch(torch.tensor(ids, dtype=torch.int32), torch.tensor(pos, dtype=torch.int32),
                         torch.tensor(slots), qsl, torch.tensor(lens, dtype=torch.int32), bt, num_decode=0,
-                        prompt_query_lens=qlens, prompt_seq_lens=lens)
+                        prompt_query_lens=qlens, prompt_seq_lens=lens, state_slots=rows,
+                        state_resets=rows[torch.tensor(cached) == 0])
 
 
 def decode_batch(seqs: list[tuple[int, int, list[int]]], bs: int) -> ForwardBatch:
@@ -44,4 +46,5 @@ def decode_batch(seqs: list[tuple[int, int, list[int]]], bs: int) -> ForwardBatc
                         torch.tensor([s[1] for s in seqs], dtype=torch.int32),
                         torch.tensor([_slot(t, p, bs) for _, p, t in seqs]),
                         torch.arange(n + 1, dtype=torch.int32),
-                        torch.tensor([s[1] + 1 for s in seqs], dtype=torch.int32), bt, num_decode=n)
+                        torch.tensor([s[1] + 1 for s in seqs], dtype=torch.int32), bt, num_decode=n,
+                        state_slots=torch.arange(n))

@@ -120,7 +120,7 @@ def plan(model: Qwen3Config, dtype: torch.dtype, cache: CacheConfig, *, device_k
         blocks, source = num_blocks, "--num-blocks"
     else:
         budget, source = _budget(kv_memory, gpu_util, device_kind, weight_bytes, ranks_on_node, tp)
-        budget -= model.state_bytes(dtype) * states  # a hybrid's states come first
+        budget -= model.state_bytes(dtype) // tp * states  # a hybrid's states (its heads' share) first
         if model.hybrid:
             source += f", less {states} recurrent states"
         blocks = min(max(budget, 0) // per_block, max_batch * -(-context // block_size))
@@ -135,8 +135,8 @@ def plan(model: Qwen3Config, dtype: torch.dtype, cache: CacheConfig, *, device_k
                     "(--kv-cache-memory, --gpu-memory-utilization)", context, blocks * block_size, source,
                     blocks * block_size)
         context = blocks * block_size
-    return KVPlan(blocks, block_size, per_block, context, source, kv_cache_dtype, model.state_bytes(dtype),
-                  states)
+    return KVPlan(blocks, block_size, per_block, context, source, kv_cache_dtype,
+                  model.state_bytes(dtype) // tp, states)
 
 
 def weight_bytes(model_dir: str) -> int:

@@ -148,14 +148,10 @@ def _logits(model: Qwen3Model, ids: list[int], n: int) -> torch.Tensor:
     kv = model.new_kv_cache(num_blocks=len(table), block_size=block, max_seqs=1)
     ws = model.new_workspace(max_rows=4, block_size=block)
     logits, rows = torch.empty(1, VOCAB), []
-    batch = prompt_batch([ids[:n]], [table], block)
-    batch.state_slots, batch.state_resets = torch.tensor([0]), torch.tensor([0])
-    model.forward(batch, kv, ws, logits)
+    model.forward(prompt_batch([ids[:n]], [table], block), kv, ws, logits)
     rows.append(logits[0].clone())
     for p in range(n, len(ids)):
-        batch = decode_batch([(ids[p], p, table)], block)
-        batch.state_slots = torch.tensor([0])
-        model.forward(batch, kv, ws, logits)
+        model.forward(decode_batch([(ids[p], p, table)], block), kv, ws, logits)
         rows.append(logits[0].clone())
     return torch.stack(rows)
 
@@ -267,3 +263,16 @@ def test_speculation_is_exact(hybrids, hf_checkpoints, arch, method):
         assert stats.accepted > 0
     else:
         assert stats.proposed > stats.accepted, (stats.proposed, stats.accepted)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_tensor_parallel_ranks_equal_one_device(hybrids, arch):
+    """Two ranks (gloo), each with half of every head kind (attention, linear-attention key and value
+    heads), the MLP and shared expert split: their logits equal the whole model's."""
+    from tests.model.test_tensor_parallel import _logits as tp_logits
+    from tests.model.test_tensor_parallel import run_ranks
+
+    path, _ = hybrids[arch]
+    whole = tp_logits(Qwen3Model.from_pretrained(path, dtype="float32"), VOCAB)
+    for rank in run_ranks(path, 2):
+        torch.testing.assert_close(rank, whole, atol=2e-4, rtol=1e-4)

@@ -23,7 +23,7 @@ PROMPTS = [[5, 17, 42, 99, 3, 8, 1, 9, 30], [250, 1, 8], [77] * 11]
 
 def _logits(model: Qwen3Model, vocab: int) -> torch.Tensor:
     """Prefill three prompts in one launch, then four decode steps of all three: [5, 3, V]."""
-    kv = model.new_kv_cache(num_blocks=40, block_size=BLOCK)
+    kv = model.new_kv_cache(num_blocks=40, block_size=BLOCK, max_seqs=len(PROMPTS))
     ws = model.new_workspace(max_rows=8, block_size=BLOCK)
     tables = [[3, 9, 1, 12, 20], [0, 7, 30], [5, 2, 14, 33, 21]]
     out = torch.empty(len(PROMPTS), vocab)

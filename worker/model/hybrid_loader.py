@@ -14,6 +14,7 @@ import torch
 
 from fusedserve.kernels.layer_ops import rotary_permutation
 from fusedserve.kernels.model_description.config import Qwen3Config
+from fusedserve.worker.model.tensor_parallel import TensorParallel
 from fusedserve.worker.model.weights import LinearAttnWeights
 
 
@@ -23,15 +24,24 @@ def norm(reader, name: str, dim: int, dtype: torch.dtype) -> torch.Tensor:
     return 1.0 + reader.get(name, (dim,)).float()
 
 
-def gated_attention(reader, a: str, c: Qwen3Config, pd) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q rows, output-gate rows, k rows) of a hybrid's full-attention layer, q and k permuted."""
+def gated_attention(reader, a: str, c: Qwen3Config, pd, tp: TensorParallel
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q rows, output-gate rows, k rows, v rows, o_proj) of a hybrid's full-attention layer: this
+    rank's heads, q and k permuted."""
     nh, hd, hidden = c.num_attention_heads, c.head_dim, c.hidden_size
+    heads, kv = tp.heads(c), tp.kv_heads(c)
     perm = rotary_permutation(hd, c.rotary_dim)
-    both = reader.get(a + "q_proj.weight", (2 * nh * hd, hidden), dtype=pd).view(nh, 2 * hd, hidden)
-    q = both[:, :hd][:, perm].reshape(nh * hd, hidden)
-    gate = both[:, hd:].reshape(nh * hd, hidden).contiguous()
-    k = reader.get(a + "k_proj.weight", (c.kv_size, hidden), dtype=pd).view(-1, hd, hidden)[:, perm]
-    return q, gate, k.reshape(c.kv_size, hidden)
+    both = reader.get(a + "q_proj.weight", (2 * nh * hd, hidden), rows=range(heads.start * 2 * hd,
+                                                                             heads.stop * 2 * hd), dtype=pd)
+    both = both.view(len(heads), 2 * hd, hidden)
+    q = both[:, :hd][:, perm].reshape(-1, hidden)
+    gate = both[:, hd:].reshape(-1, hidden).contiguous()
+    kv_rows = range(kv.start * hd, kv.stop * hd)
+    k = reader.get(a + "k_proj.weight", (c.kv_size, hidden), rows=kv_rows, dtype=pd).view(-1, hd, hidden)
+    v = reader.get(a + "v_proj.weight", (c.kv_size, hidden), rows=kv_rows, dtype=pd)
+    o = reader.get(a + "o_proj.weight", (hidden, c.q_size), cols=range(heads.start * hd, heads.stop * hd),
+                   dtype=pd)
+    return q, gate, k[:, perm].reshape(-1, hidden), v, o
 
 
 def qk_norms(reader, a: str, c: Qwen3Config, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,44 +50,59 @@ def qk_norms(reader, a: str, c: Qwen3Config, dtype: torch.dtype) -> tuple[torch.
             norm(reader, a + "k_norm.weight", c.head_dim, dtype)[perm].contiguous())
 
 
-def linear_attention(reader, p: str, c: Qwen3Config, dtype: torch.dtype, pd, quantize) -> LinearAttnWeights:
-    """Layer ``p``'s Gated DeltaNet (``p``: its ``linear_attn.`` prefix)."""
+def linear_attention(reader, p: str, c: Qwen3Config, pd, quantize, tp: TensorParallel) -> LinearAttnWeights:
+    """Layer ``p``'s Gated DeltaNet (``p``: its ``linear_attn.`` prefix): this rank's key heads and
+    the value heads they serve."""
     la, hidden = c.linear_attention, c.hidden_size
     nk, nv, dk, dv = la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim
+    kh, vh = tp.split(nk), tp.split(nv)
+    q_rows, v_rows = range(kh.start * dk, kh.stop * dk), range(vh.start * dv, vh.stop * dv)
     if c.checkpoint_layout == "qwen3_next":  # per key head: [q, k, v, z] and [b, a]
         r = nv // nk
-        qkvz = reader.get(p + "in_proj_qkvz.weight", (2 * la.key_dim + 2 * la.value_dim, hidden), dtype=pd)
-        qkvz = qkvz.view(nk, 2 * dk + 2 * r * dv, hidden)
-        ba = reader.get(p + "in_proj_ba.weight", (2 * nv, hidden), dtype=pd).view(nk, 2 * r, hidden)
-        cuts = [0, dk, 2 * dk, 2 * dk + r * dv, 2 * dk + 2 * r * dv]
-        parts = [qkvz[:, cuts[i]:cuts[i + 1]].reshape(-1, hidden) for i in range(4)]
-        parts += [ba[:, :r].reshape(nv, hidden), ba[:, r:].reshape(nv, hidden)]
+        width = 2 * dk + 2 * r * dv
+        qkvz = reader.get(p + "in_proj_qkvz.weight", (nk * width, hidden),
+                          rows=range(kh.start * width, kh.stop * width), dtype=pd)
+        ba = reader.get(p + "in_proj_ba.weight", (2 * nv, hidden),
+                        rows=range(kh.start * 2 * r, kh.stop * 2 * r), dtype=pd)
+        qkvz, ba = qkvz.view(len(kh), width, hidden), ba.view(len(kh), 2 * r, hidden)
+        cuts = [0, dk, 2 * dk, 2 * dk + r * dv, width]
+        parts = [qkvz[:, cuts[i] : cuts[i + 1]].reshape(-1, hidden) for i in range(4)]
+        parts += [ba[:, :r].reshape(-1, hidden), ba[:, r:].reshape(-1, hidden)]
     else:
-        parts = [reader.get(p + "in_proj_qkv.weight", (la.conv_dim, hidden), dtype=pd),
-                 reader.get(p + "in_proj_z.weight", (la.value_dim, hidden), dtype=pd),
-                 reader.get(p + "in_proj_b.weight", (nv, hidden), dtype=pd),
-                 reader.get(p + "in_proj_a.weight", (nv, hidden), dtype=pd)]
-    a_log = reader.get(p + "A_log", (nv,), dtype=torch.float32)
+        name, shape = p + "in_proj_qkv.weight", (la.conv_dim, hidden)
+        kd = la.key_dim
+        parts = [reader.get(name, shape, rows=q_rows, dtype=pd),
+                 reader.get(name, shape, rows=range(kd + q_rows.start, kd + q_rows.stop), dtype=pd),
+                 reader.get(name, shape, rows=range(2 * kd + v_rows.start, 2 * kd + v_rows.stop), dtype=pd),
+                 reader.get(p + "in_proj_z.weight", (la.value_dim, hidden), rows=v_rows, dtype=pd),
+                 reader.get(p + "in_proj_b.weight", (nv, hidden), rows=vh, dtype=pd),
+                 reader.get(p + "in_proj_a.weight", (nv, hidden), rows=vh, dtype=pd)]
+    conv = reader.get(p + "conv1d.weight", (la.conv_dim, 1, la.conv_kernel)).view(la.conv_dim, la.conv_kernel)
+    kd = la.key_dim
+    channels = [*q_rows, *range(kd + q_rows.start, kd + q_rows.stop),
+                *range(2 * kd + v_rows.start, 2 * kd + v_rows.stop)]
+    a_log = reader.get(p + "A_log", (nv,), rows=vh, dtype=torch.float32)
     return LinearAttnWeights(
         in_proj=quantize(torch.cat(parts).contiguous()),
-        conv=reader.get(p + "conv1d.weight", (la.conv_dim, 1, la.conv_kernel)).view(la.conv_dim,
-                                                                                    la.conv_kernel),
-        # transformers adds the bias in float32 to a float32 copy of a: the same as the stored value widened
-        dt_bias=reader.get(p + "dt_bias", (nv,)).float(),
+        conv=conv[channels].contiguous(),
+        # transformers adds the bias in float32 to a float32 copy of a: the stored value widened
+        dt_bias=reader.get(p + "dt_bias", (nv,), rows=vh).float(),
         neg_a=-a_log.exp(),
         norm=reader.get(p + "norm.weight", (dv,)),
-        out_proj=quantize(reader.get(p + "out_proj.weight", (hidden, la.value_dim), dtype=pd)),
+        out_proj=quantize(reader.get(p + "out_proj.weight", (hidden, la.value_dim), cols=v_rows, dtype=pd)),
     )
 
 
-def shared_expert(reader, p: str, c: Qwen3Config, pd, quantize) -> dict:
-    """A hybrid MoE layer's shared expert and its gate, as ``LayerWeights`` fields."""
+def shared_expert(reader, p: str, c: Qwen3Config, pd, quantize, tp: TensorParallel) -> dict:
+    """A hybrid MoE layer's shared expert (this rank's slice of its width) and its gate, as
+    ``LayerWeights`` fields."""
     width, hidden = c.shared_expert_intermediate_size, c.hidden_size
     if not width:
         return {}
-    s = p + "mlp.shared_expert."
-    gate = reader.get(s + "gate_proj.weight", (width, hidden), dtype=pd)
-    up = reader.get(s + "up_proj.weight", (width, hidden), dtype=pd)
+    s, share = p + "mlp.shared_expert.", tp.split(width)
+    gate = reader.get(s + "gate_proj.weight", (width, hidden), rows=share, dtype=pd)
+    up = reader.get(s + "up_proj.weight", (width, hidden), rows=share, dtype=pd)
     return dict(shared_gate_up=quantize(torch.cat([gate, up]).contiguous()),
-                shared_down=quantize(reader.get(s + "down_proj.weight", (hidden, width), dtype=pd)),
+                shared_down=quantize(reader.get(s + "down_proj.weight", (hidden, width), cols=share,
+                                                dtype=pd)),
                 shared_gate=reader.get(p + "mlp.shared_expert_gate.weight", (1, hidden)))

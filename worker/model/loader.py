@@ -240,9 +240,6 @@ def load_weights(model_dir: str | Path, config: Qwen3Config, dtype: torch.dtype,
     # A Qwen3.5 ``...ForConditionalGeneration`` checkpoint keeps its language model under
     # ``model.language_model.`` (its vision tower is not read).
     root = "model.language_model." if reader.has("model.language_model.embed_tokens.weight") else "model."
-    if c.hybrid and tp.size > 1:
-        raise WeightError("a hybrid (Gated DeltaNet) model runs on one device per worker: tensor parallelism "
-                          "is not supported for it yet")
     layers = []
     for i in range(c.num_hidden_layers):
         p = f"{root}layers.{i}."
@@ -257,7 +254,7 @@ def load_weights(model_dir: str | Path, config: Qwen3Config, dtype: torch.dtype,
             gate_up, down = gate_up_down(p + "mlp.", c.intermediate_size, inter)
         mlp = dict(gate_up=gate_up, down=down, router=router, experts=experts)
         if c.hybrid:
-            layers.append(_hybrid_layer(reader, i, p, c, pd, q_, mlp))
+            layers.append(_hybrid_layer(reader, i, p, c, tp, pd, q_, mlp))
         else:
             layers.append(_attention_layer(reader, p, c, tp, pd, pk, q_, mlp))
         if progress is not None:
@@ -303,24 +300,23 @@ def _attention_layer(reader: _Reader, p: str, c: Qwen3Config, tp: TensorParallel
     )
 
 
-def _hybrid_layer(reader: _Reader, i: int, p: str, c: Qwen3Config, pd, q_, mlp: dict) -> LayerWeights:
+def _hybrid_layer(reader: _Reader, i: int, p: str, c: Qwen3Config, tp: TensorParallel, pd, q_,
+                  mlp: dict) -> LayerWeights:
     """A hybrid's layer: Gated DeltaNet or gated full attention, zero-centred norms, the MLP read
     already (and a MoE layer's shared expert)."""
     hidden, dtype = c.hidden_size, reader.dtype
-    shared = hybrid_loader.shared_expert(reader, p, c, pd, q_) if mlp["experts"] is not None else {}
+    shared = hybrid_loader.shared_expert(reader, p, c, pd, q_, tp) if mlp["experts"] is not None else {}
     common = dict(input_norm=hybrid_loader.norm(reader, p + "input_layernorm.weight", hidden, dtype),
                   post_norm=hybrid_loader.norm(reader, p + "post_attention_layernorm.weight", hidden, dtype),
                   qkv_bias=None, **mlp, **shared)
     if c.linear_layer(i):
-        la = hybrid_loader.linear_attention(reader, p + "linear_attn.", c, dtype, pd, q_)
+        la = hybrid_loader.linear_attention(reader, p + "linear_attn.", c, pd, q_, tp)
         return LayerWeights(qkv=None, q_norm=None, k_norm=None, o_proj=None, linear_attn=la, **common)
     a = p + "self_attn."
-    q, gate, k = hybrid_loader.gated_attention(reader, a, c, pd)
-    v = reader.get(a + "v_proj.weight", (c.kv_size, hidden), dtype=pd)
+    q, gate, k, v, o = hybrid_loader.gated_attention(reader, a, c, pd, tp)
     q_norm, k_norm = hybrid_loader.qk_norms(reader, a, c, dtype)
     return LayerWeights(qkv=q_(torch.cat([q, k, v]).contiguous()), q_norm=q_norm, k_norm=k_norm,
-                        o_proj=q_(reader.get(a + "o_proj.weight", (hidden, c.q_size), dtype=pd)),
-                        attn_gate=q_(gate), **common)
+                        o_proj=q_(o), attn_gate=q_(gate), **common)
 
 
 def _vocab_rows(reader: _Reader, name: str, c: Qwen3Config, tp: TensorParallel) -> torch.Tensor:

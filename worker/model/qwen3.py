@@ -132,16 +132,17 @@ class Qwen3Model:
         torch.index_select(self.sin, 0, batch.positions, out=sin)
         buf = ws.layer_buffers(t)
         ws.attention.begin(batch, kv.block_size)
-        if batch.state_resets is not None and batch.state_resets.numel():
-            kv.reset(batch.state_resets)
-        if batch.state_restores is not None and batch.state_restores.numel():
-            kv.restore(batch.state_restores)
+        if self.config.hybrid:  # states starting from zero, or from a cached prefix's snapshot
+            if batch.state_resets is not None and batch.state_resets.numel():
+                kv.reset(batch.state_resets)
+            if batch.state_restores is not None and batch.state_restores.numel():
+                kv.restore(batch.state_restores)
         pending = None  # the previous layer's MLP output, added to the residual by the next norm
         for i, lw in enumerate(self.w.layers):
             pending = self._layer(i, lw, x, pending, buf, cos, sin, batch, kv, ws)
         if pending is not None:
             x.add_(pending)
-        if batch.state_saves is not None and batch.state_saves.numel():
+        if self.config.hybrid and batch.state_saves is not None and batch.state_saves.numel():
             kv.save(batch.state_saves)
         if logits is None:
             return x

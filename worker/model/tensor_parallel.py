@@ -61,6 +61,13 @@ class TensorParallel:
         if c.intermediate_size % n:
             raise ConfigError(f"tensor parallel size {n} does not divide intermediate_size "
                               f"({c.intermediate_size})")
+        la = c.linear_attention
+        if la is not None and (la.num_key_heads % n or la.num_value_heads % n):
+            raise ConfigError(f"tensor parallel size {n} does not divide linear_num_key_heads "
+                              f"({la.num_key_heads}) and linear_num_value_heads ({la.num_value_heads})")
+        if c.shared_expert_intermediate_size % n:
+            raise ConfigError(f"tensor parallel size {n} does not divide shared_expert_intermediate_size "
+                              f"({c.shared_expert_intermediate_size})")
         if c.num_experts:
             if self.expert_parallel and c.num_experts % n:
                 raise ConfigError(f"expert parallel size {n} does not divide num_experts ({c.num_experts})")
@@ -76,10 +83,15 @@ class TensorParallel:
         self.check(c)
         n = self.size
         moe_inter = c.moe_intermediate_size if self.expert_parallel else c.moe_intermediate_size // n
+        la = c.linear_attention
+        if la is not None:  # a hybrid's linear-attention heads split like attention heads
+            la = dataclasses.replace(la, num_key_heads=la.num_key_heads // n,
+                                     num_value_heads=la.num_value_heads // n)
         return dataclasses.replace(c, num_attention_heads=c.num_attention_heads // n,
                                    num_key_value_heads=max(1, c.num_key_value_heads // n),
                                    intermediate_size=c.intermediate_size // n,
-                                   moe_intermediate_size=moe_inter)
+                                   moe_intermediate_size=moe_inter, linear_attention=la,
+                                   shared_expert_intermediate_size=c.shared_expert_intermediate_size // n)
 
     def heads(self, c: Qwen3Config) -> range:
         """This rank's query heads."""
