@@ -64,23 +64,25 @@ def build_for(engine: str, isa: str, cpu_flags: set[str]) -> str:
 # Run as ``python -c``: convert_hf_to_gguf.py with the tokenizer declared qwen2's.
 _CONVERT = """
 import runpy, sys
-src, model, out = sys.argv[1:4]
+src, model, out, *extra = sys.argv[1:]
 sys.path[:0] = [src, src + "/gguf-py"]
 import conversion.base as base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
-sys.argv = ["convert_hf_to_gguf.py", model, "--outtype", "bf16", "--outfile", out]
+sys.argv = ["convert_hf_to_gguf.py", model, "--outtype", "bf16", "--outfile", out, *extra]
 runpy.run_path(src + "/convert_hf_to_gguf.py", run_name="__main__")
 """
 
 
-def gguf(llama_dir: Path, python: str, model_dir: Path, root: Path, engine: str) -> Path:
-    """The GGUF file of ``engine``'s weights, converted and quantized once (cached in ``root``)."""
+def gguf(llama_dir: Path, python: str, model_dir: Path, root: Path, engine: str,
+         convert_args: tuple[str, ...] = ()) -> Path:
+    """The GGUF file of ``engine``'s weights, converted and quantized once (cached in ``root``);
+    ``convert_args``: more of the converter's flags (``--no-mtp`` for a hybrid without its MTP head)."""
     root.mkdir(parents=True, exist_ok=True)
     bf16 = root / "bf16.gguf"
     if not bf16.is_file():
         tmp = root / ".bf16.gguf.tmp"
-        subprocess.run([python, "-c", _CONVERT, str(llama_dir), str(model_dir), str(tmp)], check=True,
-                       capture_output=True, timeout=3600)
+        subprocess.run([python, "-c", _CONVERT, str(llama_dir), str(model_dir), str(tmp), *convert_args],
+                       check=True, capture_output=True, timeout=3600)
         tmp.rename(bf16)
     kind = WEIGHTS[engine]
     if kind == "bf16":

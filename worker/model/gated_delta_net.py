@@ -24,11 +24,11 @@ from fusedserve.worker.model.weights import LinearAttnWeights
 
 def delta_net_forward(c: Qwen3Config, linear: LinearOp, w: LinearAttnWeights, h: torch.Tensor,
                       batch: ForwardBatch, state: LayerState, out: torch.Tensor,
-                      kv_window: Callable[[int, int], LayerState]) -> None:
+                      kv_window: Callable[[int, int], LayerState], ops: DecodeOps) -> None:
     """``out`` [n, D] = the layer's output for the normed input ``h`` [n, D]; each row's state
     advanced past its tokens. A speculating request's rows run in order from its slot's state,
     each position's state going to ``kv_window(groups, rows)`` (the slot is left as it was: the
-    runner keeps the accepted position's after verification)."""
+    runner keeps the accepted position's after verification). ``ops``: the decode step's kernels."""
     la = c.linear_attention
     n, dtype = h.shape[0], h.dtype
     proj = torch.empty(n, la.in_proj_rows, dtype=dtype, device=h.device)
@@ -41,16 +41,12 @@ def delta_net_forward(c: Qwen3Config, linear: LinearOp, w: LinearAttnWeights, h:
     runs = _decode_runs(batch)
     window = kv_window(len(batch.spec_groups), max(n for _, n in batch.spec_groups)) \
         if batch.spec_groups else None
-    for g, (s, e) in runs:
-        if g is None:  # plain decode rows: batched
-            rows = slots[s:e]
-            conv[s:e], new = gated_delta.conv_decode(mixed[s:e], state.conv.index_select(0, rows), w.conv)
-            state.conv.index_copy_(0, rows, new)
+    for grp, (s, e) in runs:
+        if grp is None:  # plain decode rows: batched, their states updated in their slots
+            ops.conv(mixed[s:e], state.conv, slots[s:e], w.conv, conv[s:e])
             continue
-        prev = state.conv.index_select(0, slots[s : s + 1])  # the request's rows in order
-        for j in range(e - s):
-            conv[s + j : s + j + 1], prev = gated_delta.conv_decode(mixed[s + j : s + j + 1], prev, w.conv)
-            window.conv[g, j] = prev[0]
+        for j, pool in _positions(window.conv[grp][: e - s], state.conv, slots[s : s + 1]):
+            ops.conv(mixed[s + j : s + j + 1], window.conv[grp], pool, w.conv, conv[s + j : s + j + 1])
     spans = _prompt_spans(batch)
     for r, start, length in spans:
         one = state.conv[slots[r : r + 1]][0]  # a copy: written back below
@@ -64,16 +60,11 @@ def delta_net_forward(c: Qwen3Config, linear: LinearOp, w: LinearAttnWeights, h:
     core = torch.empty(n, nv, la.value_head_dim, dtype=torch.float32, device=h.device)
     for grp, (s, e) in runs:
         if grp is None:
-            rows = slots[s:e]
-            core[s:e], new = gated_delta.recurrent(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e],
-                                                   state.recurrent.index_select(0, rows))
-            state.recurrent.index_copy_(0, rows, new)
+            ops.rule(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], state.recurrent, slots[s:e], core[s:e])
             continue
-        prev = state.recurrent.index_select(0, slots[s : s + 1])
-        for j in range(e - s):
+        for j, pool in _positions(window.recurrent[grp][: e - s], state.recurrent, slots[s : s + 1]):
             r = slice(s + j, s + j + 1)
-            core[r], prev = gated_delta.recurrent(q[r], k[r], v[r], g[r], beta[r], prev)
-            window.recurrent[grp, j] = prev[0]
+            ops.rule(q[r], k[r], v[r], g[r], beta[r], window.recurrent[grp], pool, core[r])
     for r, start, length in spans:
         e = start + length
         core[start:e], new = gated_delta.chunked(q[start:e], k[start:e], v[start:e], g[start:e],
@@ -81,6 +72,43 @@ def delta_net_forward(c: Qwen3Config, linear: LinearOp, w: LinearAttnWeights, h:
         state.recurrent.index_copy_(0, slots[r : r + 1], new.unsqueeze(0))
     normed = gated_delta.gated_norm(core, z.reshape(n, nv, -1), w.norm, c.rms_norm_eps, dtype)
     linear(normed.reshape(n, vd), w.out_proj, out)
+
+
+class DecodeOps:
+    """A decode step's conv and delta rule for rows of one token, each row's state updated in place
+    in its slot of a pool: in torch (gathered, computed, scattered back) or by the native CPU
+    kernels (``csrc/gated_delta.cpp``: one pass over each state where it lies). A speculating
+    request's positions go through the same calls, so its tokens are those of plain decode."""
+
+    def __init__(self, native=None):
+        self.native = native
+
+    def conv(self, x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
+             out: torch.Tensor) -> None:
+        if self.native is not None:
+            self.native.conv_decode(x, pool, slots, weight, out)
+            return
+        out[:], new = gated_delta.conv_decode(x, pool.index_select(0, slots), weight)
+        pool.index_copy_(0, slots, new)
+
+    def rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             pool: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
+        if self.native is not None:
+            self.native.gated_delta_decode(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
+                                           beta.contiguous(), pool, slots, out)
+            return
+        out[:], new = gated_delta.recurrent(q, k, v, g, beta, pool.index_select(0, slots))
+        pool.index_copy_(0, slots, new)
+
+
+def _positions(window: torch.Tensor, pool: torch.Tensor, slot: torch.Tensor):
+    """A speculating request's positions j: its state after j rows is carried into ``window[j]``,
+    which position j's step then advances in place (yields j and the index of ``window[j]``)."""
+    window[0] = pool.index_select(0, slot)[0]
+    for j in range(window.shape[0]):
+        if j:
+            window[j] = window[j - 1]
+        yield j, torch.tensor([j], device=window.device)
 
 
 def _decode_runs(batch: ForwardBatch) -> list[tuple[int | None, tuple[int, int]]]:

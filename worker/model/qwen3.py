@@ -22,7 +22,7 @@ from fusedserve.kernels.model_description.checkpoint_format import checkpoint_fo
 from fusedserve.kernels.model_description.config import ConfigError, Qwen3Config, parse_dtype, resolve_dtype
 from fusedserve.kernels.model_description.quantization import check_quantization
 from fusedserve.kernels.native import build as native_build
-from fusedserve.worker.model.gated_delta_net import delta_net_forward
+from fusedserve.worker.model.gated_delta_net import DecodeOps, delta_net_forward
 from fusedserve.worker.model.hybrid_norms import HybridNorms
 from fusedserve.worker.model.loader import Progress, load_weights
 from fusedserve.worker.model.moe import moe_forward
@@ -62,6 +62,8 @@ class Qwen3Model:
         self.cos, self.sin = self.cos.to(dtype), self.sin.to(dtype)
         # The norms' kernels: a hybrid's zero-centred ones round as transformers does (hybrid_norms.py).
         self.norms = HybridNorms(self.local) if config.hybrid else self.kernels.ops
+        # A hybrid's decode step: the native CPU kernels where they run, else torch.
+        self.delta_ops = DecodeOps(native_build.kernels() if self.kernels.name == "native" else None)
         self.cos, self.sin = self.cos.to(self.device), self.sin.to(self.device)
 
     @classmethod
@@ -162,7 +164,7 @@ class Qwen3Model:
         norms.add_rms_norm(x, pending, lw.input_norm, buf.h, buf.norm)
         if lw.linear_attn is not None:
             delta_net_forward(c, linear, lw.linear_attn, buf.h, batch, kv.state(i), buf.o,
-                              lambda groups, rows: kv.speculating(i, groups, rows))
+                              lambda groups, rows: kv.speculating(i, groups, rows), self.delta_ops)
         else:
             linear(buf.h, lw.qkv, buf.qkv)
             if lw.qkv_bias is not None:

@@ -339,6 +339,10 @@ void qk_norm_rope(at::Tensor qkv, const at::Tensor& qw, const at::Tensor& kw, co
                   const c10::optional<at::Tensor>& k_cache, const c10::optional<at::Tensor>& v_cache,
                   const c10::optional<at::Tensor>& slot_mapping);
 void silu_mul(const at::Tensor& gate_up, at::Tensor out);
+void gated_delta_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                        const at::Tensor& beta, at::Tensor state, const at::Tensor& slots, at::Tensor out);
+void conv_decode(const at::Tensor& x, at::Tensor state, const at::Tensor& slots, const at::Tensor& weight,
+                 at::Tensor out);
 void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask);
 bool group_arrive_wait(at::Tensor flags, int64_t rank, int64_t seq, int64_t wait_us);
 

@@ -77,6 +77,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v_cache") = py::none(), py::arg("slot_mapping") = py::none());
   m.def("silu_mul", &silu_mul, "out = silu(gate) * up for gate_up = [gate, up]", py::arg("gate_up"),
         py::arg("out"));
+  m.def("gated_delta_decode", &gated_delta_decode,
+        "the delta rule's decode step per (row, head), each state updated in place in its slot",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("state"),
+        py::arg("slots"), py::arg("out"));
+  m.def("conv_decode", &conv_decode, "SiLU(causal conv) of one new input per row; its slot's inputs shift",
+        py::arg("x"), py::arg("state"), py::arg("slots"), py::arg("weight"), py::arg("out"));
   m.def("group_arrive_wait", &group_arrive_wait,
         "publish this rank's seq, wait (GIL released) until every rank's flag reaches it; false after wait_us",
         py::arg("flags"), py::arg("rank"), py::arg("seq"), py::arg("wait_us"),
