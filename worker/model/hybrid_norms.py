@@ -5,6 +5,8 @@ these compute ``x / rms(x) * (1 + w)`` in float32 and round once (``hybrid_loade
 ``1 + w`` in float32). The difference is a bf16 rounding step per norm, which over a model's
 layers and its q/k norms is most of the bf16 error a Qwen3-style norm would add. Same call shapes
 as ``LayerOps.add_rms_norm`` and ``qk_norm_rope`` (an auto-dtype KV cache: rows written as they are).
+With the native CPU kernels, their float32-weight passes (``csrc/norm.cpp``) do the same in one pass
+per row and per head; else torch.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from fusedserve.kernels.model_description.config import Qwen3Config
 
 
 class HybridNorms:
-    def __init__(self, c: Qwen3Config):
+    def __init__(self, c: Qwen3Config, native=None):
         self.c = c
         self.eps = c.rms_norm_eps
+        self.native = native
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -27,6 +30,9 @@ class HybridNorms:
     def add_rms_norm(self, x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor,
                      buf: NormScratch | None = None) -> None:
         """``x += add`` (in x's dtype, as the residual adds), then ``out`` = the normed row."""
+        if self.native is not None:
+            self.native.add_rms_norm(x, add, weight, self.eps, out)
+            return
         if add is not None:
             x.add_(add)
         out.copy_(self._norm(x, weight))
@@ -38,6 +44,11 @@ class HybridNorms:
         ``q_out``, k and v into their cache rows."""
         c, n = self.c, qkv.shape[0]
         hd = c.head_dim
+        if self.native is not None:
+            self.native.qk_norm_rope(qkv, q_weight, k_weight, cos, sin, self.eps, q_out,
+                                     c.num_attention_heads, c.num_key_value_heads, k_cache, v_cache,
+                                     slot_mapping)
+            return
         q = qkv[:, : c.q_size].view(n, -1, hd)
         k = qkv[:, c.q_size : c.q_size + c.kv_size].view(n, -1, hd)
         v = qkv[:, c.q_size + c.kv_size :].view(n, -1, hd)

@@ -61,9 +61,10 @@ class Qwen3Model:
             self.cos, self.sin = partial_rope_tables(self.cos, self.sin, config.head_dim)
         self.cos, self.sin = self.cos.to(dtype), self.sin.to(dtype)
         # The norms' kernels: a hybrid's zero-centred ones round as transformers does (hybrid_norms.py).
-        self.norms = HybridNorms(self.local) if config.hybrid else self.kernels.ops
-        # A hybrid's decode step: the native CPU kernels where they run, else torch.
-        self.delta_ops = DecodeOps(native_build.kernels() if self.kernels.name == "native" else None)
+        # A hybrid's norms and decode step: the native CPU kernels where they run, else torch.
+        native = native_build.kernels() if self.kernels.name == "native" else None
+        self.norms = HybridNorms(self.local, native) if config.hybrid else self.kernels.ops
+        self.delta_ops = DecodeOps(native)
         self.cos, self.sin = self.cos.to(self.device), self.sin.to(self.device)
 
     @classmethod

@@ -4,7 +4,9 @@
 namespace fusedserve {
 // ------------------------------------------------------------- norms and rotary
 // Rounded like transformers' Qwen3 in the model's dtype: the normalised value is rounded to T
-// before the weight multiplies it, and rotary rounds x*cos and rot(x)*sin before adding.
+// before the weight multiplies it, and rotary rounds x*cos and rot(x)*sin before adding. With a
+// float32 weight W over 16-bit rows (a hybrid's zero-centred norms, 1 + w): x / rms * w in float32,
+// rounded once, as transformers' Qwen3.5 / Qwen3-Next norms are.
 
 template <typename T>
 inline float inv_rms(const T* x, int64_t D, float eps) {
@@ -19,21 +21,27 @@ inline float inv_rms(const T* x, int64_t D, float eps) {
   return 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
 }
 
-template <typename T>
-inline void norm_row(const T* x, const T* w, float r, int64_t D, T* out) {
+template <typename T, typename W = T>
+inline void norm_row(const T* x, const W* w, float r, int64_t D, T* out) {
+  constexpr bool once = std::is_same_v<W, float> && !std::is_same_v<T, float>;
   int64_t d = 0;
-  for (; d + VL <= D; d += VL) vstore(out + d, vmul(vload(w + d), vround<T>(vmul(vload(x + d), vset(r)))));
-  for (; d < D; ++d) out[d] = static_cast<T>(to_f(w[d]) * to_f(static_cast<T>(to_f(x[d]) * r)));
+  if constexpr (once) {
+    for (; d + VL <= D; d += VL) vstore(out + d, vmul(vload(w + d), vmul(vload(x + d), vset(r))));
+    for (; d < D; ++d) out[d] = static_cast<T>(w[d] * (to_f(x[d]) * r));
+  } else {
+    for (; d + VL <= D; d += VL) vstore(out + d, vmul(vload(w + d), vround<T>(vmul(vload(x + d), vset(r)))));
+    for (; d < D; ++d) out[d] = static_cast<T>(to_f(w[d]) * to_f(static_cast<T>(to_f(x[d]) * r)));
+  }
 }
 
-template <typename T>
+template <typename T, typename W = T>
 void add_rms_norm_impl(at::Tensor& x, const c10::optional<at::Tensor>& add, const at::Tensor& w, double eps,
                        at::Tensor& out) {
   const int64_t N = x.size(0), D = x.size(1), ldx = x.stride(0), ldo = out.stride(0);
   T* xp = x.data_ptr<T>();
   const T* ap = add.has_value() ? add->data_ptr<T>() : nullptr;
   const int64_t lda = add.has_value() ? add->stride(0) : 0;
-  const T* wp = w.data_ptr<T>();
+  const W* wp = w.data_ptr<W>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t n = r0; n < r1; ++n) {
@@ -54,8 +62,17 @@ void add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& add, const at::
                   at::Tensor out) {
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1 && w.is_contiguous(),
               "rms_norm: [N, D] tensors with contiguous rows");
-  TORCH_CHECK(x.scalar_type() == w.scalar_type() && x.scalar_type() == out.scalar_type(), "rms_norm: dtypes");
+  TORCH_CHECK((x.scalar_type() == w.scalar_type() || w.scalar_type() == at::kFloat) &&
+              x.scalar_type() == out.scalar_type(), "rms_norm: dtypes");
   TORCH_CHECK(!add.has_value() || (add->sizes() == x.sizes() && add->stride(1) == 1), "rms_norm: add shape");
+  if (w.scalar_type() == at::kFloat && x.scalar_type() == at::kBFloat16) {
+    add_rms_norm_impl<bf16, float>(x, add, w, eps, out);
+    return;
+  }
+  if (w.scalar_type() == at::kFloat && x.scalar_type() == at::kHalf) {
+    add_rms_norm_impl<f16, float>(x, add, w, eps, out);
+    return;
+  }
   switch (x.scalar_type()) {
     case at::kFloat: add_rms_norm_impl<float>(x, add, w, eps, out); break;
     case at::kBFloat16: add_rms_norm_impl<bf16>(x, add, w, eps, out); break;
@@ -64,8 +81,8 @@ void add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& add, const at::
   }
 }
 
-template <typename T>
-inline void norm_rope_head(const T* src, const T* w, const T* cos, const T* sin, float eps, int64_t D,
+template <typename T, typename W>
+inline void norm_rope_head(const T* src, const W* w, const T* cos, const T* sin, float eps, int64_t D,
                            T* tmp, T* dst) {
   norm_row(src, w, inv_rms(src, D, eps), D, tmp);
   const int64_t half = D / 2;
@@ -86,7 +103,7 @@ inline void norm_rope_head(const T* src, const T* w, const T* cos, const T* sin,
 }
 
 // C: the caches' element, T or int8_t (rows of D values and their scale, kv8_store).
-template <typename T, typename C>
+template <typename T, typename C, typename W = T>
 void qk_norm_rope_impl(at::Tensor& qkv, const at::Tensor& qw, const at::Tensor& kw, const at::Tensor& cos,
                        const at::Tensor& sin, double eps, at::Tensor& q_out, int64_t H, int64_t KVH,
                        C* kc, C* vc, const int64_t* slots) {
@@ -95,7 +112,8 @@ void qk_norm_rope_impl(at::Tensor& qkv, const at::Tensor& qw, const at::Tensor& 
   const int64_t hrow = Q8 ? D + KV8_SCALE_BYTES : D;  // a head's row in the cache, in C elements
   T* base = qkv.data_ptr<T>();
   T* qo = q_out.data_ptr<T>();
-  const T *qwp = qw.data_ptr<T>(), *kwp = kw.data_ptr<T>(), *cp = cos.data_ptr<T>(), *sp = sin.data_ptr<T>();
+  const W *qwp = qw.data_ptr<W>(), *kwp = kw.data_ptr<W>();
+  const T *cp = cos.data_ptr<T>(), *sp = sin.data_ptr<T>();
   const int64_t ldc = cos.stride(0), lds = sin.stride(0), kv_row = KVH * D, slot_row = KVH * hrow;
   const float e = static_cast<float>(eps);
   at::parallel_for(0, N * (H + KVH), 8, [&](int64_t w0, int64_t w1) {
@@ -137,8 +155,10 @@ void qk_norm_rope(at::Tensor qkv, const at::Tensor& qw, const at::Tensor& kw, co
               "qk_norm_rope: qkv [N, (H + 2 KVH) D] rows contiguous, q_out contiguous");
   TORCH_CHECK(cos.stride(-1) == 1 && sin.stride(-1) == 1 && cos.size(-1) == D && qkv.size(1) >= (H + 2 * KVH) * D,
               "qk_norm_rope: cos/sin [N, D]");
+  const bool f32w = qw.scalar_type() == at::kFloat && qkv.scalar_type() != at::kFloat;
   TORCH_CHECK(qkv.scalar_type() == q_out.scalar_type() && qkv.scalar_type() == cos.scalar_type() &&
-              qkv.scalar_type() == qw.scalar_type(), "qk_norm_rope: dtypes");
+              (qkv.scalar_type() == qw.scalar_type() || f32w) && kw.scalar_type() == qw.scalar_type(),
+              "qk_norm_rope: dtypes");
   const bool cache = k_cache.has_value();
   const bool q8 = cache && k_cache->scalar_type() == at::kChar;
   if (cache) {
@@ -156,7 +176,11 @@ void qk_norm_rope(at::Tensor qkv, const at::Tensor& qw, const at::Tensor& kw, co
   switch (qkv.scalar_type()) {
 #define FS_QK(T, S)                                                                                        \
   case S:                                                                                                  \
-    if (q8)                                                                                                \
+    if (f32w && !q8)                                                                                       \
+      qk_norm_rope_impl<T, T, float>(qkv, qw, kw, cos, sin, eps, q_out, H, KVH,                            \
+                                     cache ? k_cache->data_ptr<T>() : nullptr,                           \
+                                     cache ? v_cache->data_ptr<T>() : nullptr, slots);                   \
+    else if (q8)                                                                                           \
       qk_norm_rope_impl<T, int8_t>(qkv, qw, kw, cos, sin, eps, q_out, H, KVH, k_cache->data_ptr<int8_t>(), \
                                    v_cache->data_ptr<int8_t>(), slots);                                  \
     else                                                                                                   \
