@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fusedserve.kernels.model_description.hybrid import LinearAttention
+
 CHUNK = 64  # tokens per block of the chunked form (transformers' and FLA's)
 
 
@@ -51,6 +53,18 @@ def prepare_qk(q: torch.Tensor, k: torch.Tensor, value_heads: int) -> tuple[torc
         q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
     q, k = l2norm(q.float()), l2norm(k.float())
     return q * q.shape[-1] ** -0.5, k
+
+
+def rule_inputs(conv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, neg_a: torch.Tensor,
+                dt_bias: torch.Tensor, la: LinearAttention) -> tuple[torch.Tensor, ...]:
+    """The rule's (q, k, v, g, beta) from the conv's output [n, q + k + v] and the projection's b and a
+    [n, H], as transformers computes them: beta = sigmoid(b) in the model's dtype, g = -exp(A_log) *
+    softplus(a + dt_bias) in float32, v as float32 heads."""
+    n, kd, nk = conv.shape[0], la.key_dim, la.num_key_heads
+    q, k = prepare_qk(conv[:, :kd].reshape(n, nk, -1), conv[:, kd : 2 * kd].reshape(n, nk, -1),
+                      la.num_value_heads)
+    v = conv[:, 2 * kd :].reshape(n, la.num_value_heads, la.value_head_dim).float()
+    return q, k, v, neg_a * F.softplus(a.float() + dt_bias), torch.sigmoid(b).float()
 
 
 def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

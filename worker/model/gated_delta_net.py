@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from fusedserve.kernels import gated_delta
 from fusedserve.kernels.forward_batch import ForwardBatch
@@ -37,41 +36,32 @@ def delta_net_forward(c: Qwen3Config, linear: LinearOp, w: LinearAttnWeights, h:
     mixed, z = proj[:, :cd], proj[:, cd : cd + vd]
     b, a = proj[:, cd + vd : cd + vd + nv], proj[:, cd + vd + nv :]
     conv = torch.empty(n, cd, dtype=dtype, device=h.device)
-    slots = batch.state_slots
-    runs = _decode_runs(batch)
+    normed = torch.empty(n, vd, dtype=dtype, device=h.device)
+    slots, eps = batch.state_slots, c.rms_norm_eps
     window = kv_window(len(batch.spec_groups), max(n for _, n in batch.spec_groups)) \
         if batch.spec_groups else None
-    for grp, (s, e) in runs:
+    for grp, (s, e) in _decode_runs(batch):
         if grp is None:  # plain decode rows: batched, their states updated in their slots
             ops.conv(mixed[s:e], state.conv, slots[s:e], w.conv, conv[s:e])
+            ops.step(la, w, eps, conv[s:e], b[s:e], a[s:e], z[s:e], state.recurrent, slots[s:e], normed[s:e])
             continue
-        for j, pool in _positions(window.conv[grp][: e - s], state.conv, slots[s : s + 1]):
-            ops.conv(mixed[s + j : s + j + 1], window.conv[grp], pool, w.conv, conv[s + j : s + j + 1])
-    spans = _prompt_spans(batch)
-    for r, start, length in spans:
-        one = state.conv[slots[r : r + 1]][0]  # a copy: written back below
-        conv[start : start + length] = gated_delta.conv_prompt(mixed[start : start + length], one, w.conv)
-        state.conv.index_copy_(0, slots[r : r + 1], one.unsqueeze(0))
-    q, k, v = conv[:, : la.key_dim], conv[:, la.key_dim : 2 * la.key_dim], conv[:, 2 * la.key_dim :]
-    q, k = gated_delta.prepare_qk(q.reshape(n, la.num_key_heads, -1), k.reshape(n, la.num_key_heads, -1), nv)
-    v = v.reshape(n, nv, la.value_head_dim).float()
-    beta = torch.sigmoid(b).float()
-    g = w.neg_a * F.softplus(a.float() + w.dt_bias)
-    core = torch.empty(n, nv, la.value_head_dim, dtype=torch.float32, device=h.device)
-    for grp, (s, e) in runs:
-        if grp is None:
-            ops.rule(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], state.recurrent, slots[s:e], core[s:e])
-            continue
-        for j, pool in _positions(window.recurrent[grp][: e - s], state.recurrent, slots[s : s + 1]):
+        pools = LayerState(window.conv[grp][: e - s], window.recurrent[grp][: e - s])
+        for j, idx in _positions(pools, state, slots[s : s + 1]):
             r = slice(s + j, s + j + 1)
-            ops.rule(q[r], k[r], v[r], g[r], beta[r], window.recurrent[grp], pool, core[r])
-    for r, start, length in spans:
-        e = start + length
-        core[start:e], new = gated_delta.chunked(q[start:e], k[start:e], v[start:e], g[start:e],
-                                                 beta[start:e], state.recurrent[slots[r : r + 1]][0])
-        state.recurrent.index_copy_(0, slots[r : r + 1], new.unsqueeze(0))
-    normed = gated_delta.gated_norm(core, z.reshape(n, nv, -1), w.norm, c.rms_norm_eps, dtype)
-    linear(normed.reshape(n, vd), w.out_proj, out)
+            ops.conv(mixed[r], pools.conv, idx, w.conv, conv[r])
+            ops.step(la, w, eps, conv[r], b[r], a[r], z[r], pools.recurrent, idx, normed[r])
+    for r, start, length in _prompt_spans(batch):  # prompt chunks: the chunked rule, in torch
+        e, one = start + length, slots[r : r + 1]
+        conv_state = state.conv[one][0]  # copies: written back below
+        conv[start:e] = gated_delta.conv_prompt(mixed[start:e], conv_state, w.conv)
+        state.conv.index_copy_(0, one, conv_state.unsqueeze(0))
+        q, k, v, g, beta = gated_delta.rule_inputs(conv[start:e], b[start:e], a[start:e], w.neg_a, w.dt_bias,
+                                                   la)
+        core, new = gated_delta.chunked(q, k, v, g, beta, state.recurrent[one][0])
+        state.recurrent.index_copy_(0, one, new.unsqueeze(0))
+        normed[start:e] = gated_delta.gated_norm(core, z[start:e].reshape(length, nv, -1), w.norm, eps,
+                                                 dtype).reshape(length, vd)
+    linear(normed, w.out_proj, out)
 
 
 class DecodeOps:
@@ -91,24 +81,29 @@ class DecodeOps:
         out[:], new = gated_delta.conv_decode(x, pool.index_select(0, slots), weight)
         pool.index_copy_(0, slots, new)
 
-    def rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-             pool: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
+    def step(self, la, w: LinearAttnWeights, eps: float, conv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+             z: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
+        """The step after the conv: the rule's inputs, the rule, the gated norm into ``out`` [n, vd]."""
         if self.native is not None:
-            self.native.gated_delta_decode(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
-                                           beta.contiguous(), pool, slots, out)
+            self.native.gated_delta_step(conv, b, a, z, w.neg_a, w.dt_bias, w.norm, eps, la.num_key_heads,
+                                         pool, slots, out)
             return
-        out[:], new = gated_delta.recurrent(q, k, v, g, beta, pool.index_select(0, slots))
+        n, nv = conv.shape[0], la.num_value_heads
+        q, k, v, g, beta = gated_delta.rule_inputs(conv, b, a, w.neg_a, w.dt_bias, la)
+        core, new = gated_delta.recurrent(q, k, v, g, beta, pool.index_select(0, slots))
         pool.index_copy_(0, slots, new)
+        out[:] = gated_delta.gated_norm(core, z.reshape(n, nv, -1), w.norm, eps, out.dtype).reshape(n, -1)
 
 
-def _positions(window: torch.Tensor, pool: torch.Tensor, slot: torch.Tensor):
-    """A speculating request's positions j: its state after j rows is carried into ``window[j]``,
-    which position j's step then advances in place (yields j and the index of ``window[j]``)."""
-    window[0] = pool.index_select(0, slot)[0]
-    for j in range(window.shape[0]):
+def _positions(pools: LayerState, state: LayerState, slot: torch.Tensor):
+    """A speculating request's positions j: its states after j rows are carried into ``pools[j]``,
+    which position j's step then advances in place (yields j and the index of ``pools[j]``)."""
+    pools.conv[0] = state.conv.index_select(0, slot)[0]
+    pools.recurrent[0] = state.recurrent.index_select(0, slot)[0]
+    for j in range(pools.conv.shape[0]):
         if j:
-            window[j] = window[j - 1]
-        yield j, torch.tensor([j], device=window.device)
+            pools.conv[j], pools.recurrent[j] = pools.conv[j - 1], pools.recurrent[j - 1]
+        yield j, torch.tensor([j], device=pools.conv.device)
 
 
 def _decode_runs(batch: ForwardBatch) -> list[tuple[int | None, tuple[int, int]]]:

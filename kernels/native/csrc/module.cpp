@@ -81,6 +81,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the delta rule's decode step per (row, head), each state updated in place in its slot",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("state"),
         py::arg("slots"), py::arg("out"));
+  m.def("gated_delta_step", &gated_delta_step,
+        "a decode step after the conv: q/k norms, beta and g, the delta rule in place in each row's slot, "
+        "the gated RMSNorm of its output",
+        py::arg("conv"), py::arg("b"), py::arg("a"), py::arg("z"), py::arg("neg_a"), py::arg("dt_bias"),
+        py::arg("norm_w"), py::arg("eps"), py::arg("key_heads"), py::arg("state"), py::arg("slots"),
+        py::arg("out"));
   m.def("conv_decode", &conv_decode, "SiLU(causal conv) of one new input per row; its slot's inputs shift",
         py::arg("x"), py::arg("state"), py::arg("slots"), py::arg("weight"), py::arg("out"));
   m.def("group_arrive_wait", &group_arrive_wait,
