@@ -521,6 +521,57 @@ def spec_section(args: argparse.Namespace, t: list) -> list[str]:
     return spec_lines(speculative.main(["--json", str(SPEC_RESULTS)]), t)
 
 
+HYBRID_HEADING = "## Hybrid models"
+HYBRID_RESULTS = RESULTS / "hybrid_decode.json"
+HYBRID_PREFILL = RESULTS / "hybrid_prefill.json"
+
+
+def hybrid_lines(res: dict, prefill: dict | None, t: list) -> list[str]:
+    """``fusedserve.benchmarks.hybrid_decode``'s stored results as the section, its targets into ``t``."""
+    from fusedserve.benchmarks import hybrid_decode
+
+    r = res["results"]
+    for engine, peer in hybrid_decode.PEER.items():
+        if engine in r and peer in r:
+            ratios = {b: r[engine][b]["median"] / r[peer][b]["median"] for b in r[engine] if b in r[peer]}
+            t.append((f"Qwen3.5 0.8B shape: >= 1.2x llama.cpp at batch 1, 16 and 64 ({engine} vs {peer})",
+                      all(v >= 1.2 for v in ratios.values()),
+                      ", ".join(f"B={b}: {v:.2f}x" for b, v in ratios.items())))
+    lines = ["", HYBRID_HEADING, "", f"Host of this section: {res['machine']}; {res['isa']}.", "",
+             "`python -m fusedserve.benchmarks.hybrid_decode --llama-cpp DIR`: a random Qwen3.5 checkpoint of "
+             "Qwen3.5-0.8B's text shape written by transformers (24 layers, 3 of 4 Gated DeltaNet, vocabulary "
+             "248,320, tied embeddings, bf16), and llama.cpp on the same checkpoint converted by its own converter "
+             "(`--no-mtp`) and quantized by `llama-quantize`; "
+             f"{res['input_len']} tokens in, {res['new_tokens']} out per request, prefill included, "
+             f"{res['threads']} threads, output tokens/s, {RUNS} runs round robin. llama.cpp builds: "
+             + ", ".join(f"{e}: {b}" for e, b in res.get("llama_builds", {}).items()) + ".", "",
+             *hybrid_decode.table(res, False)]
+    if prefill:
+        p = prefill["results"]
+        for engine, peer in hybrid_decode.PEER.items():
+            if engine in p and peer in p:
+                one = next(iter(p[engine]))
+                v = p[engine][one]["median"] / p[peer][one]["median"]
+                t.append((f"Qwen3.5 0.8B shape: {prefill['input_len']}-token prefill >= 1.2x llama.cpp "
+                          f"({engine} vs {peer})", v >= 1.2, f"{v:.2f}x"))
+        lines += ["", f"One {prefill['input_len']}-token prompt's prefill (`--prefill {prefill['input_len']}`; "
+                  "llama.cpp's S_PP of `llama-batched-bench`):", "", *hybrid_decode.table(prefill, True)]
+    return lines
+
+
+def hybrid_section(args: argparse.Namespace, t: list) -> list[str]:
+    from fusedserve.benchmarks import hybrid_decode
+
+    if not args.llama_cpp:
+        return ["", HYBRID_HEADING, "", "(needs `--llama-cpp`: the comparison is against llama.cpp)"]
+    peer = ["--llama-cpp", args.llama_cpp] + (["--llama-python", args.llama_python] if args.llama_python else [])
+    res = hybrid_decode.main([*peer, "--json", str(HYBRID_RESULTS)])
+    pre = hybrid_decode.main([*peer, "--prefill", "4096", "--engines",
+                              "fusedserve-bf16,fusedserve-int8,llamacpp-bf16,llamacpp-q8_0", "--json",
+                              str(HYBRID_PREFILL)])
+    return hybrid_lines(res, pre, t)
+
+
 def host_line() -> str:
     """The machine a section was measured on: sections re-run alone (``--only``) may come from
     another host than the rest of the file."""
@@ -539,7 +590,8 @@ SECTIONS = {"core": (CORE_HEADING, core_section),
             "routing": (ROUTING_HEADING, routing_section),
             "formats": (FORMATS_HEADING, formats_section),
             "long": (LONG_HEADING, long_section),
-            "isa": (ISA_HEADING, isa_section)}
+            "isa": (ISA_HEADING, isa_section),
+            "hybrid": (HYBRID_HEADING, hybrid_section)}
 
 
 def splice(path: Path, heading: str, section: list[str], targets: list) -> None:
@@ -694,6 +746,7 @@ def main(argv: list[str] | None = None) -> None:
     lines += long_section(args, t)
     lines += isa_section(args, t)
     lines += spec_section(args, t)
+    lines += hybrid_section(args, t)
     lines += cuda_section(t)
     lines += ["", "## Targets", "", "| target | met | figure |", "|---|---|---|"]
     lines += [f"| {name} | {'yes' if ok else 'no'} | {fig} |" for name, ok, fig in t]

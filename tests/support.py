@@ -5,9 +5,11 @@ from __future__ import annotations
 import ipaddress
 import itertools
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -180,3 +182,39 @@ def serving_http(coord: Server, ssl_keyfile: str | None = None, ssl_certfile: st
         yield http
     finally:
         http.stop()
+
+
+@dataclass
+class Streams:
+    """Concurrent streaming clients, one thread per request: each one's frames, or its exception,
+    and a semaphore released once per request when its fourth token arrives (the moment a fault
+    test strikes)."""
+
+    frames: dict[int, list[dict]]
+    errors: dict[int, BaseException] = field(default_factory=dict)
+    progressed: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    def join(self, timeout_s: float = 300) -> None:
+        for t in self.threads:
+            t.join(timeout=timeout_s)
+
+
+def stream_requests(address: str, prompts: list, params: list[dict]) -> Streams:
+    """Start streaming every prompt (with its params) to the server at ``address``."""
+    streams = Streams({i: [] for i in range(len(prompts))})
+
+    def one(i: int) -> None:
+        try:
+            with Client(address, timeout_s=300) as c:
+                for f in c.stream(prompts[i], **params[i]):
+                    streams.frames[i].append(f)
+                    if f.get("index") == 3:
+                        streams.progressed.release()
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller's assertions
+            streams.errors[i] = exc
+
+    streams.threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in streams.threads:
+        t.start()
+    return streams

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 
 import pytest
 import torch
 
-from fusedserve.coordinator.client import Client
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.sampling_params import SamplingParams
-from tests.support import running_server, wait_for
+from tests.support import running_server, stream_requests, wait_for
 
 RC = dict(max_batch=8, block_size=4, num_blocks=200, sampler_candidates=16)
 PROMPTS = [[(i * 7 + j * 3) % 300 + 1 for j in range(9 + 5 * i)] for i in range(6)]
@@ -41,33 +39,16 @@ def qwen35(tmp_path_factory):
 def test_hybrid_worker_sigkilled_mid_stream_loses_nothing(ray_session, qwen35):
     path, want = qwen35
     with running_server(model=str(path), workers=2, dtype="float32", **RC) as coord:
-        frames: dict[int, list[dict]] = {i: [] for i in range(len(PROMPTS))}
-        errors: dict[int, BaseException] = {}
-        progressed = threading.Semaphore(0)
-
-        def one(i: int) -> None:
-            try:
-                with Client(coord.address, timeout_s=300) as c:
-                    for f in c.stream(PROMPTS[i], **PARAMS[i]):
-                        frames[i].append(f)
-                        if f.get("index") == 3:
-                            progressed.release()
-            except BaseException as exc:  # noqa: BLE001 - reported by the assertions below
-                errors[i] = exc
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
-        for t in threads:
-            t.start()
+        streams = stream_requests(coord.address, PROMPTS, PARAMS)
         for _ in PROMPTS:
-            assert progressed.acquire(timeout=120), "every stream has 4 tokens before the fault"
+            assert streams.progressed.acquire(timeout=120), "every stream has 4 tokens before the fault"
         victim = coord.workers[0]
         assert victim.scheduler.running, "the victim is decoding when it is killed"
         os.kill(victim.info["pid"], signal.SIGKILL)
         wait_for(lambda: coord.pool.failures, 60, "the coordinator to notice")
         assert coord.pool.failures[0].requests > 0
-        for t in threads:
-            t.join(timeout=300)
-        assert not errors, errors
+        streams.join()
+        assert not streams.errors, streams.errors
         for i, w in enumerate(want):
-            tokens = [f["token"] for f in frames[i] if f["type"] == "token"]
-            assert tokens == frames[i][-1]["token_ids"] == w, f"request {i}"
+            tokens = [f["token"] for f in streams.frames[i] if f["type"] == "token"]
+            assert tokens == streams.frames[i][-1]["token_ids"] == w, f"request {i}"

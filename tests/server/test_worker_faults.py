@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -15,7 +14,7 @@ from fusedserve.coordinator.client import Client
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.sampling_params import SamplingParams
 from fusedserve.shared_memory.arena import list_segments, pid_alive
-from tests.support import running_server, wait_for
+from tests.support import running_server, stream_requests, wait_for
 
 RC = dict(max_batch=16, block_size=8, num_blocks=200, sampler_candidates=16)
 N = 10
@@ -38,25 +37,10 @@ FAULTS = [(2, "ray.kill"), (2, "SIGKILL"), (1, "SIGKILL"), (2, "SIGSTOP")]
 @pytest.mark.parametrize("workers,how", FAULTS, ids=[f"{w}workers-{h}" for w, h in FAULTS])
 def test_worker_killed_mid_decode(ray_session, want, workers, how):
     with running_server(workers=workers, **RC, dtype="float32") as coord:
-        frames: dict[int, list[dict]] = {i: [] for i in range(N)}
-        errors: dict[int, BaseException] = {}
-        progressed = threading.Semaphore(0)
-
-        def one(i: int) -> None:
-            try:
-                with Client(coord.address, timeout_s=300) as c:
-                    for f in c.stream(PROMPTS[i], **PARAMS[i]):
-                        frames[i].append(f)
-                        if f.get("index") == 3:
-                            progressed.release()
-            except BaseException as exc:  # noqa: BLE001 - reported by the assertions below
-                errors[i] = exc
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(N)]
-        for t in threads:
-            t.start()
+        streams = stream_requests(coord.address, PROMPTS, PARAMS)
+        frames, errors = streams.frames, streams.errors
         for _ in range(N):
-            assert progressed.acquire(timeout=120), "every stream has 4 tokens before the fault"
+            assert streams.progressed.acquire(timeout=120), "every stream has 4 tokens before the fault"
         victim = coord.workers[0]
         assert victim.scheduler.running, "the victim is decoding when it is killed"
         pid, segments = victim.info["pid"], {a.name for a in victim.arenas}
@@ -70,8 +54,7 @@ def test_worker_killed_mid_decode(ray_session, want, workers, how):
         print(f"{how}: lost worker noticed after {failure.at - t_kill:.3f} s "
               f"({failure.requests} requests re-run): {failure.reason}")
         assert failure.worker_id == victim.worker_id and failure.requests > 0
-        for t in threads:
-            t.join(timeout=300)
+        streams.join()
         assert not errors, errors
         for i in range(N):
             tokens = [f for f in frames[i] if f["type"] == "token"]
