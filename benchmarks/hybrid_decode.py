@@ -180,11 +180,12 @@ def table(res: dict, prefill: bool) -> list[str]:
         cells = [f"{row[b]['median']:.1f} ({row[b]['min']:.1f}-{row[b]['max']:.1f})" for b in row]
         lines.append(f"| {e} | " + " | ".join(cells) + f" | {ratios} |")
     if not prefill:
+        lines.append("")
         for e, sb in res["step_bytes"].items():
             one = r[e].get(1) or r[e].get("1")
             if one:
                 share = sb["total"] * one["median"] / (res["read_bw_gbps"] * 1e9)
-                lines.append(f"{e}: a B=1 step reads {sb['total'] / 1e6:.0f} MB (weights "
+                lines.append(f"- {e}: a B=1 step reads {sb['total'] / 1e6:.0f} MB (weights "
                              f"{sb['weights'] / 1e6:.0f}, K/V {sb['kv'] / 1e6:.1f}, states "
                              f"{sb['states'] / 1e6:.1f}): {share:.0%} of {res['read_bw_gbps']:.1f} GB/s at "
                              "the output rate (prefill included)")

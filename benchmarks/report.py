@@ -554,7 +554,10 @@ def hybrid_lines(res: dict, prefill: dict | None, t: list) -> list[str]:
                 v = p[engine][one]["median"] / p[peer][one]["median"]
                 t.append((f"Qwen3.5 0.8B shape: {prefill['input_len']}-token prefill >= 1.2x llama.cpp "
                           f"({engine} vs {peer})", v >= 1.2, f"{v:.2f}x"))
-        lines += ["", f"One {prefill['input_len']}-token prompt's prefill (`--prefill {prefill['input_len']}`; "
+        lines += ["", f"The read-bandwidth probe gave {res['read_bw_gbps']:.1f} GB/s after the decode runs and "
+                  f"{prefill['read_bw_gbps']:.1f} GB/s after the prefill runs (a shared host: the shares above "
+                  "are against the first).", "",
+                  f"One {prefill['input_len']}-token prompt's prefill (`--prefill {prefill['input_len']}`; "
                   "llama.cpp's S_PP of `llama-batched-bench`):", "", *hybrid_decode.table(prefill, True)]
     return lines
 
