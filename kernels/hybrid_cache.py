@@ -1,7 +1,7 @@
 """A hybrid model's device cache: paged K/V for its full-attention layers only, and a recurrent
 state per sequence slot for each linear-attention layer (vLLM's hybrid cache, in two pools).
 
-A state slot is a running sequence's for its whole stay (the coordinator's ``PenaltySlots(every=True)``
+A state slot is a running sequence's for its whole stay (the coordinator's ``SequenceSlots``
 gives it when the sequence first runs and takes it back when it no longer does); the launch that
 carries a sequence's first chunk zeroes it (``reset``). Slot ``slots - 1`` is a spare, which
 warm-up rows use. States are float32 for the delta rule (transformers keeps them so) and the

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from fusedserve.coordinator.engine.batch_io import OutputPlan, read_outputs, write_batch
 from fusedserve.coordinator.engine.executor import Executor
 from fusedserve.coordinator.engine.output_processor import OutputProcessor
-from fusedserve.coordinator.engine.penalty_slots import PenaltySlots
 from fusedserve.coordinator.engine.scheduled_batch import ScheduledBatch
 from fusedserve.coordinator.engine.scheduler import Scheduler
 from fusedserve.coordinator.engine.sequence import Sequence, TokenEvent
+from fusedserve.coordinator.engine.sequence_slots import SequenceSlots
 from fusedserve.coordinator.errors import RequestError
 from fusedserve.shared_memory.arena import HostArena
 from fusedserve.shared_memory.contract import LaunchDescriptor, LaunchReply
@@ -69,9 +69,9 @@ class EngineCore:
         self.inflight: deque[Inflight] = deque()
         self.async_scheduling = async_scheduling and len(arenas) > 1
         self.stats = StepStats()
-        self.penalties = PenaltySlots(scheduler.max_batch)
+        self.penalties = SequenceSlots(scheduler.max_batch, lambda seq: seq.params.penalized)
         # A hybrid model's recurrent state: a slot per running request (kernels/hybrid_cache.py).
-        self.states = PenaltySlots(scheduler.max_batch, every=True) if recurrent_state else None
+        self.states = SequenceSlots(scheduler.max_batch, lambda seq: True) if recurrent_state else None
 
     @classmethod
     def for_worker(cls, cfg: EngineConfig, vocab_size: int, output: OutputProcessor, arenas: list[HostArena],

@@ -1,10 +1,10 @@
 """A Gated DeltaNet layer over a launch's rows (Qwen3-Next, Qwen3.5 linear attention).
 
-The launch's decode rows (one token each, first) run the recurrent form batched, their states
-gathered from and scattered back to their slots; each prompt chunk runs the chunked form from its
-slot's state. A sequence's slot (``ForwardBatch.state_slots``) was zeroed before the launch that
-carries its first chunk. Nothing is read back to the host: the prompt rows' extents are the
-launch's host lists.
+The launch's decode rows (one token each, first) run the recurrent form batched, each row's
+states updated in its slot (``DecodeOps``: natively in place, or gathered and scattered in torch);
+each prompt chunk runs the chunked form from its slot's state. A sequence's slot
+(``ForwardBatch.state_slots``) was zeroed before the launch that carries its first chunk. Nothing
+is read back to the host: the prompt rows' extents are the launch's host lists.
 """
 
 from __future__ import annotations

@@ -37,36 +37,6 @@ static void delta_row(float* S, const float* q, const float* k, const float* v, 
   std::memcpy(out, o, dv * sizeof(float));
 }
 
-// q, k [n, H, dk], v [n, H, dv], g and beta [n, H], float32; state [S, H, dk, dv] float32, row r's
-// in slot slots[r]; out [n, H, dv] float32.
-void gated_delta_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                        const at::Tensor& beta, at::Tensor state, const at::Tensor& slots, at::Tensor out) {
-  const int64_t n = q.size(0), H = q.size(1), dk = q.size(2), dv = v.size(2);
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
-              g.scalar_type() == at::kFloat && beta.scalar_type() == at::kFloat &&
-              state.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "gated_delta_decode: float32 tensors");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && g.is_contiguous() &&
-              beta.is_contiguous() && state.is_contiguous() && out.is_contiguous() && slots.is_contiguous(),
-              "gated_delta_decode: contiguous tensors");
-  TORCH_CHECK(state.dim() == 4 && state.size(1) == H && state.size(2) == dk && state.size(3) == dv &&
-              slots.scalar_type() == at::kLong && slots.size(0) == n && dv <= MAX_HEAD_DIM,
-              "gated_delta_decode: state [S, H, dk, dv], slots [n] int64, dv <= ", MAX_HEAD_DIM);
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  float *st = state.data_ptr<float>(), *op = out.data_ptr<float>();
-  const int64_t slots_n = state.size(0);
-  for (int64_t r = 0; r < n; ++r) TORCH_CHECK(sp[r] >= 0 && sp[r] < slots_n, "gated_delta_decode: slot out of range");
-  at::parallel_for(0, n * H, 1, [&](int64_t a, int64_t b) {
-    for (int64_t x = a; x < b; ++x) {
-      const int64_t r = x / H, h = x % H;
-      delta_row(st + (sp[r] * H + h) * dk * dv, qp + x * dk, kp + x * dk, vp + x * dv, gp[x], bp[x],
-                op + x * dv, dk, dv);
-    }
-  });
-}
-
 // The whole decode step after the conv, per (row, head): q and k of the head's key head
 // L2-normalised (q scaled by 1 / sqrt(dk)), beta = sigmoid(b) and g = -exp(A) softplus(a + dt_bias),
 // the delta rule in place in the row's slot, then the output's RMSNorm per head times its weight,

@@ -339,8 +339,6 @@ void qk_norm_rope(at::Tensor qkv, const at::Tensor& qw, const at::Tensor& kw, co
                   const c10::optional<at::Tensor>& k_cache, const c10::optional<at::Tensor>& v_cache,
                   const c10::optional<at::Tensor>& slot_mapping);
 void silu_mul(const at::Tensor& gate_up, at::Tensor out);
-void gated_delta_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                        const at::Tensor& beta, at::Tensor state, const at::Tensor& slots, at::Tensor out);
 void gated_delta_step(const at::Tensor& conv, const at::Tensor& b, const at::Tensor& a, const at::Tensor& z,
                       const at::Tensor& neg_a, const at::Tensor& dt_bias, const at::Tensor& norm_w, double eps,
                       int64_t key_heads, at::Tensor state, const at::Tensor& slots, at::Tensor out);

@@ -77,10 +77,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v_cache") = py::none(), py::arg("slot_mapping") = py::none());
   m.def("silu_mul", &silu_mul, "out = silu(gate) * up for gate_up = [gate, up]", py::arg("gate_up"),
         py::arg("out"));
-  m.def("gated_delta_decode", &gated_delta_decode,
-        "the delta rule's decode step per (row, head), each state updated in place in its slot",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("state"),
-        py::arg("slots"), py::arg("out"));
   m.def("gated_delta_step", &gated_delta_step,
         "a decode step after the conv: q/k norms, beta and g, the delta rule in place in each row's slot, "
         "the gated RMSNorm of its output",

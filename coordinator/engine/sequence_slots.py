@@ -7,16 +7,18 @@ running batch."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fusedserve.coordinator.engine.scheduled_batch import ScheduledBatch
 from fusedserve.coordinator.engine.sequence import Sequence
 
 
-class PenaltySlots:
-    def __init__(self, slots: int, every: bool = False):
-        """``every``: every request holds a slot (recurrent states), else penalized ones."""
+class SequenceSlots:
+    def __init__(self, slots: int, holds: Callable[[Sequence], bool]):
+        """``holds``: whether a request holds a slot (penalized ones; every one for states)."""
         self._free = list(range(slots - 1, -1, -1))
         self._held: dict[str, int] = {}
-        self._every = every
+        self._holds = holds
 
     def assign(self, batch: ScheduledBatch, running: list[Sequence]) -> dict[int, int]:
         """Row -> slot for the batch's rows that hold one (at most one slot per running request)."""
@@ -25,7 +27,7 @@ class PenaltySlots:
             self._free.append(self._held.pop(seq_id))
         rows = {}
         for row, seq in enumerate(batch.seqs):
-            if self._every or seq.params.penalized:
+            if self._holds(seq):
                 if seq.seq_id not in self._held:
                     self._held[seq.seq_id] = self._free.pop()
                 rows[row] = self._held[seq.seq_id]
