@@ -1,6 +1,6 @@
 """The Gated DeltaNet's kernels: the chunked delta rule equals the recurrent one token by token
-(any length, from any state), and the native decode step (conv, rule; in place in the slots)
-equals the torch one."""
+(any length, from any state), and the native decode step and prompt chunk (conv, rule, gated
+norm; in place in the slots) equal the torch ones."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from fusedserve.kernels import gated_delta
+from fusedserve.kernels.hybrid_cache import LayerState
 from fusedserve.kernels.model_description.hybrid import LinearAttention
 from fusedserve.kernels.native import build as native_build
-from fusedserve.worker.model.gated_delta_net import DecodeOps
+from fusedserve.worker.model.gated_delta_net import DeltaNetOps
 from fusedserve.worker.model.weights import LinearAttnWeights
 
 H, DK, DV = 4, 16, 32
@@ -51,7 +52,7 @@ def test_native_decode_step_equals_torch(dtype):
     w = LinearAttnWeights(in_proj=None, conv=torch.randn(la.conv_dim, 4, generator=gen).to(dtype),
                           dt_bias=torch.randn(H, generator=gen), neg_a=-torch.rand(H, generator=gen) * 4,
                           norm=(1 + 0.1 * torch.randn(DV, generator=gen)).to(dtype), out_proj=None)
-    native, ref = DecodeOps(native_build.require()), DecodeOps(None)
+    native, ref = DeltaNetOps(native_build.require()), DeltaNetOps(None)
     n, slots = 3, torch.tensor([4, 0, 2])
     proj = torch.randn(n, la.in_proj_rows + 5, generator=gen).to(dtype)  # strided rows, as the projection's
     cd, vd = la.conv_dim, la.value_dim
@@ -75,3 +76,41 @@ def test_native_decode_step_equals_torch(dtype):
     untouched = [1, 3, 5]
     assert torch.equal(rp1[untouched], rec_pool[untouched])
     assert torch.equal(cp1[untouched], conv_pool[untouched])
+
+
+@pytest.mark.skipif(native_build.require() is None, reason="no native CPU kernels here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length", [1, 5, 64, 130])
+def test_native_prompt_chunk_equals_torch(dtype, length):
+    """A prompt chunk of one sequence (launch row 1, slot 3 of 6) through the native conv and
+    chunked rule against torch's: outputs, the slot's conv inputs and delta-rule state; other slots
+    untouched. Lengths under, at and over one 64-token block, from a non-zero state."""
+    la = LinearAttention(num_key_heads=2, num_value_heads=H, key_head_dim=DK, value_head_dim=DV,
+                         conv_kernel=4)
+    gen = torch.Generator().manual_seed(length)
+    w = LinearAttnWeights(in_proj=None, conv=torch.randn(la.conv_dim, 4, generator=gen).to(dtype),
+                          dt_bias=torch.randn(H, generator=gen), neg_a=-torch.rand(H, generator=gen) * 4,
+                          norm=(1 + 0.1 * torch.randn(DV, generator=gen)).to(dtype), out_proj=None)
+    proj = torch.randn(length, la.in_proj_rows + 5, generator=gen).to(dtype)  # strided rows
+    cd, vd = la.conv_dim, la.value_dim
+    mixed, z = proj[:, :cd], proj[:, cd : cd + vd]
+    b, a = proj[:, cd + vd : cd + vd + H], proj[:, cd + vd + H : cd + vd + 2 * H]
+    conv_pool = torch.randn(6, cd, 3, generator=gen).to(dtype)
+    rec_pool = torch.randn(6, H, DK, DV, generator=gen) * 0.1
+    slots = torch.tensor([0, 3])
+    outs = []
+    for ops in (DeltaNetOps(native_build.require()), DeltaNetOps(None)):
+        state = LayerState(conv_pool.clone(), rec_pool.clone())
+        conv, out = torch.empty(length, cd, dtype=dtype), torch.empty(length, vd, dtype=dtype)
+        ops.prompt(la, w, 1e-6, mixed, b, a, z, state, slots, 1, conv, out)
+        outs.append((conv, out, state.conv, state.recurrent))
+    (c1, o1, cp1, rp1), (c2, o2, cp2, rp2) = outs
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=6e-2, rtol=6e-2)
+    torch.testing.assert_close(c1, c2, **tol)
+    torch.testing.assert_close(o1, o2, **tol)
+    assert torch.equal(cp1, cp2), "the slot keeps the last inputs exactly"
+    torch.testing.assert_close(rp1, rp2, atol=1e-4, rtol=1e-4)
+    untouched = [0, 1, 2, 4, 5]
+    assert torch.equal(rp1[untouched], rec_pool[untouched])
+    assert torch.equal(cp1[untouched], conv_pool[untouched])
+    assert not torch.equal(rp1[3], rec_pool[3])

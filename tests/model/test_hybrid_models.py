@@ -156,19 +156,24 @@ def _logits(model: Qwen3Model, ids: list[int], n: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_bf16_error_no_larger_than_transformers_own(hybrids, arch):
+    """fp32 logits equal transformers'; in bf16 the mean |logit error| against transformers' fp32 over
+    8 prompts (prefill of 30, then 10 decode steps) is at most transformers' own bf16 error (5%
+    for noise: one top-k routing flip in an MoE moves a prompt's whole tail, theirs or ours)."""
     path, hf = hybrids[arch]
-    ids = [(i * 37 + 11) % VOCAB for i in range(40)]
     bf16 = type(hf).from_pretrained(path, dtype=torch.bfloat16).eval()  # the shared model stays fp32
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0, 29:].float()
-        theirs = bf16(torch.tensor([ids])).logits[0, 29:].float()
-    fp32 = _logits(Qwen3Model.from_pretrained(path, dtype="float32"), ids, 30)
-    torch.testing.assert_close(fp32, ref, atol=2e-4, rtol=1e-4)
-    ours = _logits(Qwen3Model.from_pretrained(path, dtype="bfloat16"), ids, 30)
-    err, their_err = (ours - ref).abs().max().item(), (theirs - ref).abs().max().item()
-    assert err <= 1.25 * their_err, (err, their_err)
+    fp32_model, bf16_model = (Qwen3Model.from_pretrained(path, dtype=d) for d in ("float32", "bfloat16"))
+    ours, theirs = [], []
+    for seed in range(8):
+        ids = [(i * 37 + 11 + seed * 101) % VOCAB for i in range(40)]
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0, 29:].float()
+            theirs.append((bf16(torch.tensor([ids])).logits[0, 29:].float() - ref).abs().mean().item())
+        if seed == 0:
+            torch.testing.assert_close(_logits(fp32_model, ids, 30), ref, atol=2e-4, rtol=1e-4)
+        ours.append((_logits(bf16_model, ids, 30) - ref).abs().mean().item())
+    assert sum(ours) <= 1.05 * sum(theirs), (sum(ours) / 8, sum(theirs) / 8)
 
 
 def test_sizing_counts_attention_layers_and_states(hybrids):

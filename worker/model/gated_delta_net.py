@@ -1,8 +1,8 @@
 """A Gated DeltaNet layer over a launch's rows (Qwen3-Next, Qwen3.5 linear attention).
 
 The launch's decode rows (one token each, first) run the recurrent form batched, each row's
-states updated in its slot (``DecodeOps``: natively in place, or gathered and scattered in torch);
-each prompt chunk runs the chunked form from its slot's state. A sequence's slot
+states updated in its slot (``DeltaNetOps``: natively in place, or gathered and scattered in torch);
+each prompt chunk runs the chunked form from its slot's state (natively in place too). A sequence's slot
 (``ForwardBatch.state_slots``) was zeroed before the launch that carries its first chunk. Nothing
 is read back to the host: the prompt rows' extents are the launch's host lists.
 """
@@ -23,7 +23,7 @@ from fusedserve.worker.model.weights import LinearAttnWeights
 
 def delta_net_forward(c: Qwen3Config, linear: LinearOp, w: LinearAttnWeights, h: torch.Tensor,
                       batch: ForwardBatch, state: LayerState, out: torch.Tensor,
-                      kv_window: Callable[[int, int], LayerState], ops: DecodeOps) -> None:
+                      kv_window: Callable[[int, int], LayerState], ops: DeltaNetOps) -> None:
     """``out`` [n, D] = the layer's output for the normed input ``h`` [n, D]; each row's state
     advanced past its tokens. A speculating request's rows run in order from its slot's state,
     each position's state going to ``kv_window(groups, rows)`` (the slot is left as it was: the
@@ -50,31 +50,25 @@ def delta_net_forward(c: Qwen3Config, linear: LinearOp, w: LinearAttnWeights, h:
             r = slice(s + j, s + j + 1)
             ops.conv(mixed[r], pools.conv, idx, w.conv, conv[r])
             ops.step(la, w, eps, conv[r], b[r], a[r], z[r], pools.recurrent, idx, normed[r])
-    for r, start, length in _prompt_spans(batch):  # prompt chunks: the chunked rule, in torch
-        e, one = start + length, slots[r : r + 1]
-        conv_state = state.conv[one][0]  # copies: written back below
-        conv[start:e] = gated_delta.conv_prompt(mixed[start:e], conv_state, w.conv)
-        state.conv.index_copy_(0, one, conv_state.unsqueeze(0))
-        q, k, v, g, beta = gated_delta.rule_inputs(conv[start:e], b[start:e], a[start:e], w.neg_a, w.dt_bias,
-                                                   la)
-        core, new = gated_delta.chunked(q, k, v, g, beta, state.recurrent[one][0])
-        state.recurrent.index_copy_(0, one, new.unsqueeze(0))
-        normed[start:e] = gated_delta.gated_norm(core, z[start:e].reshape(length, nv, -1), w.norm, eps,
-                                                 dtype).reshape(length, vd)
+    for r, start, length in _prompt_spans(batch):  # prompt chunks: the chunked rule from the slot's state
+        e = start + length
+        ops.prompt(la, w, eps, mixed[start:e], b[start:e], a[start:e], z[start:e], state, slots, r,
+                   conv[start:e], normed[start:e])
     linear(normed, w.out_proj, out)
 
 
-class DecodeOps:
-    """A decode step's conv and delta rule for rows of one token, each row's state updated in place
-    in its slot of a pool: in torch (gathered, computed, scattered back) or by the native CPU
-    kernels (``csrc/gated_delta.cpp``: one pass over each state where it lies). A speculating
-    request's positions go through the same calls, so its tokens are those of plain decode."""
+class DeltaNetOps:
+    """The layer's conv and delta rule over slots of the state pools, natively (``csrc/gated_delta.cpp``
+    for decode rows, ``csrc/gated_delta_prompt.cpp`` for prompt chunks: each state read and written
+    where it lies, in one pass) or in torch (gathered, computed, scattered back). A speculating
+    request's positions go through the decode calls, so its tokens are those of plain decode."""
 
     def __init__(self, native=None):
         self.native = native
 
     def conv(self, x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
              out: torch.Tensor) -> None:
+        """Decode rows: ``out`` [n, C] = SiLU(conv) of each row's one new input ``x`` [n, C]."""
         if self.native is not None:
             self.native.conv_decode(x, pool, slots, weight, out)
             return
@@ -83,7 +77,7 @@ class DecodeOps:
 
     def step(self, la, w: LinearAttnWeights, eps: float, conv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
              z: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
-        """The step after the conv: the rule's inputs, the rule, the gated norm into ``out`` [n, vd]."""
+        """Decode rows after the conv: the rule's inputs, the rule, the gated norm into ``out`` [n, vd]."""
         if self.native is not None:
             self.native.gated_delta_step(conv, b, a, z, w.neg_a, w.dt_bias, w.norm, eps, la.num_key_heads,
                                          pool, slots, out)
@@ -93,6 +87,27 @@ class DecodeOps:
         core, new = gated_delta.recurrent(q, k, v, g, beta, pool.index_select(0, slots))
         pool.index_copy_(0, slots, new)
         out[:] = gated_delta.gated_norm(core, z.reshape(n, nv, -1), w.norm, eps, out.dtype).reshape(n, -1)
+
+    def prompt(self, la, w: LinearAttnWeights, eps: float, mixed: torch.Tensor, b: torch.Tensor,
+               a: torch.Tensor, z: torch.Tensor, state: LayerState, slots: torch.Tensor, row: int,
+               conv: torch.Tensor, out: torch.Tensor) -> None:
+        """One sequence's prompt chunk (launch row ``row``, its state in slot ``slots[row]``): the conv
+        into ``conv`` [L, C], the chunked rule and the gated norm into ``out`` [L, vd]."""
+        if self.native is not None and la.key_head_dim % self.native.VL == 0 \
+                and la.value_head_dim % self.native.VL == 0:
+            self.native.conv_prompt(mixed, state.conv, slots, row, w.conv, conv)
+            self.native.gated_delta_prompt(conv, b, a, z, w.neg_a, w.dt_bias, w.norm, eps, la.num_key_heads,
+                                           state.recurrent, slots, row, out)
+            return
+        length, one = mixed.shape[0], slots[row : row + 1]
+        conv_state = state.conv[one][0]  # copies: written back below
+        conv[:] = gated_delta.conv_prompt(mixed, conv_state, w.conv)
+        state.conv.index_copy_(0, one, conv_state.unsqueeze(0))
+        q, k, v, g, beta = gated_delta.rule_inputs(conv, b, a, w.neg_a, w.dt_bias, la)
+        core, new = gated_delta.chunked(q, k, v, g, beta, state.recurrent[one][0])
+        state.recurrent.index_copy_(0, one, new.unsqueeze(0))
+        out[:] = gated_delta.gated_norm(core, z.reshape(length, la.num_value_heads, -1), w.norm, eps,
+                                        out.dtype).reshape(length, -1)
 
 
 def _positions(pools: LayerState, state: LayerState, slot: torch.Tensor):

@@ -22,7 +22,7 @@ from fusedserve.kernels.model_description.checkpoint_format import checkpoint_fo
 from fusedserve.kernels.model_description.config import ConfigError, Qwen3Config, parse_dtype, resolve_dtype
 from fusedserve.kernels.model_description.quantization import check_quantization
 from fusedserve.kernels.native import build as native_build
-from fusedserve.worker.model.gated_delta_net import DecodeOps, delta_net_forward
+from fusedserve.worker.model.gated_delta_net import DeltaNetOps, delta_net_forward
 from fusedserve.worker.model.hybrid_norms import HybridNorms
 from fusedserve.worker.model.loader import Progress, load_weights
 from fusedserve.worker.model.moe import moe_forward
@@ -64,7 +64,7 @@ class Qwen3Model:
         # A hybrid's norms and decode step: the native CPU kernels where they run, else torch.
         native = native_build.kernels() if self.kernels.name == "native" else None
         self.norms = HybridNorms(self.local, native) if config.hybrid else self.kernels.ops
-        self.delta_ops = DecodeOps(native)
+        self.delta_ops = DeltaNetOps(native)
         self.cos, self.sin = self.cos.to(self.device), self.sin.to(self.device)
 
     @classmethod

@@ -1,7 +1,7 @@
 // The Gated DeltaNet's decode step (Qwen3.5, Qwen3-Next linear attention): the causal conv of one
 // new input per row and the recurrent delta rule, each in one pass over the row's state, read and
 // written in place in its slot of the layer's pool (no gather, no scatter, no temporaries).
-#include "kernels.h"
+#include "gated_delta.h"
 
 namespace fusedserve {
 
@@ -59,39 +59,32 @@ void delta_step_impl(const at::Tensor& conv, const at::Tensor& b, const at::Tens
   at::parallel_for(0, n * H, 1, [&](int64_t x0, int64_t x1) {
     float q[MAX_HEAD_DIM], k[MAX_HEAD_DIM], v[MAX_HEAD_DIM], o[MAX_HEAD_DIM];
     for (int64_t x = x0; x < x1; ++x) {
-      const int64_t r = x / H, h = x % H, kh = h / per;
-      const T* row = cp + r * ldc;
-      float qq = 0.f, kk = 0.f;
-      for (int64_t i = 0; i < dk; ++i) {
-        q[i] = to_f(row[kh * dk + i]);
-        k[i] = to_f(row[key_dim + kh * dk + i]);
-        qq += q[i] * q[i];
-        kk += k[i] * k[i];
-      }
-      const float rq = 1.f / std::sqrt(qq + 1e-6f), rk = 1.f / std::sqrt(kk + 1e-6f);
-      for (int64_t i = 0; i < dk; ++i) q[i] = q[i] * rq * scale, k[i] *= rk;
-      for (int64_t j = 0; j < dv; ++j) v[j] = to_f(row[2 * key_dim + h * dv + j]);
-      const float bv = to_f(bp[r * ldb + h]);
-      const float beta = to_f(static_cast<T>(1.f / (1.f + std::exp(-bv))));
-      const float av = to_f(ap[r * lda + h]) + dtp[h];
-      const float g = nap[h] * (av > 20.f ? av : std::log1p(std::exp(av)));
+      const int64_t r = x / H, h = x % H;
+      delta_qkv(cp + r * ldc, h / per, h, dk, dv, key_dim, scale, q, k, v);
+      const float beta = delta_beta(bp[r * ldb + h]), g = delta_gate(ap[r * lda + h], nap[h], dtp[h]);
       delta_row(st + (sp[r] * H + h) * dk * dv, q, k, v, g, beta, o, dk, dv);
-      float ss = 0.f;
-      for (int64_t j = 0; j < dv; ++j) {
-        o[j] = to_f(static_cast<T>(o[j]));
-        ss += o[j] * o[j];
-      }
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(dv) + e);
-      const T* zr = zp + r * ldz + h * dv;
-      T* dst = op + r * ldo + h * dv;
-      for (int64_t j = 0; j < dv; ++j) {
-        const float normed = to_f(static_cast<T>(o[j] * inv));
-        const float weighted = to_f(static_cast<T>(to_f(wp[j]) * normed));
-        const float zf = to_f(zr[j]);
-        dst[j] = static_cast<T>(weighted * (zf / (1.f + std::exp(-zf))));
-      }
+      gated_norm_row(o, zp + r * ldz + h * dv, wp, e, dv, op + r * ldo + h * dv);
     }
   });
+}
+
+void check_delta_args(const char* fn, const at::Tensor& conv, const at::Tensor& b, const at::Tensor& a,
+                      const at::Tensor& z, const at::Tensor& neg_a, const at::Tensor& dt_bias,
+                      const at::Tensor& norm_w, int64_t key_heads, const at::Tensor& state,
+                      const at::Tensor& slots, const at::Tensor& out) {
+  const auto T = conv.scalar_type();
+  TORCH_CHECK(b.scalar_type() == T && a.scalar_type() == T && z.scalar_type() == T && norm_w.scalar_type() == T &&
+              out.scalar_type() == T && neg_a.scalar_type() == at::kFloat && dt_bias.scalar_type() == at::kFloat &&
+              state.scalar_type() == at::kFloat, fn, ": dtypes");
+  TORCH_CHECK(conv.stride(1) == 1 && b.stride(1) == 1 && a.stride(1) == 1 && z.stride(1) == 1 && out.stride(1) == 1 &&
+              state.is_contiguous() && norm_w.is_contiguous() && slots.is_contiguous() && neg_a.is_contiguous() &&
+              dt_bias.is_contiguous(), fn, ": rows with contiguous columns");
+  const int64_t H = state.size(1), dk = state.size(2), dv = state.size(3), n = conv.size(0);
+  TORCH_CHECK(state.dim() == 4 && key_heads > 0 && H % key_heads == 0 && dk <= MAX_HEAD_DIM && dv <= MAX_HEAD_DIM &&
+              conv.size(1) == 2 * key_heads * dk + H * dv && b.size(1) == H && a.size(1) == H &&
+              z.size(1) == H * dv && out.size(1) == H * dv && norm_w.numel() == dv && neg_a.numel() == H &&
+              dt_bias.numel() == H && b.size(0) == n && a.size(0) == n && z.size(0) == n && out.size(0) == n &&
+              slots.scalar_type() == at::kLong, fn, ": shapes");
 }
 
 // conv [n, C] (the conv's output: q, k, v), b and a [n, H], z [n, H dv], rows strided, one dtype T;
@@ -100,22 +93,12 @@ void delta_step_impl(const at::Tensor& conv, const at::Tensor& b, const at::Tens
 void gated_delta_step(const at::Tensor& conv, const at::Tensor& b, const at::Tensor& a, const at::Tensor& z,
                       const at::Tensor& neg_a, const at::Tensor& dt_bias, const at::Tensor& norm_w, double eps,
                       int64_t key_heads, at::Tensor state, const at::Tensor& slots, at::Tensor out) {
-  const auto T = conv.scalar_type();
-  TORCH_CHECK(b.scalar_type() == T && a.scalar_type() == T && z.scalar_type() == T && norm_w.scalar_type() == T &&
-              out.scalar_type() == T && neg_a.scalar_type() == at::kFloat && dt_bias.scalar_type() == at::kFloat &&
-              state.scalar_type() == at::kFloat, "gated_delta_step: dtypes");
-  TORCH_CHECK(conv.stride(1) == 1 && b.stride(1) == 1 && a.stride(1) == 1 && z.stride(1) == 1 && out.stride(1) == 1 &&
-              state.is_contiguous() && norm_w.is_contiguous() && slots.is_contiguous() && neg_a.is_contiguous() &&
-              dt_bias.is_contiguous(), "gated_delta_step: rows with contiguous columns");
-  const int64_t H = state.size(1), dk = state.size(2), dv = state.size(3);
-  TORCH_CHECK(state.dim() == 4 && key_heads > 0 && H % key_heads == 0 && dk <= MAX_HEAD_DIM && dv <= MAX_HEAD_DIM &&
-              conv.size(1) == 2 * key_heads * dk + H * dv && b.size(1) == H && a.size(1) == H &&
-              z.size(1) == H * dv && out.size(1) == H * dv && norm_w.numel() == dv && neg_a.numel() == H &&
-              slots.scalar_type() == at::kLong && slots.size(0) == conv.size(0),
-              "gated_delta_step: shapes");
+  check_delta_args("gated_delta_step", conv, b, a, z, neg_a, dt_bias, norm_w, key_heads, state, slots, out);
+  TORCH_CHECK(slots.size(0) == conv.size(0), "gated_delta_step: a slot per row");
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t r = 0; r < conv.size(0); ++r)
     TORCH_CHECK(sp[r] >= 0 && sp[r] < state.size(0), "gated_delta_step: slot out of range");
+  const auto T = conv.scalar_type();
   switch (T) {
     case at::kFloat: delta_step_impl<float>(conv, b, a, z, neg_a, dt_bias, norm_w, eps, key_heads, state, slots, out); break;
     case at::kBFloat16: delta_step_impl<bf16>(conv, b, a, z, neg_a, dt_bias, norm_w, eps, key_heads, state, slots, out); break;

@@ -344,6 +344,12 @@ void gated_delta_step(const at::Tensor& conv, const at::Tensor& b, const at::Ten
                       int64_t key_heads, at::Tensor state, const at::Tensor& slots, at::Tensor out);
 void conv_decode(const at::Tensor& x, at::Tensor state, const at::Tensor& slots, const at::Tensor& weight,
                  at::Tensor out);
+// gated_delta_prompt.cpp
+void gated_delta_prompt(const at::Tensor& conv, const at::Tensor& b, const at::Tensor& a, const at::Tensor& z,
+                        const at::Tensor& neg_a, const at::Tensor& dt_bias, const at::Tensor& norm_w, double eps,
+                        int64_t key_heads, at::Tensor state, const at::Tensor& slots, int64_t row, at::Tensor out);
+void conv_prompt(const at::Tensor& x, at::Tensor state, const at::Tensor& slots, int64_t row, const at::Tensor& weight,
+                 at::Tensor out);
 void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask);
 bool group_arrive_wait(at::Tensor flags, int64_t rank, int64_t seq, int64_t wait_us);
 

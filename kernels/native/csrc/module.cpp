@@ -31,6 +31,7 @@ using namespace fusedserve;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa_name, "the instruction set this build targets");
+  m.attr("VL") = fusedserve::VL;  // floats per vector: the prompt rule takes head dims in these
   m.def("has_packed", &has_packed, "whether linear_packed exists in this build");
 #if defined(__AVX512BF16__)
   m.def("linear_packed", &linear_packed, "out = x @ W.T, W packed [N/16, K/2, 16, 2] (bf16 or int8 + scales)",
@@ -85,6 +86,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"));
   m.def("conv_decode", &conv_decode, "SiLU(causal conv) of one new input per row; its slot's inputs shift",
         py::arg("x"), py::arg("state"), py::arg("slots"), py::arg("weight"), py::arg("out"));
+  m.def("gated_delta_prompt", &gated_delta_prompt,
+        "one sequence's prompt chunk after the conv: the chunked delta rule from its slot's state, in place, "
+        "and the gated RMSNorm of its output",
+        py::arg("conv"), py::arg("b"), py::arg("a"), py::arg("z"), py::arg("neg_a"), py::arg("dt_bias"),
+        py::arg("norm_w"), py::arg("eps"), py::arg("key_heads"), py::arg("state"), py::arg("slots"), py::arg("row"),
+        py::arg("out"));
+  m.def("conv_prompt", &conv_prompt, "SiLU(causal conv) of one sequence's new inputs from its slot's; the slot keeps the last",
+        py::arg("x"), py::arg("state"), py::arg("slots"), py::arg("row"), py::arg("weight"), py::arg("out"));
   m.def("group_arrive_wait", &group_arrive_wait,
         "publish this rank's seq, wait (GIL released) until every rank's flag reaches it; false after wait_us",
         py::arg("flags"), py::arg("rank"), py::arg("seq"), py::arg("wait_us"),
