@@ -176,6 +176,43 @@ def test_bf16_error_no_larger_than_transformers_own(hybrids, arch):
     assert sum(ours) <= 1.05 * sum(theirs), (sum(ours) / 8, sum(theirs) / 8)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_decode_step_allocates_nothing_after_warmup(hybrids, arch):
+    """A hybrid's decode step takes every intermediate from the workspace (the Gated DeltaNet's
+    projection, conv and normed output, the attention output gate, the shared expert's) and its
+    native kernels advance the states in place: nothing is allocated after a warm-up step. The
+    routed experts (``moe.py``, as Qwen3-MoE's) still allocate: ``qwen3_next`` is checked with its
+    experts' call stubbed to a fixed output."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fusedserve.kernels.native import build as native
+    from fusedserve.worker.model import qwen3
+
+    if native.kernels() is None:
+        pytest.skip("the torch decode path gathers and scatters the states")
+    if arch == "qwen3_next":
+        qwen3.moe_forward, real = (lambda c, kernels, lw, h, out: out.zero_()), qwen3.moe_forward
+    try:
+        for dtype, quantization in [("float32", None), ("bfloat16", None), ("bfloat16", "int8")]:
+            model = Qwen3Model.from_pretrained(hybrids[arch][0], dtype=dtype, quantization=quantization)
+            kv = model.new_kv_cache(num_blocks=8, block_size=4, max_seqs=2)
+            ws = model.new_workspace(max_rows=4, block_size=4)
+            out, tables = torch.empty(2, VOCAB), [[0, 1, 2], [3, 4, 5]]
+            model.forward(prompt_batch([[5, 6, 7], [8, 9]], tables, 4), kv, ws, out)
+            batch = decode_batch([(11, 3, tables[0]), (12, 2, tables[1])], 4)
+            model.forward(batch, kv, ws, out)  # warm-up
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                model.forward(batch, kv, ws, out)
+            allocs = [(e.name, e.cpu_memory_usage) for e in prof.events() if e.cpu_memory_usage > 0]
+            assert allocs == [], f"{arch} {dtype} {quantization}: a decode step allocated {allocs[:10]}"
+    finally:
+        if arch == "qwen3_next":
+            qwen3.moe_forward = real
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:  # it sees allocations
+        torch.empty(1000)
+    assert any(e.cpu_memory_usage > 0 for e in prof.events())
+
+
 def test_sizing_counts_attention_layers_and_states(hybrids):
     c = Qwen3Config.from_dir(hybrids["qwen3_5"][0])
     assert kv_sizing.bytes_per_token(c, torch.float32, 1) == 1 * 2 * 2 * 32 * 4  # one attention layer of 4

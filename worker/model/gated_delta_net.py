@@ -19,24 +19,24 @@ from fusedserve.kernels.hybrid_cache import LayerState
 from fusedserve.kernels.linear import LinearOp
 from fusedserve.kernels.model_description.config import Qwen3Config
 from fusedserve.worker.model.weights import LinearAttnWeights
+from fusedserve.worker.model.workspace import HybridBuffers
 
 
 def delta_net_forward(c: Qwen3Config, linear: LinearOp, w: LinearAttnWeights, h: torch.Tensor,
                       batch: ForwardBatch, state: LayerState, out: torch.Tensor,
-                      kv_window: Callable[[int, int], LayerState], ops: DeltaNetOps) -> None:
+                      kv_window: Callable[[int, int], LayerState], ops: DeltaNetOps,
+                      buffers: HybridBuffers) -> None:
     """``out`` [n, D] = the layer's output for the normed input ``h`` [n, D]; each row's state
     advanced past its tokens. A speculating request's rows run in order from its slot's state,
     each position's state going to ``kv_window(groups, rows)`` (the slot is left as it was: the
-    runner keeps the accepted position's after verification). ``ops``: the decode step's kernels."""
+    runner keeps the accepted position's after verification). ``ops``: the kernels; ``buffers``: the
+    workspace's intermediates for n rows (a decode step allocates nothing)."""
     la = c.linear_attention
-    n, dtype = h.shape[0], h.dtype
-    proj = torch.empty(n, la.in_proj_rows, dtype=dtype, device=h.device)
+    proj, conv, normed = buffers.delta_proj, buffers.delta_conv, buffers.delta_out
     linear(h, w.in_proj, proj)
     cd, vd, nv = la.conv_dim, la.value_dim, la.num_value_heads
     mixed, z = proj[:, :cd], proj[:, cd : cd + vd]
     b, a = proj[:, cd + vd : cd + vd + nv], proj[:, cd + vd + nv :]
-    conv = torch.empty(n, cd, dtype=dtype, device=h.device)
-    normed = torch.empty(n, vd, dtype=dtype, device=h.device)
     slots, eps = batch.state_slots, c.rms_norm_eps
     window = kv_window(len(batch.spec_groups), max(n for _, n in batch.spec_groups)) \
         if batch.spec_groups else None

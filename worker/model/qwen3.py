@@ -28,7 +28,7 @@ from fusedserve.worker.model.loader import Progress, load_weights
 from fusedserve.worker.model.moe import moe_forward
 from fusedserve.worker.model.tensor_parallel import SINGLE, TensorParallel
 from fusedserve.worker.model.weights import Quantizer, Qwen3Weights, prepare_weights
-from fusedserve.worker.model.workspace import LayerBuffers, Workspace
+from fusedserve.worker.model.workspace import HybridBuffers, LayerBuffers, Workspace
 
 
 class Qwen3Model:
@@ -165,7 +165,8 @@ class Qwen3Model:
         norms.add_rms_norm(x, pending, lw.input_norm, buf.h, buf.norm)
         if lw.linear_attn is not None:
             delta_net_forward(c, linear, lw.linear_attn, buf.h, batch, kv.state(i), buf.o,
-                              lambda groups, rows: kv.speculating(i, groups, rows), self.delta_ops)
+                              lambda groups, rows: kv.speculating(i, groups, rows), self.delta_ops,
+                              buf.hybrid)
         else:
             linear(buf.h, lw.qkv, buf.qkv)
             if lw.qkv_bias is not None:
@@ -175,7 +176,7 @@ class Qwen3Model:
                                batch.slot_mapping)
             ws.attention.attend(buf.q, k_cache, v_cache, buf.attn)
             if lw.attn_gate is not None:  # a hybrid's output gate: attn * sigmoid(h W_gate)
-                gate = torch.empty(n, c.q_size, dtype=x.dtype, device=x.device)
+                gate = buf.hybrid.gate
                 linear(buf.h, lw.attn_gate, gate)
                 buf.attn.view(n, c.q_size).mul_(gate.sigmoid_())
             linear(buf.attn.view(n, c.q_size), lw.o_proj, buf.o)
@@ -184,7 +185,7 @@ class Qwen3Model:
         if lw.experts is not None:
             moe_forward(c, self.kernels, lw, buf.h, buf.o)
             if lw.shared_gate_up is not None:
-                self._shared_expert(lw, buf.h, buf.o)
+                self._shared_expert(lw, buf.h, buf.o, buf.hybrid)
         else:
             linear(buf.h, lw.gate_up, buf.gate_up)
             ops.silu_mul(buf.gate_up, buf.act)
@@ -192,17 +193,14 @@ class Qwen3Model:
         tp.all_reduce(buf.o)
         return buf.o
 
-    def _shared_expert(self, lw, h: torch.Tensor, out: torch.Tensor) -> None:
+    def _shared_expert(self, lw, h: torch.Tensor, out: torch.Tensor, hb: HybridBuffers) -> None:
         """A hybrid MoE layer's shared expert, gated by sigmoid(h . w), added to the experts' ``out``."""
         linear, ops = self.kernels.linear, self.kernels.ops
-        n, width = h.shape[0], self.local.shared_expert_intermediate_size
-        gu = torch.empty(n, 2 * width, dtype=h.dtype, device=h.device)
-        act = torch.empty(n, width, dtype=h.dtype, device=h.device)
-        y = torch.empty_like(out)
-        linear(h, lw.shared_gate_up, gu)
-        ops.silu_mul(gu, act)
-        linear(act, lw.shared_down, y)
-        out.add_(y.mul_(torch.sigmoid(h @ lw.shared_gate.t())))
+        linear(h, lw.shared_gate_up, hb.shared_gate_up)
+        ops.silu_mul(hb.shared_gate_up, hb.shared_act)
+        linear(hb.shared_act, lw.shared_down, hb.shared_out)
+        torch.matmul(h, lw.shared_gate.t(), out=hb.shared_gate)
+        out.add_(hb.shared_out.mul_(hb.shared_gate.sigmoid_()))
 
     def compute_logits(self, x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, ws: Workspace) -> None:
         """``out`` [R, V] float32 = lm_head(final_norm(x[rows])), ``ws.max_rows`` rows at a time."""

@@ -4,6 +4,7 @@ launch (prompt chunks) allocates its own layer buffers."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,33 @@ from fusedserve.kernels.attention import AttentionBackend
 from fusedserve.kernels.layer_ops import NormScratch
 from fusedserve.kernels.model_description.config import Qwen3Config
 from fusedserve.worker.model.tensor_parallel import SINGLE, TensorParallel
+
+
+@dataclass
+class HybridBuffers:
+    """A hybrid model's extra intermediates for n rows: the attention output gate, the Gated
+    DeltaNet's projection, conv output and normed output, the shared expert's."""
+
+    gate: torch.Tensor  # [n, q]: h W_gate
+    delta_proj: torch.Tensor  # [n, q + k + v + z + b + a]
+    delta_conv: torch.Tensor  # [n, q + k + v]
+    delta_out: torch.Tensor  # [n, value heads x dv]
+    shared_gate_up: torch.Tensor  # [n, 2 W] (W = 0 without a shared expert)
+    shared_act: torch.Tensor  # [n, W]
+    shared_out: torch.Tensor  # [n, D]
+    shared_gate: torch.Tensor  # [n, 1]
+
+    @classmethod
+    def allocate(cls, c: Qwen3Config, n: int, dtype: torch.dtype, device: torch.device) -> HybridBuffers:
+        la, w = c.linear_attention, c.shared_expert_intermediate_size or 0
+        kw = {"dtype": dtype, "device": device}
+        return cls(torch.empty(n, c.q_size, **kw), torch.empty(n, la.in_proj_rows, **kw),
+                   torch.empty(n, la.conv_dim, **kw), torch.empty(n, la.value_dim, **kw),
+                   torch.empty(n, 2 * w, **kw), torch.empty(n, w, **kw), torch.empty(n, c.hidden_size, **kw),
+                   torch.empty(n, 1, **kw))
+
+    def rows(self, n: int) -> HybridBuffers:
+        return HybridBuffers(*(getattr(self, f.name)[:n] for f in dataclasses.fields(self)))
 
 
 @dataclass
@@ -26,6 +54,7 @@ class LayerBuffers:
     gate_up: torch.Tensor  # [n, 2 I]
     act: torch.Tensor  # [n, I]
     norm: NormScratch
+    hybrid: HybridBuffers | None = None  # a hybrid model's (Qwen3.5, Qwen3-Next)
 
     @classmethod
     def allocate(cls, c: Qwen3Config, n: int, dtype: torch.dtype, device: torch.device) -> LayerBuffers:
@@ -37,12 +66,14 @@ class LayerBuffers:
             o=torch.empty(n, c.hidden_size, **kw), gate_up=torch.empty(n, 2 * c.intermediate_size, **kw),
             act=torch.empty(n, c.intermediate_size, **kw),
             norm=NormScratch.allocate(n, c.hidden_size, nh, c.num_key_value_heads, hd, dtype, device),
+            hybrid=HybridBuffers.allocate(c, n, dtype, device) if c.hybrid else None,
         )
 
     def rows(self, n: int) -> LayerBuffers:
         """Views of the first n rows (no allocation)."""
         return LayerBuffers(self.h[:n], self.qkv[:n], self.q[:n], self.attn[:n], self.o[:n], self.gate_up[:n],
-                            self.act[:n], self.norm.rows(n))
+                            self.act[:n], self.norm.rows(n),
+                            None if self.hybrid is None else self.hybrid.rows(n))
 
 
 class Workspace:
