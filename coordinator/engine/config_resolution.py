@@ -69,10 +69,7 @@ def _hybrid_settings(cfg: EngineConfig) -> EngineConfig:
     """A hybrid model (Gated DeltaNet layers) runs with a recurrent-state slot per request and,
     with prefix caching, a snapshot slot per request (its state at its last block boundary);
     speculating requests keep the state of their accepted tokens (``HybridKVCache.keep_accepted``).
-    An int8 KV cache is refused, and so is a hybrid draft model."""
-    if cfg.cache.kv_cache_dtype != "auto":
-        raise ValueError(f"kv_cache_dtype {cfg.cache.kv_cache_dtype} is not supported for a hybrid (Gated "
-                         "DeltaNet) model yet: its attention layers write K/V in the model's dtype; use auto")
+    A hybrid draft model is refused (``_draft_dir``)."""
     snapshots = cfg.scheduler.max_batch if cfg.cache.enable_prefix_caching else 0
     return cfg.replace(recurrent_state=True, state_snapshots=snapshots)
 

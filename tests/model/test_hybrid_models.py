@@ -213,6 +213,32 @@ def test_decode_step_allocates_nothing_after_warmup(hybrids, arch):
     assert any(e.cpu_memory_usage > 0 for e in prof.events())
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_an_int8_kv_cache_serves_hybrids(hybrids, arch):
+    """``kv_cache_dtype="int8"``: the attention layers' pages are int8 rows with a scale (the
+    zero-centred q/k norms' pass quantizes them), the states stay float32. Whole and 8-token-chunked
+    prompts give the same greedy tokens; prompt logprobs stay close to a 16-bit cache's, and differ."""
+    from fusedserve.kernels.native import build as native
+
+    if native.kernels() is None:
+        pytest.skip("an int8 KV cache runs on the native CPU kernels")
+    path = hybrids[arch][0]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    base = dict(dtype="bfloat16", max_batch=4, block_size=4, num_blocks=96, max_model_len=256)
+    runs = {}
+    for name, extra in (("whole", {}), ("chunked", dict(max_num_batched_tokens=12))):
+        with LLMEngine(str(path), kv_cache_dtype="int8", **base, **extra) as eng:
+            assert eng.runner.kv.data.dtype == torch.int8
+            assert eng.runner.kv.recurrent.dtype == torch.float32
+            runs[name] = eng.generate(PROMPTS[1:], params)
+    with LLMEngine(str(path), **base) as eng:
+        ref = eng.generate(PROMPTS[1:], params)
+    assert [o.token_ids for o in runs["chunked"]] == [o.token_ids for o in runs["whole"]]
+    diffs = torch.tensor([abs(a - b) for o, r in zip(runs["whole"], ref)
+                          for a, b in zip(o.prompt_logprobs[1:], r.prompt_logprobs[1:])])
+    assert 0 < diffs.mean() < 0.05 and diffs.max() < 0.3, (diffs.mean(), diffs.max())
+
+
 def test_sizing_counts_attention_layers_and_states(hybrids):
     c = Qwen3Config.from_dir(hybrids["qwen3_5"][0])
     assert kv_sizing.bytes_per_token(c, torch.float32, 1) == 1 * 2 * 2 * 32 * 4  # one attention layer of 4

@@ -4,7 +4,8 @@ Qwen3's norm rounds the normalised row to the model's dtype and then multiplies 
 these compute ``x / rms(x) * (1 + w)`` in float32 and round once (``hybrid_loader.norm`` stores
 ``1 + w`` in float32). The difference is a bf16 rounding step per norm, which over a model's
 layers and its q/k norms is most of the bf16 error a Qwen3-style norm would add. Same call shapes
-as ``LayerOps.add_rms_norm`` and ``qk_norm_rope`` (an auto-dtype KV cache: rows written as they are).
+as ``LayerOps.add_rms_norm`` and ``qk_norm_rope`` (K/V rows written as they are, or quantized into
+an int8 cache by the native pass).
 With the native CPU kernels, their float32-weight passes (``csrc/norm.cpp``) do the same in one pass
 per row and per head; else torch.
 """
@@ -49,6 +50,8 @@ class HybridNorms:
                                      c.num_attention_heads, c.num_key_value_heads, k_cache, v_cache,
                                      slot_mapping)
             return
+        if k_cache.dtype == torch.int8:
+            raise ValueError("an int8 KV cache is written by the native CPU kernels only")
         q = qkv[:, : c.q_size].view(n, -1, hd)
         k = qkv[:, c.q_size : c.q_size + c.kv_size].view(n, -1, hd)
         v = qkv[:, c.q_size + c.kv_size :].view(n, -1, hd)

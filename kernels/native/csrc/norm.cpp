@@ -180,6 +180,9 @@ void qk_norm_rope(at::Tensor qkv, const at::Tensor& qw, const at::Tensor& kw, co
       qk_norm_rope_impl<T, T, float>(qkv, qw, kw, cos, sin, eps, q_out, H, KVH,                            \
                                      cache ? k_cache->data_ptr<T>() : nullptr,                           \
                                      cache ? v_cache->data_ptr<T>() : nullptr, slots);                   \
+    else if (q8 && f32w)                                                                                   \
+      qk_norm_rope_impl<T, int8_t, float>(qkv, qw, kw, cos, sin, eps, q_out, H, KVH,                       \
+                                          k_cache->data_ptr<int8_t>(), v_cache->data_ptr<int8_t>(), slots); \
     else if (q8)                                                                                           \
       qk_norm_rope_impl<T, int8_t>(qkv, qw, kw, cos, sin, eps, q_out, H, KVH, k_cache->data_ptr<int8_t>(), \
                                    v_cache->data_ptr<int8_t>(), slots);                                  \
