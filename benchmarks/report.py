@@ -569,9 +569,7 @@ def hybrid_section(args: argparse.Namespace, t: list) -> list[str]:
         return ["", HYBRID_HEADING, "", "(needs `--llama-cpp`: the comparison is against llama.cpp)"]
     peer = ["--llama-cpp", args.llama_cpp] + (["--llama-python", args.llama_python] if args.llama_python else [])
     res = hybrid_decode.main([*peer, "--json", str(HYBRID_RESULTS)])
-    pre = hybrid_decode.main([*peer, "--prefill", "4096", "--engines",
-                              "fusedserve-bf16,fusedserve-int8,llamacpp-bf16,llamacpp-q8_0", "--json",
-                              str(HYBRID_PREFILL)])
+    pre = hybrid_decode.main([*peer, "--prefill", "4096", "--json", str(HYBRID_PREFILL)])
     return hybrid_lines(res, pre, t)
 
 

@@ -14,6 +14,8 @@ and the quantization they run with.
 - ``quant_method: "awq"`` (AutoAWQ's GEMM layout, 4-bit, zero points) and ``"gptq"`` (4 or
   8 bits, ``desc_act`` by ``g_idx``): ``worker/model/group_quant.py``; 4-bit in-order groups run
   as int4 with zero points, bit for bit; ``desc_act`` and 8-bit as int8, re-quantized.
+  Projections named by ``modules_to_not_convert`` or a GPTQ ``dynamic`` "-:" rule are read as
+  16-bit tensors.
 - Anything else is refused by name: a quantized checkpoint loaded as if it were 16-bit answers
   garbage without an error.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +46,16 @@ class GroupQuant:
     group_size: int  # -1: one group per row
     zero_offset: int = 0  # added to stored zero points (GPTQ v1: 1)
     desc_act: bool = False  # GPTQ: groups follow a permutation of the inputs (g_idx)
+    # Projections stored unquantized: ``modules_to_not_convert`` (names containing one of these, as
+    # transformers matches them) and GPTQModel's ``dynamic`` "-:" rules (regexes matched at the
+    # start of the module's name). Qwen3.5's GPTQ releases keep their attention layers so.
+    unconverted: tuple[str, ...] = ()
+    unconverted_patterns: tuple[str, ...] = ()
+
+    def converts(self, module: str) -> bool:
+        """Whether projection ``module`` (its weight's name less ``.weight``) is stored packed."""
+        return not (any(m in module for m in self.unconverted)
+                    or any(re.match(p, module) for p in self.unconverted_patterns))
 
     @property
     def runs_as(self) -> str:
@@ -142,13 +155,28 @@ def _group_quant(path: Path, method: str, qc: dict) -> GroupQuant:
         if bits != 4 or version != "gemm" or not qc.get("zero_point", True):
             raise ConfigError(f"{path}: AWQ {bits}-bit {version!r} (zero_point {qc.get('zero_point')}) is "
                               "not supported; AutoAWQ's 4-bit GEMM layout with zero points is")
-        return GroupQuant("awq", 4, group)
+        return GroupQuant("awq", 4, group, unconverted=_unconverted(path, qc))
     fmt = qc.get("checkpoint_format", "gptq")
     if bits not in (4, 8) or fmt not in ("gptq", "gptq_v2"):
         raise ConfigError(f"{path}: GPTQ {bits}-bit, checkpoint_format {fmt!r} is not supported; 4 or 8 bits "
                           "in the gptq or gptq_v2 layout are")
+    patterns = []
+    for key, override in (qc.get("dynamic") or {}).items():
+        if key.startswith("-:"):
+            patterns.append(key[2:])
+        elif override and any(override.get(f, v) != v for f, v in (("bits", bits), ("group_size", group))):
+            raise ConfigError(f"{path}: GPTQ dynamic rule {key!r} overrides {override}; per-module bits and "
+                              "group sizes are not supported (only '-:' rules, modules left unquantized)")
     return GroupQuant("gptq", bits, group, zero_offset=1 if fmt == "gptq" else 0,
-                      desc_act=bool(qc.get("desc_act", False)))
+                      desc_act=bool(qc.get("desc_act", False)), unconverted=_unconverted(path, qc),
+                      unconverted_patterns=tuple(patterns))
+
+
+def _unconverted(path: Path, qc: dict) -> tuple[str, ...]:
+    names = qc.get("modules_to_not_convert") or []
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"{path}: quantization_config.modules_to_not_convert must be a list of names")
+    return tuple(names)
 
 
 def parameter_count(model_dir: str) -> int:

@@ -38,10 +38,12 @@ def _tensors(src: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_fp8(src: Path, dst: Path, block: tuple[int, int] = (128, 128)) -> dict[str, torch.Tensor]:
-    """``src`` as Qwen's FP8 releases store it: every projection e4m3 with ``weight_scale_inv``
-    (one fp32 multiplier per block, amax / 448), the rest as it was; ``quantization_config`` in
-    config.json. Returns the dequantized fp32 value of every projection."""
+def write_fp8(src: Path, dst: Path, block: tuple[int, int] = (128, 128),
+              projections: tuple[str, ...] = PROJECTIONS) -> dict[str, torch.Tensor]:
+    """``src`` as Qwen's FP8 releases store it: every projection (a weight whose module is named in
+    ``projections``) e4m3 with ``weight_scale_inv`` (one fp32 multiplier per block, amax / 448), the
+    rest as it was; ``quantization_config`` in config.json. Returns the dequantized fp32 value of
+    every projection."""
     dst.mkdir(parents=True)
     for f in src.iterdir():
         if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json" and f.is_file():
@@ -49,7 +51,7 @@ def write_fp8(src: Path, dst: Path, block: tuple[int, int] = (128, 128)) -> dict
     bn, bk = block
     out, deq = {}, {}
     for name, w in _tensors(src).items():
-        if not (name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS):
+        if not (name.endswith(".weight") and name.split(".")[-2] in projections):
             out[name] = w
             continue
         n, k = w.shape

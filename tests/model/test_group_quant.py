@@ -68,8 +68,10 @@ def _quantize_groups(w: torch.Tensor, groups: torch.Tensor, n_groups: int, bits:
 
 
 def write_group_quant(src: Path, dst: Path, method: str, bits: int = 4, group: int = 128, sym: bool = False,
-                      desc_act: bool = False) -> dict[str, torch.Tensor]:
-    """``src`` as AutoAWQ or GPTQ write it; returns the dequantized projections."""
+                      desc_act: bool = False, projections: tuple[str, ...] = PROJECTIONS,
+                      config: dict | None = None) -> dict[str, torch.Tensor]:
+    """``src`` as AutoAWQ or GPTQ write it (the weights of modules named in ``projections`` packed;
+    ``config`` added to its quantization_config); returns the dequantized projections."""
     dst.mkdir(parents=True)
     for f in src.iterdir():
         if f.suffix != ".safetensors" and f.is_file():
@@ -77,7 +79,7 @@ def write_group_quant(src: Path, dst: Path, method: str, bits: int = 4, group: i
     out, deq = {}, {}
     gen = torch.Generator().manual_seed(3)
     for name, w in _tensors(src).items():
-        if not (name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS):
+        if not (name.endswith(".weight") and name.split(".")[-2] in projections):
             out[name] = w
             continue
         prefix, k = name[: -len(".weight")], w.shape[1]
@@ -103,6 +105,7 @@ def write_group_quant(src: Path, dst: Path, method: str, bits: int = 4, group: i
     else:
         cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group,
                                       "desc_act": desc_act, "sym": sym, "checkpoint_format": "gptq"}
+    cfg["quantization_config"].update(config or {})
     (dst / "config.json").write_text(json.dumps(cfg))
     return deq
 

@@ -6,6 +6,8 @@
 - A full-attention layer's q_proj holds each head's query and then its output gate: they are
   split, and q and k rows permuted for partial rotary (``layer_ops.rotary_permutation``).
 - Every RMSNorm but the gated one is zero-centred (``x * (1 + w)``): ``1 + w`` is stored.
+- Projections of an AWQ/GPTQ checkpoint are read packed and dequantized (``dense``): the layout
+  above regroups and splits their rows; the model's quantization then quantizes the fused matrix.
 """
 
 from __future__ import annotations
@@ -13,9 +15,19 @@ from __future__ import annotations
 import torch
 
 from fusedserve.kernels.layer_ops import rotary_permutation
+from fusedserve.kernels.linear import Int4Weight
 from fusedserve.kernels.model_description.config import Qwen3Config
+from fusedserve.kernels.quantize import dequantize_int4
 from fusedserve.worker.model.tensor_parallel import TensorParallel
 from fusedserve.worker.model.weights import LinearAttnWeights
+
+
+def dense(reader, name: str, shape: tuple[int, int], pd, rows: range | None = None,
+          cols: range | None = None) -> torch.Tensor:
+    """A projection's ``rows`` x ``cols`` as a dense matrix, whatever the checkpoint stores (an
+    AWQ/GPTQ one's packed words dequantized; a 16-bit or FP8 one's values)."""
+    w = reader.get(name, shape, rows=rows, cols=cols, dtype=pd, packed=True)
+    return dequantize_int4(w.u, w.d, w.in_features, torch.float32, w.z) if isinstance(w, Int4Weight) else w
 
 
 def norm(reader, name: str, dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -31,16 +43,16 @@ def gated_attention(reader, a: str, c: Qwen3Config, pd, tp: TensorParallel
     nh, hd, hidden = c.num_attention_heads, c.head_dim, c.hidden_size
     heads, kv = tp.heads(c), tp.kv_heads(c)
     perm = rotary_permutation(hd, c.rotary_dim)
-    both = reader.get(a + "q_proj.weight", (2 * nh * hd, hidden), rows=range(heads.start * 2 * hd,
-                                                                             heads.stop * 2 * hd), dtype=pd)
+    both = dense(reader, a + "q_proj.weight", (2 * nh * hd, hidden), pd,
+                 rows=range(heads.start * 2 * hd, heads.stop * 2 * hd))
     both = both.view(len(heads), 2 * hd, hidden)
     q = both[:, :hd][:, perm].reshape(-1, hidden)
     gate = both[:, hd:].reshape(-1, hidden).contiguous()
     kv_rows = range(kv.start * hd, kv.stop * hd)
-    k = reader.get(a + "k_proj.weight", (c.kv_size, hidden), rows=kv_rows, dtype=pd).view(-1, hd, hidden)
-    v = reader.get(a + "v_proj.weight", (c.kv_size, hidden), rows=kv_rows, dtype=pd)
-    o = reader.get(a + "o_proj.weight", (hidden, c.q_size), cols=range(heads.start * hd, heads.stop * hd),
-                   dtype=pd)
+    k = dense(reader, a + "k_proj.weight", (c.kv_size, hidden), pd, rows=kv_rows).view(-1, hd, hidden)
+    v = dense(reader, a + "v_proj.weight", (c.kv_size, hidden), pd, rows=kv_rows)
+    o = dense(reader, a + "o_proj.weight", (hidden, c.q_size), pd,
+              cols=range(heads.start * hd, heads.stop * hd))
     return q, gate, k[:, perm].reshape(-1, hidden), v, o
 
 
@@ -60,10 +72,10 @@ def linear_attention(reader, p: str, c: Qwen3Config, pd, quantize, tp: TensorPar
     if c.checkpoint_layout == "qwen3_next":  # per key head: [q, k, v, z] and [b, a]
         r = nv // nk
         width = 2 * dk + 2 * r * dv
-        qkvz = reader.get(p + "in_proj_qkvz.weight", (nk * width, hidden),
-                          rows=range(kh.start * width, kh.stop * width), dtype=pd)
-        ba = reader.get(p + "in_proj_ba.weight", (2 * nv, hidden),
-                        rows=range(kh.start * 2 * r, kh.stop * 2 * r), dtype=pd)
+        qkvz = dense(reader, p + "in_proj_qkvz.weight", (nk * width, hidden), pd,
+                     rows=range(kh.start * width, kh.stop * width))
+        ba = dense(reader, p + "in_proj_ba.weight", (2 * nv, hidden), pd,
+                   rows=range(kh.start * 2 * r, kh.stop * 2 * r))
         qkvz, ba = qkvz.view(len(kh), width, hidden), ba.view(len(kh), 2 * r, hidden)
         cuts = [0, dk, 2 * dk, 2 * dk + r * dv, width]
         parts = [qkvz[:, cuts[i] : cuts[i + 1]].reshape(-1, hidden) for i in range(4)]
@@ -71,12 +83,12 @@ def linear_attention(reader, p: str, c: Qwen3Config, pd, quantize, tp: TensorPar
     else:
         name, shape = p + "in_proj_qkv.weight", (la.conv_dim, hidden)
         kd = la.key_dim
-        parts = [reader.get(name, shape, rows=q_rows, dtype=pd),
-                 reader.get(name, shape, rows=range(kd + q_rows.start, kd + q_rows.stop), dtype=pd),
-                 reader.get(name, shape, rows=range(2 * kd + v_rows.start, 2 * kd + v_rows.stop), dtype=pd),
-                 reader.get(p + "in_proj_z.weight", (la.value_dim, hidden), rows=v_rows, dtype=pd),
-                 reader.get(p + "in_proj_b.weight", (nv, hidden), rows=vh, dtype=pd),
-                 reader.get(p + "in_proj_a.weight", (nv, hidden), rows=vh, dtype=pd)]
+        parts = [dense(reader, name, shape, pd, rows=q_rows),
+                 dense(reader, name, shape, pd, rows=range(kd + q_rows.start, kd + q_rows.stop)),
+                 dense(reader, name, shape, pd, rows=range(2 * kd + v_rows.start, 2 * kd + v_rows.stop)),
+                 dense(reader, p + "in_proj_z.weight", (la.value_dim, hidden), pd, rows=v_rows),
+                 dense(reader, p + "in_proj_b.weight", (nv, hidden), pd, rows=vh),
+                 dense(reader, p + "in_proj_a.weight", (nv, hidden), pd, rows=vh)]
     conv = reader.get(p + "conv1d.weight", (la.conv_dim, 1, la.conv_kernel)).view(la.conv_dim, la.conv_kernel)
     kd = la.key_dim
     channels = [*q_rows, *range(kd + q_rows.start, kd + q_rows.stop),
@@ -89,7 +101,7 @@ def linear_attention(reader, p: str, c: Qwen3Config, pd, quantize, tp: TensorPar
         dt_bias=reader.get(p + "dt_bias", (nv,), rows=vh).float(),
         neg_a=-a_log.exp(),
         norm=reader.get(p + "norm.weight", (dv,)),
-        out_proj=quantize(reader.get(p + "out_proj.weight", (hidden, la.value_dim), cols=v_rows, dtype=pd)),
+        out_proj=quantize(dense(reader, p + "out_proj.weight", (hidden, la.value_dim), pd, cols=v_rows)),
     )
 
 
@@ -100,9 +112,8 @@ def shared_expert(reader, p: str, c: Qwen3Config, pd, quantize, tp: TensorParall
     if not width:
         return {}
     s, share = p + "mlp.shared_expert.", tp.split(width)
-    gate = reader.get(s + "gate_proj.weight", (width, hidden), rows=share, dtype=pd)
-    up = reader.get(s + "up_proj.weight", (width, hidden), rows=share, dtype=pd)
+    gate = dense(reader, s + "gate_proj.weight", (width, hidden), pd, rows=share)
+    up = dense(reader, s + "up_proj.weight", (width, hidden), pd, rows=share)
     return dict(shared_gate_up=quantize(torch.cat([gate, up]).contiguous()),
-                shared_down=quantize(reader.get(s + "down_proj.weight", (hidden, width), cols=share,
-                                                dtype=pd)),
+                shared_down=quantize(dense(reader, s + "down_proj.weight", (hidden, width), pd, cols=share)),
                 shared_gate=reader.get(p + "mlp.shared_expert_gate.weight", (1, hidden)))

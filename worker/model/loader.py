@@ -83,7 +83,7 @@ class _Reader:
         if self.gguf is not None:
             return self._get_gguf(name, shape, rows, cols, dtype, packed)
         prefix = name.removesuffix(".weight")
-        if self.fmt.group_quant is not None and packed:
+        if self.fmt.group_quant is not None and packed and self.fmt.group_quant.converts(prefix):
             if prefix + ".qweight" not in self.files:
                 raise WeightError(f"{self.model_dir}: config.json declares {self.fmt.method} but projection "
                                   f"{prefix!r} has no {prefix}.qweight")
