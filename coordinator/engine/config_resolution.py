@@ -52,7 +52,7 @@ def resolve_config(cfg: EngineConfig, device_kind: str, ranks_on_node: int = 1) 
     dtype = resolve_dtype(m.dtype, parse_dtype(model.dtype), device_kind)
     c, p = cfg.cache, cfg.parallel
     if model.hybrid:
-        cfg = _hybrid_settings(cfg)
+        cfg = hybrid_settings(cfg)
     if c.kv_cache_dtype == "int8" and device_kind != "cpu":
         raise ValueError(f"kv_cache_dtype int8 runs on the native CPU kernels; this engine's device is "
                          f"{device_kind}: use kv_cache_dtype auto there")
@@ -65,7 +65,7 @@ def resolve_config(cfg: EngineConfig, device_kind: str, ranks_on_node: int = 1) 
     return ResolvedEngine(resolved, model, kv, parameter_count(model_dir))
 
 
-def _hybrid_settings(cfg: EngineConfig) -> EngineConfig:
+def hybrid_settings(cfg: EngineConfig) -> EngineConfig:
     """A hybrid model (Gated DeltaNet layers) runs with a recurrent-state slot per request and,
     with prefix caching, a snapshot slot per request (its state at its last block boundary);
     speculating requests keep the state of their accepted tokens (``HybridKVCache.keep_accepted``).

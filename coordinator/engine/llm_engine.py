@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from fusedserve.coordinator.engine import kv_sizing
-from fusedserve.coordinator.engine.config_resolution import dtype_name, resolve_config
+from fusedserve.coordinator.engine.config_resolution import dtype_name, hybrid_settings, resolve_config
 from fusedserve.coordinator.engine.engine_core import EngineCore
 from fusedserve.coordinator.engine.executor import InProcessExecutor
 from fusedserve.coordinator.engine.input_processor import InputProcessor
@@ -80,6 +80,8 @@ class LLMEngine:
             cfg = cfg.replace(max_model_len=model.max_model_len, dtype=dtype_name(model.dtype),
                               quantization=model.quantization)
             cfg.check()
+            if model.config.hybrid:  # its state slots and snapshots, as resolve_config gives them
+                cfg = hybrid_settings(cfg)
             if cfg.cache.num_blocks is None:  # sized from memory, for this model as it is
                 kv = kv_sizing.plan(model.config, model.dtype, cfg.cache, device_kind=model.device.type,
                                     max_batch=cfg.scheduler.max_batch, max_model_len=model.max_model_len,

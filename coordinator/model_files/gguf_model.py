@@ -26,9 +26,10 @@ MAGIC = b"GGUF"
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZERS = ("qwen2", "gpt-2", "default")
-ARCHITECTURES = {"qwen3": ("Qwen3ForCausalLM", "qwen3")}
+ARCHITECTURES = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text")}
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types that are special tokens
-PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "attn_qkv",
+               "attn_gate", "ssm_out")
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -86,7 +87,8 @@ def write_sidecar(path: Path, out: Path) -> None:
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ConfigError(f"{path}: GGUF architecture {arch!r} is not supported (supported: "
-                          f"{', '.join(ARCHITECTURES)}; Qwen3-MoE GGUF files are not read yet)")
+                          f"{', '.join(ARCHITECTURES)}; MoE GGUF files (qwen3moe, qwen35moe, qwen3next) "
+                          "are not read yet)")
     tensors = {t.name: t for t in reader.tensors}
     out.joinpath("config.json").write_text(json.dumps(_config(path, arch, meta, tensors), indent=1))
     tok, tok_config = _tokenizer(path, meta)
@@ -141,7 +143,25 @@ def _config(path: Path, arch: str, meta: _Meta, tensors: dict[str, Any]) -> dict
     for key in ("bos_token_id", "eos_token_id"):
         if meta.get(f"tokenizer.ggml.{key}") is not None:
             cfg[key] = int(meta.get(f"tokenizer.ggml.{key}"))
+    if arch == "qwen35":
+        cfg.update(_hybrid_config(need, cfg))
     return cfg
+
+
+def _hybrid_config(need, cfg: dict) -> dict:
+    """A ``qwen35`` file's Gated DeltaNet fields, as transformers' Qwen3.5 config names them (the
+    metadata llama.cpp's converter writes: ``ssm.*``, ``attention.recurrent_layers``, the rotary
+    dims; its mrope sections reduce to plain rotary for text, as the loader checks)."""
+    heads, groups = int(need("ssm.time_step_rank")), int(need("ssm.group_count"))
+    recurrent = list(need("attention.recurrent_layers"))[: cfg["num_hidden_layers"]]
+    rotary = int(need("rope.dimension_count"))
+    return {"linear_num_key_heads": groups, "linear_num_value_heads": heads,
+            "linear_key_head_dim": int(need("ssm.state_size")),
+            "linear_value_head_dim": int(need("ssm.inner_size")) // heads,
+            "linear_conv_kernel_dim": int(need("ssm.conv_kernel")),
+            "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent],
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg["rope_theta"],
+                                "partial_rotary_factor": rotary / cfg["head_dim"]}}
 
 
 def _tokenizer(path: Path, meta: _Meta):

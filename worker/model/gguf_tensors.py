@@ -20,6 +20,7 @@ import torch
 
 from fusedserve.kernels.linear import Int4Weight
 from fusedserve.kernels.quantize import INT4_GROUP
+from fusedserve.worker.model.gguf_hybrid import HybridLayout
 
 # Hugging Face name -> GGUF name (llama.cpp's convert_hf_to_gguf.py, Qwen2/Qwen3 architectures).
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
@@ -46,7 +47,8 @@ def gguf_name(hf: str) -> str | None:
 
 
 class GGUFTensors:
-    """A GGUF file's tensors by Hugging Face name: shapes, types, fp32 reads and Q4_0 as int4."""
+    """A GGUF file's tensors by Hugging Face name: shapes, types, fp32 reads and Q4_0 as int4. A
+    ``qwen35`` file's (Qwen3.5) names and values are undone as ``gguf_hybrid.py`` says."""
 
     def __init__(self, path: str | Path):
         import gguf
@@ -55,23 +57,46 @@ class GGUFTensors:
         self._gguf = gguf
         self.reader = gguf.GGUFReader(str(self.path), "r")
         self.tensors = {t.name: t for t in self.reader.tensors}
+        arch = self._meta("general.architecture")
+        self.hybrid = HybridLayout.from_metadata(self._meta) if arch == "qwen35" else None
+
+    def _meta(self, key: str):
+        f = self.reader.fields.get(key)
+        if f is None:
+            raise KeyError(f"{self.path}: GGUF metadata lacks {key}")
+        value = f.contents()
+        return value.decode() if isinstance(value, bytes) else value
 
     def _tensor(self, name: str):
-        g = gguf_name(name)
+        g = gguf_name(name) if self.hybrid is None or name in _GLOBAL else self.hybrid.name(name)
         return None if g is None else self.tensors.get(g)
+
+    def _fix(self, name: str):
+        return None if self.hybrid is None else self.hybrid.fix(name)
 
     def has(self, name: str) -> bool:
         return self._tensor(name) is not None
 
     def shape(self, name: str) -> tuple[int, ...]:
-        """Row-major (GGUF lists dimensions innermost first)."""
-        return tuple(int(d) for d in reversed(self._tensor(name).shape))
+        """Row-major (GGUF lists dimensions innermost first); a hybrid's conv as ``[C, 1, K]``."""
+        shape = tuple(int(d) for d in reversed(self._tensor(name).shape))
+        conv = self.hybrid is not None and name.endswith(".conv1d.weight")
+        return (shape[0], 1, shape[1]) if conv else shape
 
     def qtype(self, name: str) -> str:
         return self._tensor(name).tensor_type.name
 
     def read(self, name: str, rows: range | None = None, cols: range | None = None) -> torch.Tensor:
-        """fp32 values of ``rows`` x ``cols`` (only those rows' bytes are read and dequantized)."""
+        """fp32 values of ``rows`` x ``cols`` (only those rows' bytes are read and dequantized, but
+        for a tensor whose stored values need undoing: all of it, then the share)."""
+        fix = self._fix(name)
+        if fix is not None:
+            values = fix(self.read_stored(name))
+            values = values if rows is None else values[rows.start : rows.stop]
+            return values if cols is None else values[:, cols.start : cols.stop].contiguous()
+        return self.read_stored(name, rows, cols)
+
+    def read_stored(self, name: str, rows: range | None = None, cols: range | None = None) -> torch.Tensor:
         t = self._tensor(name)
         data = t.data if rows is None or t.data.ndim == 1 else t.data[rows.start : rows.stop]
         if t.tensor_type.name in ("F32", "F16"):
@@ -86,7 +111,7 @@ class GGUFTensors:
         """A Q4_0 tensor's ``rows`` x ``cols`` as fusedserve's int4, bit for bit; None where the
         tensor is not Q4_0 or ``cols`` does not fall on whole groups."""
         t = self._tensor(name)
-        if t.tensor_type.name != "Q4_0":
+        if t.tensor_type.name != "Q4_0" or self._fix(name) is not None:
             return None
         n, k = self.shape(name)
         cols = cols or range(k)
