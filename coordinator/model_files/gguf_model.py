@@ -26,7 +26,10 @@ MAGIC = b"GGUF"
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZERS = ("qwen2", "gpt-2", "default")
-ARCHITECTURES = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text")}
+ARCHITECTURES = {"qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+                 "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+                 "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
+                 "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next")}
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types that are special tokens
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "attn_qkv",
                "attn_gate", "ssm_out")
@@ -87,8 +90,7 @@ def write_sidecar(path: Path, out: Path) -> None:
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ConfigError(f"{path}: GGUF architecture {arch!r} is not supported (supported: "
-                          f"{', '.join(ARCHITECTURES)}; MoE GGUF files (qwen3moe, qwen35moe, qwen3next) "
-                          "are not read yet)")
+                          f"{', '.join(ARCHITECTURES)})")
     tensors = {t.name: t for t in reader.tensors}
     out.joinpath("config.json").write_text(json.dumps(_config(path, arch, meta, tensors), indent=1))
     tok, tok_config = _tokenizer(path, meta)
@@ -125,7 +127,8 @@ def _config(path: Path, arch: str, meta: _Meta, tensors: dict[str, Any]) -> dict
         "hidden_size": hidden, "num_attention_heads": heads,
         "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
         "head_dim": int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
-        "intermediate_size": int(need("feed_forward_length")),
+        "intermediate_size": int(meta.get(f"{arch}.feed_forward_length", 0)
+                                 or meta.get(f"{arch}.expert_feed_forward_length", 0)),
         "num_hidden_layers": int(need("block_count")),
         "max_position_embeddings": int(need("context_length")),
         "rms_norm_eps": float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
@@ -143,9 +146,23 @@ def _config(path: Path, arch: str, meta: _Meta, tensors: dict[str, Any]) -> dict
     for key in ("bos_token_id", "eos_token_id"):
         if meta.get(f"tokenizer.ggml.{key}") is not None:
             cfg[key] = int(meta.get(f"tokenizer.ggml.{key}"))
-    if arch == "qwen35":
+    if meta.get(f"{arch}.expert_count"):
+        cfg.update(_moe_config(need, meta, arch))
+    if arch in ("qwen35", "qwen35moe", "qwen3next"):
         cfg.update(_hybrid_config(need, cfg))
     return cfg
+
+
+def _moe_config(need, meta: _Meta, arch: str) -> dict:
+    """An MoE file's experts (llama.cpp normalises the chosen experts' weights for these
+    architectures, as their Hugging Face configs say); every layer sparse."""
+    out = {"num_experts": int(need("expert_count")), "num_experts_per_tok": int(need("expert_used_count")),
+           "moe_intermediate_size": int(need("expert_feed_forward_length")), "norm_topk_prob": True,
+           "decoder_sparse_step": 1, "mlp_only_layers": []}
+    shared = meta.get(f"{arch}.expert_shared_feed_forward_length")
+    if shared:
+        out["shared_expert_intermediate_size"] = int(shared)
+    return out
 
 
 def _hybrid_config(need, cfg: dict) -> dict:

@@ -32,8 +32,11 @@ _LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernor
           "self_attn.v_proj.bias": "attn_v.bias",
           "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
           "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-          "mlp.down_proj.weight": "ffn_down.weight"}
+          "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight": "ffn_gate_inp.weight"}
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# An MoE layer's experts, stacked by the converter into one tensor per projection: [experts, out, in].
+_EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+HYBRID_ARCHES = ("qwen35", "qwen35moe", "qwen3next")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
@@ -58,7 +61,7 @@ class GGUFTensors:
         self.reader = gguf.GGUFReader(str(self.path), "r")
         self.tensors = {t.name: t for t in self.reader.tensors}
         arch = self._meta("general.architecture")
-        self.hybrid = HybridLayout.from_metadata(self._meta) if arch == "qwen35" else None
+        self.hybrid = HybridLayout.from_metadata(self._meta, arch) if arch in HYBRID_ARCHES else None
 
     def _meta(self, key: str):
         f = self.reader.fields.get(key)
@@ -67,9 +70,24 @@ class GGUFTensors:
         value = f.contents()
         return value.decode() if isinstance(value, bytes) else value
 
-    def _tensor(self, name: str):
+    def _lookup(self, name: str):
+        """(the GGUF tensor holding ``name``, the expert's index in it or None), or None."""
+        m = _EXPERT_RE.fullmatch(name)
+        if m:
+            t = self.tensors.get(f"blk.{m.group(1)}.ffn_{m.group(3)}_exps.weight")
+            return None if t is None or int(m.group(2)) >= int(t.shape[-1]) else (t, int(m.group(2)))
         g = gguf_name(name) if self.hybrid is None or name in _GLOBAL else self.hybrid.name(name)
-        return None if g is None else self.tensors.get(g)
+        t = None if g is None else self.tensors.get(g)
+        return None if t is None else (t, None)
+
+    def _tensor(self, name: str):
+        found = self._lookup(name)
+        return None if found is None else found[0]
+
+    def _data(self, name: str):
+        """The stored data of ``name`` (an expert's slice of its stacked tensor)."""
+        t, expert = self._lookup(name)
+        return t.data if expert is None else t.data[expert]
 
     def _fix(self, name: str):
         return None if self.hybrid is None else self.hybrid.fix(name)
@@ -79,7 +97,8 @@ class GGUFTensors:
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Row-major (GGUF lists dimensions innermost first); a hybrid's conv as ``[C, 1, K]``."""
-        shape = tuple(int(d) for d in reversed(self._tensor(name).shape))
+        t, expert = self._lookup(name)
+        shape = tuple(int(d) for d in reversed(t.shape))[0 if expert is None else 1 :]
         conv = self.hybrid is not None and name.endswith(".conv1d.weight")
         return (shape[0], 1, shape[1]) if conv else shape
 
@@ -97,8 +116,8 @@ class GGUFTensors:
         return self.read_stored(name, rows, cols)
 
     def read_stored(self, name: str, rows: range | None = None, cols: range | None = None) -> torch.Tensor:
-        t = self._tensor(name)
-        data = t.data if rows is None or t.data.ndim == 1 else t.data[rows.start : rows.stop]
+        t, stored = self._tensor(name), self._data(name)
+        data = stored if rows is None else stored[rows.start : rows.stop]
         if t.tensor_type.name in ("F32", "F16"):
             values = np.asarray(data, dtype=np.float32)
         else:
@@ -117,7 +136,8 @@ class GGUFTensors:
         cols = cols or range(k)
         if cols.start % INT4_GROUP or (cols.stop % INT4_GROUP and cols.stop != k):
             return None
-        raw = np.asarray(t.data if rows is None else t.data[rows.start : rows.stop])  # [rows, blocks * 18]
+        stored = self._data(name)
+        raw = np.asarray(stored if rows is None else stored[rows.start : rows.stop])  # [rows, blocks * 18]
         blocks = raw.reshape(raw.shape[0], -1, 18)[:, cols.start // INT4_GROUP : -(-cols.stop // INT4_GROUP)]
         d = torch.from_numpy(np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)[:, :, 0].copy())
         qs = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 2:]))  # [rows, groups, 16]

@@ -2,7 +2,8 @@
 ``weights.py`` in one layout whatever the checkpoint's.
 
 - A linear-attention layer's input projections fuse into one matrix, rows [q, k, v, z, b, a]
-  (Qwen3-Next stores q/k/v/z and b/a interleaved per key head: they are regrouped here).
+  (Qwen3-Next stores q/k/v/z and b/a interleaved per key head: they are regrouped here; which
+  layout a checkpoint holds is read from its tensor names).
 - A full-attention layer's q_proj holds each head's query and then its output gate: they are
   split, and q and k rows permuted for partial rotary (``layer_ops.rotary_permutation``).
 - Every RMSNorm but the gated one is zero-centred (``x * (1 + w)``): ``1 + w`` is stored.
@@ -28,6 +29,11 @@ def dense(reader, name: str, shape: tuple[int, int], pd, rows: range | None = No
     AWQ/GPTQ one's packed words dequantized; a 16-bit or FP8 one's values)."""
     w = reader.get(name, shape, rows=rows, cols=cols, dtype=pd, packed=True)
     return dequantize_int4(w.u, w.d, w.in_features, torch.float32, w.z) if isinstance(w, Int4Weight) else w
+
+
+def _has(reader, name: str) -> bool:
+    """Whether the checkpoint holds projection ``name`` (as a tensor, or packed AWQ/GPTQ words)."""
+    return reader.has(name) or reader.has(name.removesuffix(".weight") + ".qweight")
 
 
 def norm(reader, name: str, dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -69,28 +75,27 @@ def linear_attention(reader, p: str, c: Qwen3Config, pd, quantize, tp: TensorPar
     nk, nv, dk, dv = la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim
     kh, vh = tp.split(nk), tp.split(nv)
     q_rows, v_rows = range(kh.start * dk, kh.stop * dk), range(vh.start * dv, vh.stop * dv)
-    if c.checkpoint_layout == "qwen3_next":  # per key head: [q, k, v, z] and [b, a]
-        r = nv // nk
+    r, kd = nv // nk, la.key_dim
+    if _has(reader, p + "in_proj_qkvz.weight"):  # Qwen3-Next: per key head [q, k, v, z]
         width = 2 * dk + 2 * r * dv
         qkvz = dense(reader, p + "in_proj_qkvz.weight", (nk * width, hidden), pd,
-                     rows=range(kh.start * width, kh.stop * width))
-        ba = dense(reader, p + "in_proj_ba.weight", (2 * nv, hidden), pd,
-                   rows=range(kh.start * 2 * r, kh.stop * 2 * r))
-        qkvz, ba = qkvz.view(len(kh), width, hidden), ba.view(len(kh), 2 * r, hidden)
+                     rows=range(kh.start * width, kh.stop * width)).view(len(kh), width, hidden)
         cuts = [0, dk, 2 * dk, 2 * dk + r * dv, width]
         parts = [qkvz[:, cuts[i] : cuts[i + 1]].reshape(-1, hidden) for i in range(4)]
-        parts += [ba[:, :r].reshape(-1, hidden), ba[:, r:].reshape(-1, hidden)]
-    else:
+    else:  # Qwen3.5 (and a Qwen3-Next GGUF file, which the converter split so): [q, k, v] and z
         name, shape = p + "in_proj_qkv.weight", (la.conv_dim, hidden)
-        kd = la.key_dim
         parts = [dense(reader, name, shape, pd, rows=q_rows),
                  dense(reader, name, shape, pd, rows=range(kd + q_rows.start, kd + q_rows.stop)),
                  dense(reader, name, shape, pd, rows=range(2 * kd + v_rows.start, 2 * kd + v_rows.stop)),
-                 dense(reader, p + "in_proj_z.weight", (la.value_dim, hidden), pd, rows=v_rows),
-                 dense(reader, p + "in_proj_b.weight", (nv, hidden), pd, rows=vh),
-                 dense(reader, p + "in_proj_a.weight", (nv, hidden), pd, rows=vh)]
+                 dense(reader, p + "in_proj_z.weight", (la.value_dim, hidden), pd, rows=v_rows)]
+    if _has(reader, p + "in_proj_ba.weight"):  # Qwen3-Next: per key head [b, a]
+        ba = dense(reader, p + "in_proj_ba.weight", (2 * nv, hidden), pd,
+                   rows=range(kh.start * 2 * r, kh.stop * 2 * r)).view(len(kh), 2 * r, hidden)
+        parts += [ba[:, :r].reshape(-1, hidden), ba[:, r:].reshape(-1, hidden)]
+    else:
+        parts += [dense(reader, p + "in_proj_b.weight", (nv, hidden), pd, rows=vh),
+                  dense(reader, p + "in_proj_a.weight", (nv, hidden), pd, rows=vh)]
     conv = reader.get(p + "conv1d.weight", (la.conv_dim, 1, la.conv_kernel)).view(la.conv_dim, la.conv_kernel)
-    kd = la.key_dim
     channels = [*q_rows, *range(kd + q_rows.start, kd + q_rows.stop),
                 *range(2 * kd + v_rows.start, 2 * kd + v_rows.stop)]
     a_log = reader.get(p + "A_log", (nv,), rows=vh, dtype=torch.float32)
