@@ -84,12 +84,11 @@ class Qwen3Config:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     # Hybrids (Qwen3-Next, Qwen3.5; ``hybrid.py``): each layer's kind (empty: every layer full
-    # attention), the linear layers' shape, the rotary dims of a head (partial rotary), the
-    # checkpoint's tensor layout, and the sigmoid-gated shared expert of their MoE layers.
+    # attention), the linear layers' shape, the rotary dims of a head (partial rotary), and the
+    # sigmoid-gated shared expert of their MoE layers.
     layer_types: tuple[str, ...] = ()
     linear_attention: LinearAttention | None = None
     rotary_dim: int = 0
-    checkpoint_layout: str = "qwen3"
     shared_expert_intermediate_size: int = 0
 
     @property

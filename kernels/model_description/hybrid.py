@@ -13,12 +13,9 @@ from typing import Any
 
 from fusedserve.kernels.model_description.config_error import ConfigError
 
-# model_type -> (checkpoint layout, the MoE router always renormalises its top-k)
-HYBRID_TYPES = {
-    "qwen3_next": ("qwen3_next", None),
-    "qwen3_5_text": ("qwen3_5", None),
-    "qwen3_5_moe_text": ("qwen3_5", True),
-}
+# model_type -> whether its MoE router always renormalises its top-k (the loader reads the tensor
+# layout, Qwen3-Next's per-key-head or Qwen3.5's, from the checkpoint's names)
+HYBRID_TYPES = {"qwen3_next": False, "qwen3_5_text": False, "qwen3_5_moe_text": True}
 # A Qwen3.5 ``...ForConditionalGeneration`` config: its language model's is under ``text_config``.
 MULTIMODAL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
@@ -62,7 +59,7 @@ class LinearAttention:
 def hybrid_fields(raw: dict[str, Any], model_type: str, layers: int, head_dim: int,
                   source: str) -> dict[str, Any]:
     """The ``Qwen3Config`` fields of a hybrid config ``raw`` (its text part)."""
-    layout, renormalise = HYBRID_TYPES[model_type]
+    renormalise = HYBRID_TYPES[model_type]
 
     def need_int(key: str, default: int | None = None) -> int:
         value = raw.get(key, default)
@@ -101,8 +98,7 @@ def hybrid_fields(raw: dict[str, Any], model_type: str, layers: int, head_dim: i
                           f"got {section!r}")
     if raw.get("attn_output_gate", True) is not True:
         raise ConfigError(f"{source}: field 'attn_output_gate' false is not supported")
-    out: dict[str, Any] = dict(layer_types=tuple(types), linear_attention=linear, rotary_dim=rotary,
-                               checkpoint_layout=layout)
+    out: dict[str, Any] = dict(layer_types=tuple(types), linear_attention=linear, rotary_dim=rotary)
     if raw.get("num_experts"):
         out["shared_expert_intermediate_size"] = raw.get("shared_expert_intermediate_size") or 0
         if renormalise:

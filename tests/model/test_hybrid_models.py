@@ -78,7 +78,6 @@ def test_config_reads_the_hybrid_fields(hybrids):
     c = Qwen3Config.from_dir(hybrids["qwen3_next"][0])
     assert c.hybrid and c.linear_layers == (0, 1, 2) and c.attention_layers == (3,)
     assert c.rotary_dim == 8 and c.shared_expert_intermediate_size == 48
-    assert c.checkpoint_layout == "qwen3_next"
     la = c.linear_attention
     assert (la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim, la.conv_kernel) == (
         2, 4, 16, 16, 4)
