@@ -41,25 +41,33 @@ def test_chunked_rule_equals_token_by_token(length):
     torch.testing.assert_close(state, s[0], atol=1e-4, rtol=1e-4)
 
 
+def _layer(dtype: torch.dtype, rows: int, seed: int):
+    """A layer's weights, ``rows`` rows of its projection's output (strided, as the projection
+    writes them) split into (mixed, z, b, a), and 6-slot conv and recurrent pools with state."""
+    la = LinearAttention(num_key_heads=2, num_value_heads=H, key_head_dim=DK, value_head_dim=DV,
+                         conv_kernel=4)
+    gen = torch.Generator().manual_seed(seed)
+    w = LinearAttnWeights(in_proj=None, conv=torch.randn(la.conv_dim, 4, generator=gen).to(dtype),
+                          dt_bias=torch.randn(H, generator=gen), neg_a=-torch.rand(H, generator=gen) * 4,
+                          norm=(1 + 0.1 * torch.randn(DV, generator=gen)).to(dtype), out_proj=None)
+    proj = torch.randn(rows, la.in_proj_rows + 5, generator=gen).to(dtype)
+    cd, vd = la.conv_dim, la.value_dim
+    parts = (proj[:, :cd], proj[:, cd : cd + vd], proj[:, cd + vd : cd + vd + H],
+             proj[:, cd + vd + H : cd + vd + 2 * H])
+    conv_pool = torch.randn(6, cd, 3, generator=gen).to(dtype)
+    rec_pool = torch.randn(6, H, DK, DV, generator=gen) * 0.1
+    return la, w, parts, conv_pool, rec_pool
+
+
 @pytest.mark.skipif(native_build.require() is None, reason="no native CPU kernels here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_decode_step_equals_torch(dtype):
     """The native conv and step (rule inputs, rule in place, gated norm) against torch's, over rows
     in scattered slots of a pool; slots no row names are untouched."""
-    la = LinearAttention(num_key_heads=2, num_value_heads=H, key_head_dim=DK, value_head_dim=DV,
-                         conv_kernel=4)
-    gen = torch.Generator().manual_seed(3)
-    w = LinearAttnWeights(in_proj=None, conv=torch.randn(la.conv_dim, 4, generator=gen).to(dtype),
-                          dt_bias=torch.randn(H, generator=gen), neg_a=-torch.rand(H, generator=gen) * 4,
-                          norm=(1 + 0.1 * torch.randn(DV, generator=gen)).to(dtype), out_proj=None)
     native, ref = DeltaNetOps(native_build.require()), DeltaNetOps(None)
     n, slots = 3, torch.tensor([4, 0, 2])
-    proj = torch.randn(n, la.in_proj_rows + 5, generator=gen).to(dtype)  # strided rows, as the projection's
+    la, w, (mixed, z, b, a), conv_pool, rec_pool = _layer(dtype, n, 3)
     cd, vd = la.conv_dim, la.value_dim
-    mixed, z = proj[:, :cd], proj[:, cd : cd + vd]
-    b, a = proj[:, cd + vd : cd + vd + H], proj[:, cd + vd + H : cd + vd + 2 * H]
-    conv_pool = torch.randn(6, cd, 3, generator=gen).to(dtype)
-    rec_pool = torch.randn(6, H, DK, DV, generator=gen) * 0.1
     outs = []
     for ops in (native, ref):
         cp, rp = conv_pool.clone(), rec_pool.clone()
@@ -85,18 +93,8 @@ def test_native_prompt_chunk_equals_torch(dtype, length):
     """A prompt chunk of one sequence (launch row 1, slot 3 of 6) through the native conv and
     chunked rule against torch's: outputs, the slot's conv inputs and delta-rule state; other slots
     untouched. Lengths under, at and over one 64-token block, from a non-zero state."""
-    la = LinearAttention(num_key_heads=2, num_value_heads=H, key_head_dim=DK, value_head_dim=DV,
-                         conv_kernel=4)
-    gen = torch.Generator().manual_seed(length)
-    w = LinearAttnWeights(in_proj=None, conv=torch.randn(la.conv_dim, 4, generator=gen).to(dtype),
-                          dt_bias=torch.randn(H, generator=gen), neg_a=-torch.rand(H, generator=gen) * 4,
-                          norm=(1 + 0.1 * torch.randn(DV, generator=gen)).to(dtype), out_proj=None)
-    proj = torch.randn(length, la.in_proj_rows + 5, generator=gen).to(dtype)  # strided rows
+    la, w, (mixed, z, b, a), conv_pool, rec_pool = _layer(dtype, length, length)
     cd, vd = la.conv_dim, la.value_dim
-    mixed, z = proj[:, :cd], proj[:, cd : cd + vd]
-    b, a = proj[:, cd + vd : cd + vd + H], proj[:, cd + vd + H : cd + vd + 2 * H]
-    conv_pool = torch.randn(6, cd, 3, generator=gen).to(dtype)
-    rec_pool = torch.randn(6, H, DK, DV, generator=gen) * 0.1
     slots = torch.tensor([0, 3])
     outs = []
     for ops in (DeltaNetOps(native_build.require()), DeltaNetOps(None)):

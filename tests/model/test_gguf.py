@@ -34,15 +34,8 @@ HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_n
               "mlp.down_proj": "ffn_down"}
 
 
-def write_gguf(src: Path, dst: Path, qtype: str, pre: str = "gpt-2") -> Path:
-    """``src`` (a Qwen3 HF directory) as convert_hf_to_gguf.py + llama-quantize write it: the
-    projections and the embedding in ``qtype``, norms F32, the tokenizer and chat template in the
-    metadata."""
-    c = Qwen3Config.from_dir(src)
-    tok = json.loads((src / "tokenizer.json").read_text())
-    tcfg = json.loads((src / "tokenizer_config.json").read_text())
-    t = getattr(gguf.GGMLQuantizationType, qtype)
-    w = gguf.GGUFWriter(str(dst), "qwen3")
+def add_model_metadata(w, c: Qwen3Config) -> None:
+    """The model-shape keys convert_hf_to_gguf.py writes for every Qwen architecture."""
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -53,6 +46,18 @@ def write_gguf(src: Path, dst: Path, qtype: str, pre: str = "gpt-2") -> Path:
     w.add_value_length(c.head_dim)
     w.add_rope_freq_base(c.rope_theta)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
+
+
+def write_gguf(src: Path, dst: Path, qtype: str, pre: str = "gpt-2") -> Path:
+    """``src`` (a Qwen3 HF directory) as convert_hf_to_gguf.py + llama-quantize write it: the
+    projections and the embedding in ``qtype``, norms F32, the tokenizer and chat template in the
+    metadata."""
+    c = Qwen3Config.from_dir(src)
+    tok = json.loads((src / "tokenizer.json").read_text())
+    tcfg = json.loads((src / "tokenizer_config.json").read_text())
+    t = getattr(gguf.GGMLQuantizationType, qtype)
+    w = gguf.GGUFWriter(str(dst), "qwen3")
+    add_model_metadata(w, c)
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     tokens = [v for v, _ in vocab]
     special = {a["id"] for a in tok["added_tokens"] if a["special"]}

@@ -20,6 +20,7 @@ from fusedserve.coordinator.sampling_params import SamplingParams
 from fusedserve.kernels.model_description.config import Qwen3Config
 from fusedserve.worker.model.qwen3 import Qwen3Model
 from tests.model.test_checkpoint_formats import _tensors
+from tests.model.test_gguf import add_model_metadata
 from tests.model.test_hybrid_models import COMMON, VOCAB, _classes, _logits, _randomise
 
 gguf = pytest.importorskip("gguf")
@@ -39,16 +40,7 @@ def write_qwen_gguf(src, dst, qtype: str, arch: str):
     attn_gate, Qwen3.5's value heads tiled."""
     c = Qwen3Config.from_dir(src)
     w = gguf.GGUFWriter(str(dst), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_rope_freq_base(c.rope_theta)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    add_model_metadata(w, c)
     if c.num_experts:
         w.add_expert_count(c.num_experts)
         w.add_expert_used_count(c.num_experts_per_tok)

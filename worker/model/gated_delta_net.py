@@ -115,10 +115,11 @@ def _positions(pools: LayerState, state: LayerState, slot: torch.Tensor):
     which position j's step then advances in place (yields j and the index of ``pools[j]``)."""
     pools.conv[0] = state.conv.index_select(0, slot)[0]
     pools.recurrent[0] = state.recurrent.index_select(0, slot)[0]
+    index = torch.arange(pools.conv.shape[0], device=pools.conv.device)  # one tensor, a view per position
     for j in range(pools.conv.shape[0]):
         if j:
             pools.conv[j], pools.recurrent[j] = pools.conv[j - 1], pools.recurrent[j - 1]
-        yield j, torch.tensor([j], device=pools.conv.device)
+        yield j, index[j : j + 1]
 
 
 def _decode_runs(batch: ForwardBatch) -> list[tuple[int | None, tuple[int, int]]]:

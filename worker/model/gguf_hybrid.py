@@ -17,20 +17,13 @@ The full-attention layers' ``attn_q`` keeps each head's query and output gate as
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
-NAMES = {"input_layernorm.weight": "attn_norm.weight",
-         "post_attention_layernorm.weight": "post_attention_norm.weight",
-         "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-         "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-         "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-         "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-         "mlp.down_proj.weight": "ffn_down.weight",
+# Where a hybrid's names differ from or add to Qwen3's (``gguf_tensors._LAYER``), per layer.
+NAMES = {"post_attention_layernorm.weight": "post_attention_norm.weight",
          "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
          "linear_attn.in_proj_z.weight": "attn_gate.weight",
          "linear_attn.in_proj_b.weight": "ssm_beta.weight",
@@ -38,7 +31,6 @@ NAMES = {"input_layernorm.weight": "attn_norm.weight",
          "linear_attn.conv1d.weight": "ssm_conv1d.weight", "linear_attn.A_log": "ssm_a",
          "linear_attn.dt_bias": "ssm_dt.bias", "linear_attn.norm.weight": "ssm_norm.weight",
          "linear_attn.out_proj.weight": "ssm_out.weight", "linear_attn.in_proj_ba.weight": "ssm_ba.weight",
-         "mlp.gate.weight": "ffn_gate_inp.weight",
          "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
          "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
          "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
@@ -60,12 +52,6 @@ class HybridLayout:
         nv = int(get(f"{arch}.ssm.time_step_rank"))
         return cls(int(get(f"{arch}.ssm.group_count")), nv, int(get(f"{arch}.ssm.state_size")),
                    int(get(f"{arch}.ssm.inner_size")) // nv, arch != "qwen3next")
-
-    def name(self, hf: str) -> str | None:
-        m = _LAYER_RE.fullmatch(hf)
-        if m and m.group(2) in NAMES:
-            return f"blk.{m.group(1)}.{NAMES[m.group(2)]}"
-        return None
 
     def _value_order(self, head: int) -> torch.Tensor:
         """Stored index of each Hugging Face index along a value-head axis of ``head`` elements per head."""

@@ -20,6 +20,7 @@ import torch
 
 from fusedserve.kernels.linear import Int4Weight
 from fusedserve.kernels.quantize import INT4_GROUP
+from fusedserve.worker.model.gguf_hybrid import NAMES as HYBRID_NAMES
 from fusedserve.worker.model.gguf_hybrid import HybridLayout
 
 # Hugging Face name -> GGUF name (llama.cpp's convert_hf_to_gguf.py, Qwen2/Qwen3 architectures).
@@ -37,15 +38,18 @@ _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # An MoE layer's experts, stacked by the converter into one tensor per projection: [experts, out, in].
 _EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 HYBRID_ARCHES = ("qwen35", "qwen35moe", "qwen3next")
+_HYBRID_LAYER = {**_LAYER, **HYBRID_NAMES}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
-def gguf_name(hf: str) -> str | None:
+def gguf_name(hf: str, hybrid: bool = False) -> str | None:
+    """``hf``'s GGUF name; ``hybrid``: in a qwen35 / qwen35moe / qwen3next file."""
     if hf in _GLOBAL:
         return _GLOBAL[hf]
+    layer = _HYBRID_LAYER if hybrid else _LAYER
     m = _LAYER_RE.fullmatch(hf)
-    if m and m.group(2) in _LAYER:
-        return f"blk.{m.group(1)}.{_LAYER[m.group(2)]}"
+    if m and m.group(2) in layer:
+        return f"blk.{m.group(1)}.{layer[m.group(2)]}"
     return None
 
 
@@ -76,7 +80,7 @@ class GGUFTensors:
         if m:
             t = self.tensors.get(f"blk.{m.group(1)}.ffn_{m.group(3)}_exps.weight")
             return None if t is None or int(m.group(2)) >= int(t.shape[-1]) else (t, int(m.group(2)))
-        g = gguf_name(name) if self.hybrid is None or name in _GLOBAL else self.hybrid.name(name)
+        g = gguf_name(name, self.hybrid is not None)
         t = None if g is None else self.tensors.get(g)
         return None if t is None else (t, None)
 
