@@ -43,6 +43,24 @@ class ModelConfig:
         None,
         "the longest sequence, as 4096, 32k or 1M (k: 1000, K: 1024); default: the model's own context, "
         "YaRN included, or what the KV cache holds if less")
+    runner: str = setting(
+        "auto",
+        "generate: requests sample tokens; pooling: each request's prompt runs once and its last token's "
+        "hidden state (embed) or score comes back, nothing is sampled (embedding and reranker models); "
+        "auto: pooling for a sentence-transformers checkpoint (modules.json), a "
+        "...ForSequenceClassification or a directory named as a reranker, else generate",
+        choices=("auto", "generate", "pooling"))
+    pooling_task: str = setting(
+        "auto",
+        "with --runner pooling: embed (last-token pooling; /v1/embeddings) or score (a reranker: the "
+        "yes/no logit difference of a causal LM, as Qwen3-Reranker's card scores, or a sequence-"
+        "classification head; /score, /rerank); auto: score for a classification or reranker "
+        "checkpoint, else embed",
+        choices=("auto", "embed", "score"))
+    # Set by resolution, not flags: the floats one pooled row hands back (hidden size for embed, the
+    # labels for score; 0 when generating), and a causal-LM reranker's (no, yes) token ids.
+    pooled_width: int = setting(0, cli=False)
+    score_tokens: tuple[int, ...] = setting((), cli=False)
 
 
 @dataclass(frozen=True)
@@ -224,6 +242,16 @@ class EngineConfig:
         if d.threads_per_worker < 0:
             raise ValueError(f"threads_per_worker must be >= 0, got {d.threads_per_worker}")
         self._check_speculative()
+        self._check_pooling()
+
+    def _check_pooling(self) -> None:
+        m = self.model
+        if m.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be auto, generate or pooling, got {m.runner!r}")
+        if m.pooling_task not in ("auto", "embed", "score"):
+            raise ValueError(f"pooling_task must be auto, embed or score, got {m.pooling_task!r}")
+        if m.runner == "pooling" and self.speculating:
+            raise ValueError("a pooling runner samples nothing: speculative decoding does not apply")
 
     def _check_speculative(self) -> None:
         sp = self.speculative
@@ -247,6 +275,11 @@ class EngineConfig:
                              f"({sp.prompt_lookup_max})")
         if self.speculating and self.scheduler.max_batch < 2:
             raise ValueError("speculative decoding needs max_batch >= 2: a row's proposals ride as rows")
+
+    @property
+    def pooling(self) -> bool:
+        """A pooling runner: prompts in, pooled rows out (resolved; ``auto`` is not yet)."""
+        return self.model.runner == "pooling"
 
     @property
     def speculating(self) -> bool:
@@ -307,4 +340,6 @@ class EngineConfig:
             "SR": b,  # state slots a launch starts from zero
             "SRS": b,  # (snapshot, state slot) restored before the launch
             "SSV": b,  # (state slot, snapshot) saved after it
+            "PL": b if self.pooling else 0,  # rows pooled (a pooling runner's finished prompts)
+            "H": self.model.pooled_width,  # floats per pooled row
         }

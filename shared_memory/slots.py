@@ -11,7 +11,7 @@ logprob, NP top logprobs per such token, V vocabulary, G rows of token bitmask (
 of the launch samples under a mask, else 0), VW = ceil(V / 32) bitmask words per row; for
 penalties, PR slots reset, PT tokens counted, PB rows penalized; LB logit-bias entries; S
 speculating requests, K1 rows of one (its newest token and its proposals), BD rows a draft model's
-first pass reads.
+first pass reads; PL rows pooled, H floats each (a pooling runner).
 """
 
 from __future__ import annotations
@@ -192,6 +192,10 @@ def step_table() -> SlotTable:
             Slot("state_resets", ("SR",), i64, IN, HS),
             Slot("state_restores", ("SRS", 2), i64, IN, HS),  # (snapshot, state slot): a cached prefix's
             Slot("state_saves", ("SSV", 2), i64, IN, HS),  # (state slot, snapshot) at a block boundary
+            # A pooling runner: the rows whose prompt ends in this launch, and what each pools (its last
+            # token's final hidden state, or its score head's logits), float32 as the API serves it.
+            Slot("pool_rows", ("PL",), i64, IN, HS),
+            Slot("pooled", ("PL", "H"), f32, OUT, HS),
             Slot("sampled_ids", ("B",), i32, OUT, HS),  # -1 on a speculating request's rejected rows
             Slot("spec_accepted", ("S",), i32, OUT, HS),  # tokens each speculating request gained
 

@@ -63,6 +63,8 @@ class ModelRunner:
         self.penalties = PenaltyState(max_batch, model.config.vocab_size, dev)
         # A draft model proposing inside the launch (speculative decoding), with its own KV cache.
         self.drafter = Drafter.load(cfg, model)
+        # A pooling runner: prompts in, each finished prompt's pooled row out; nothing is sampled.
+        self.pooling, self.score_tokens = cfg.pooling, cfg.model.score_tokens
         self.graphs: DecodeGraphs | None = None
         # A Qwen3-MoE layer reads its routing back to the host: no device graph can capture it.
         # Tensor-parallel ranks run eagerly too (collectives in a captured graph: not yet checked).
@@ -71,7 +73,7 @@ class ModelRunner:
         has_graphs = (model.device.type in ("cuda", "npu") and not model.config.num_experts
                       and model.tp.size == 1 and model.kernels.capturable and not self.hybrid)
         graphs = "off" if self.hybrid else cfg.device.graphs
-        if graphs == "padded" or (graphs == "auto" and has_graphs):
+        if not self.pooling and (graphs == "padded" or (graphs == "auto" and has_graphs)):
             inputs = {name: self.pool.full(name) for name in FORWARD_SLOTS}
             self.graphs = DecodeGraphs(model, self.kv, self.ws, self.logits, inputs, cfg.pad_slot,
                                        self._sample_rows, capture=graphs == "auto")
@@ -87,7 +89,7 @@ class ModelRunner:
                              torch.tensor([0, 1], dtype=torch.int32, device=dev),
                              torch.ones(1, dtype=torch.int32, device=dev), zero.view(1, 1), num_decode=1,
                              state_slots=spare if self.hybrid else None)
-        self.model.forward(batch, self.kv, self.ws, self.logits[:1])
+        self.model.forward(batch, self.kv, self.ws, None if self.pooling else self.logits[:1])
 
     def close(self) -> None:
         """Hand back what outlives the runner otherwise: the arena banks' page-locking."""
@@ -115,6 +117,12 @@ class ModelRunner:
         batch = ForwardBatch(v["token_ids"], v["positions"], v["slot_mapping"], v["query_start_loc"],
                              v["seq_lens"], v["block_tables"], desc.num_decode, desc.prompt_query_lens,
                              desc.prompt_seq_lens, *self._state_args(v, dims), desc.spec_groups)
+        if self.pooling:  # the prompts' K/V (and states), then the rows whose prompts ended here
+            hidden = self.model.forward(batch, self.kv, self.ws, None)
+            if dims["PL"]:
+                last = v["query_start_loc"].index_select(0, v["pool_rows"] + 1) - 1
+                self.model.pool(hidden, last, v["pooled"], self.ws, self.logits, self.score_tokens)
+            return
         logits = self.logits[:b]
         hidden = None
         plan = SamplingPlan.of(desc.sampling)

@@ -31,6 +31,7 @@ class OutputPlan:
     reached the device (each fails alone when read)."""
 
     logprob_rows: tuple[int, ...] = ()
+    pool_rows: tuple[int, ...] = ()  # rows whose pooled output comes back, in ``pooled``'s order
     spec_firsts: tuple[int, ...] = ()  # speculating requests' first rows, in ``spec_accepted``'s order
     prompt_spans: tuple[PromptSpan, ...] = ()
     invalid: dict[int, RequestError] = field(default_factory=dict)
@@ -44,11 +45,13 @@ def write_batch(arena: HostArena, batch: ScheduledBatch, step: int, bank: int, c
                 vocab: int,
                 penalty_slots: dict[int, int] | None = None,
                 state_slots: dict[int, int] | None = None,
-                state_copies: tuple[list, list] | None = None) -> tuple[LaunchDescriptor, OutputPlan]:
+                state_copies: tuple[list, list] | None = None,
+                pooled_width: int = 0) -> tuple[LaunchDescriptor, OutputPlan]:
     """``arena`` is bank ``bank`` of the worker's; ``candidates``: the sampler's candidate count;
     ``penalty_slots``: each penalized row's slot of the worker's token counts; ``state_slots``:
     each row's recurrent-state slot (a hybrid model's; None otherwise); ``state_copies``: its
-    snapshots restored before the launch and saved after it (``StateSnapshots.plan``)."""
+    snapshots restored before the launch and saved after it (``StateSnapshots.plan``);
+    ``pooled_width``: a pooling runner's floats per pooled row."""
     b, nd = batch.batch_size, batch.num_decode
     dims = {"B": b, "B1": b + 1, "T": batch.num_tokens, "W": batch.block_tables.shape[1], "V": vocab}
     _put(arena, "token_ids", batch.token_ids)
@@ -66,10 +69,13 @@ def write_batch(arena: HostArena, batch: ScheduledBatch, step: int, bank: int, c
     _write_logit_bias(arena, batch, dims)
     spans = _write_prompt_logprobs(arena, batch, dims)
     firsts = _write_spec_rows(arena, batch, dims)
+    pooled = [r for r, seq in enumerate(batch.seqs) if seq.pooling and batch.samples[r]]
+    dims["PL"], dims["H"] = len(pooled), pooled_width
+    _put(arena, "pool_rows", np.asarray(pooled, dtype=np.int64))
     desc = LaunchDescriptor(dims, step, bank, num_decode=nd, prompt_query_lens=list(batch.query_lens[nd:]),
                             prompt_seq_lens=batch.seq_lens[nd:].tolist(), sampling=plan.stages(),
                             spec_groups=[[first, n] for first, n in batch.spec_groups])
-    return desc, OutputPlan(tuple(rows), firsts, tuple(spans), invalid)
+    return desc, OutputPlan(tuple(rows), tuple(pooled), firsts, tuple(spans), invalid)
 
 
 def _write_sampling(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int], candidates: int,
@@ -257,4 +263,6 @@ def read_outputs(arena: HostArena, desc: LaunchDescriptor, plan: OutputPlan) -> 
         prompt_top_ids=arena.view("prompt_top_ids", (tl, np_)).numpy(),
         prompt_top_values=arena.view("prompt_top_values", (tl, np_)).numpy(),
         invalid=plan.invalid,
+        pool_rows=list(plan.pool_rows),
+        pooled=arena.view("pooled", (d["PL"], d["H"])).numpy(),
     )

@@ -14,6 +14,7 @@ import torch
 
 from fusedserve.coordinator.engine import kv_sizing
 from fusedserve.coordinator.engine.kv_sizing import KVPlan
+from fusedserve.coordinator.engine.pooling_resolution import resolve_pooling
 from fusedserve.coordinator.model_files.default_model import resolve_model
 from fusedserve.kernels.model_description.checkpoint_format import checkpoint_format, parameter_count
 from fusedserve.kernels.model_description.config import Qwen3Config, parse_dtype, resolve_dtype
@@ -53,6 +54,7 @@ def resolve_config(cfg: EngineConfig, device_kind: str, ranks_on_node: int = 1) 
     c, p = cfg.cache, cfg.parallel
     if model.hybrid:
         cfg = hybrid_settings(cfg)
+    cfg = resolve_pooling(cfg, model_dir, model)
     if c.kv_cache_dtype == "int8" and device_kind != "cpu":
         raise ValueError(f"kv_cache_dtype int8 runs on the native CPU kernels; this engine's device is "
                          f"{device_kind}: use kv_cache_dtype auto there")

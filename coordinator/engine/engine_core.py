@@ -60,12 +60,13 @@ class Inflight:
 class EngineCore:
     def __init__(self, scheduler: Scheduler, output: OutputProcessor, arenas: list[HostArena],
                  executor: Executor, candidates: int, vocab_size: int, async_scheduling: bool = False,
-                 recurrent_state: bool = False):
+                 recurrent_state: bool = False, pooled_width: int = 0):
         self.scheduler = scheduler
         self.output = output
         self.arenas = arenas
         self.executor = executor
         self._sampling = (candidates, vocab_size)
+        self.pooled_width = pooled_width  # a pooling runner's floats per pooled row
         self.inflight: deque[Inflight] = deque()
         self.async_scheduling = async_scheduling and len(arenas) > 1
         self.stats = StepStats()
@@ -78,7 +79,8 @@ class EngineCore:
                    executor: Executor) -> EngineCore:
         """One worker's core, offline and served alike: its scheduler over its own KV blocks."""
         return cls(Scheduler.for_worker(cfg), output, arenas, executor, cfg.device.sampler_candidates,
-                   vocab_size, cfg.scheduler.async_scheduling, cfg.cache.recurrent_state)
+                   vocab_size, cfg.scheduler.async_scheduling, cfg.cache.recurrent_state,
+                   cfg.model.pooled_width if cfg.pooling else 0)
 
     def has_work(self) -> bool:
         """Requests to run, or launches whose replies are still owed."""
@@ -119,7 +121,7 @@ class EngineCore:
         snapshots = self.scheduler.snapshots
         copies = snapshots.plan(batch, states) if snapshots is not None and states is not None else None
         desc, plan = write_batch(self.arenas[bank], batch, self.scheduler.steps, bank, *self._sampling, slots,
-                                 states, copies)
+                                 states, copies, self.pooled_width)
         self.executor.submit(desc)
         self.stats.ahead += bool(self.inflight)
         self.stats.fed_rows += int((batch.feed_rows >= 0).sum())

@@ -8,6 +8,8 @@ here runs before a request enters any queue, so a refusal costs nothing and name
 
 from __future__ import annotations
 
+import dataclasses
+
 from fusedserve.coordinator.engine.detokenizer import Detokenizer
 from fusedserve.coordinator.engine.request_limits import RequestLimits
 from fusedserve.coordinator.engine.sequence import Sequence
@@ -22,7 +24,10 @@ from fusedserve.kernels.model_description.config import Qwen3Config
 
 class InputProcessor:
     def __init__(self, tokenizer: TextTokenizer | None, limits: RequestLimits,
-                 grammars: GrammarCompiler | None, eos_token_ids: tuple[int, ...] = ()):
+                 grammars: GrammarCompiler | None, eos_token_ids: tuple[int, ...] = (),
+                 pooling: bool = False):
+        """``pooling``: a pooling runner's, whose requests pool their prompt instead of sampling."""
+        self.pooling = pooling
         self.tokenizer = tokenizer
         self.limits = limits
         self.grammars = grammars
@@ -30,9 +35,9 @@ class InputProcessor:
 
     @classmethod
     def for_model(cls, config: Qwen3Config, tokenizer: TextTokenizer | None, limits: RequestLimits,
-                  grammar_limits: GrammarLimits | None = None) -> InputProcessor:
+                  grammar_limits: GrammarLimits | None = None, pooling: bool = False) -> InputProcessor:
         return cls(tokenizer, limits, GrammarCompiler.for_model(tokenizer, config, grammar_limits),
-                   config.eos_token_ids)
+                   config.eos_token_ids, pooling)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text prompt (ids are taken as given; ``RequestLimits`` checks them)."""
@@ -45,7 +50,7 @@ class InputProcessor:
         except UnicodeEncodeError as exc:  # a lone surrogate: no text a tokenizer can take
             raise RequestError("bad_prompt", f"prompt is not valid Unicode text: {exc.reason} at "
                                f"character {exc.start}") from None
-        return self.tokenizer.encode(prompt)
+        return self.tokenizer.encode(prompt, special=self.pooling)
 
     def _rules(self, p: SamplingParams) -> TokenRules | None:
         """The request's allowed_token_ids, bad_words (tokenized as vLLM does: the word alone and
@@ -68,6 +73,13 @@ class InputProcessor:
         False: its constraint is compiled elsewhere (the server's ``CompileQueue``) and attached
         before it is queued."""
         ids = self.encode(prompt)
+        if self.pooling:  # the prompt's pooled row is the result: no token is sampled for it
+            if params.structured is not None or params.logprobs or params.prompt_logprobs is not None:
+                raise RequestError("bad_param", "a pooling model samples nothing: structured outputs and "
+                                   "logprobs do not apply")
+            params = dataclasses.replace(params, max_tokens=1, min_tokens=0)
+            self.limits.check(ids, params)
+            return Sequence(seq_id, ids, params, arrival=arrival, pooling=True)
         self.limits.check(ids, params)
         detok = (Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
                  if self.tokenizer is not None else None)

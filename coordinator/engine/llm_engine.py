@@ -11,16 +11,19 @@ import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from fusedserve.coordinator.engine import kv_sizing
+from fusedserve.coordinator.engine import kv_sizing, pooling_output
 from fusedserve.coordinator.engine.config_resolution import dtype_name, hybrid_settings, resolve_config
 from fusedserve.coordinator.engine.engine_core import EngineCore
 from fusedserve.coordinator.engine.executor import InProcessExecutor
 from fusedserve.coordinator.engine.input_processor import InputProcessor
 from fusedserve.coordinator.engine.output_processor import OutputProcessor
+from fusedserve.coordinator.engine.pooling_resolution import resolve_pooling
 from fusedserve.coordinator.engine.request_limits import RequestLimits
 from fusedserve.coordinator.engine.sequence import Sequence
+from fusedserve.coordinator.model_files import reranker_prompt
 from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
 from fusedserve.coordinator.sampling_params import SamplingParams
 from fusedserve.shared_memory.arena import HostArena
@@ -44,6 +47,31 @@ class GenerationOutput:
     prompt_logprobs: list[float | None] = field(default_factory=list)  # asked: None first
     num_preemptions: int = 0
     error: str = ""  # finish_reason "error": what failed
+
+
+@dataclass
+class PoolingOutput:
+    """``embed()``'s or ``score()``'s result for one prompt: ``value`` is the embedding (float32) or
+    the score; None with ``error`` set where the request failed."""
+
+    request_id: str
+    prompt_ids: list[int]
+    value: np.ndarray | float | None
+    error: str = ""
+
+
+def score_pairs(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[str, str]]:
+    """vLLM's pairing: one text_1 against each text_2 (1 to N), or equal lists pairwise (N to N)."""
+    firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+    seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+    if not seconds or not firsts:
+        raise ValueError("score() needs at least one text on each side")
+    if len(firsts) == 1:
+        return [(firsts[0], d) for d in seconds]
+    if len(firsts) != len(seconds):
+        raise ValueError(f"score(): {len(firsts)} first texts and {len(seconds)} second ones (give one "
+                         "first text, or equal lists)")
+    return list(zip(firsts, seconds))
 
 
 def load_model(model: str | Path, dtype: str | None = None, device: str = "cpu",
@@ -82,6 +110,7 @@ class LLMEngine:
             cfg.check()
             if model.config.hybrid:  # its state slots and snapshots, as resolve_config gives them
                 cfg = hybrid_settings(cfg)
+            cfg = resolve_pooling(cfg, model.source, model.config)
             if cfg.cache.num_blocks is None:  # sized from memory, for this model as it is
                 kv = kv_sizing.plan(model.config, model.dtype, cfg.cache, device_kind=model.device.type,
                                     max_batch=cfg.scheduler.max_batch, max_model_len=model.max_model_len,
@@ -101,7 +130,8 @@ class LLMEngine:
         except BaseException:  # nothing of a failed engine stays in shared memory
             self.close()
             raise
-        self.input = InputProcessor.for_model(c, self.tokenizer, RequestLimits.for_worker(cfg, c.vocab_size))
+        self.input = InputProcessor.for_model(c, self.tokenizer, RequestLimits.for_worker(cfg, c.vocab_size),
+                                              pooling=cfg.pooling)
         output = OutputProcessor(c.eos_token_ids, cfg.max_model_len)
         executor = InProcessExecutor(self.runner)
         self.core = EngineCore.for_worker(cfg, c.vocab_size, output, self.arenas, executor)
@@ -127,6 +157,46 @@ class LLMEngine:
             params = [copy.deepcopy(params or SamplingParams()) for _ in prompts]
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        if self.config.pooling:
+            raise ValueError("this engine runs a pooling model (runner pooling): use embed() or score()")
+        seqs, errors = self._run(prompts, params)
+        return [self._output(s, errors.get(s.seq_id, "")) for s in seqs]
+
+    def embed(self, prompts: list[str | list[int]], dimensions: int | None = None,
+              normalize: bool = True) -> list[PoolingOutput]:
+        """Each prompt's embedding (a pooling runner's embed task): its last token's final hidden
+        state, its first ``dimensions`` values, L2-normalised (``pooling_output.embedding``)."""
+        self._need_task("embed")
+        seqs, errors = self._run(prompts, [SamplingParams() for _ in prompts])
+        vector = pooling_output.embedding
+        return [PoolingOutput(s.seq_id, s.prompt_ids,
+                              None if s.pooled is None else vector(s.pooled, dimensions, normalize),
+                              errors.get(s.seq_id, "")) for s in seqs]
+
+    def score(self, text_1: str | list[str], text_2: str | list[str],
+              instruction: str | None = None) -> list[PoolingOutput]:
+        """Relevance of each (text_1, text_2) pair (a pooling runner's score task), vLLM's
+        ``LLM.score``: one query against many documents, or pairs of equal lists. Pairs are written
+        in Qwen3-Reranker's prompt (``reranker_prompt.py``); ``value`` is the score in [0, 1]."""
+        self._need_task("score")
+        pairs = score_pairs(text_1, text_2)
+        if self.tokenizer is None:
+            raise ValueError("scoring text pairs needs the model's tokenizer")
+        prompts = [reranker_prompt.pair_ids(self.tokenizer, q, d, instruction) for q, d in pairs]
+        seqs, errors = self._run(prompts, [SamplingParams() for _ in prompts])
+        return [PoolingOutput(s.seq_id, s.prompt_ids, None if s.pooled is None else
+                              pooling_output.score(s.pooled), errors.get(s.seq_id, "")) for s in seqs]
+
+    def _need_task(self, task: str) -> None:
+        m = self.config.model
+        if not self.config.pooling or m.pooling_task != task:
+            what = f"the {m.pooling_task} task" if self.config.pooling else "a generating model"
+            raise ValueError(f"{task}() needs a pooling model with pooling_task {task}; this engine runs "
+                             f"{what}")
+
+    def _run(self, prompts: list[str | list[int]],
+             params: list[SamplingParams]) -> tuple[list[Sequence], dict[str, str]]:
+        """Queue every prompt and step until all are done; each failed request's error by id."""
         sched = self.core.scheduler
         seqs: list[Sequence] = []
         errors: dict[str, str] = {}
@@ -142,7 +212,7 @@ class LLMEngine:
                 sched.abort(s.seq_id)
             self.core.drain()
             raise
-        return [self._output(s, errors.get(s.seq_id, "")) for s in seqs]
+        return seqs, errors
 
     @staticmethod
     def _output(s: Sequence, error: str) -> GenerationOutput:

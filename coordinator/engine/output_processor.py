@@ -37,6 +37,11 @@ class OutputProcessor:
                 out.record_prompt_logprobs(row, seq)
                 if not batch.samples[row]:
                     continue
+                if seq.pooling:  # its prompt is done: the pooled row is its whole result
+                    seq.pooled = out.pooled_row(row, seq.seq_id)
+                    seq.finish_reason = "stop"
+                    events.append(TokenEvent(seq, None, True))
+                    continue
                 for r in range(row, row + out.gained(row)):  # a speculating request's tokens in order
                     ev = self._append(seq, out.token(r, seq.seq_id), r, out)
                     events.append(ev)

@@ -355,8 +355,10 @@ class Scheduler:
         every token but the one just sampled), and retire what finished or failed."""
         for ev in events:
             seq = ev.seq
-            if ev.token is not None and seq in self.running \
-                    and self.blocks.needs_commit(seq.seq_id, seq.num_tokens - 1):
-                self.blocks.commit(seq.seq_id, seq.all_ids, seq.num_tokens - 1)
+            # K/V exist for every token but a sampled one (a pooled request's: for its whole prompt).
+            done = seq.num_tokens - (seq.pooled is None)
+            if (ev.token is not None or seq.pooled is not None) and seq in self.running \
+                    and self.blocks.needs_commit(seq.seq_id, done):
+                self.blocks.commit(seq.seq_id, seq.all_ids, done)
             if ev.finished:
                 self._retire(seq)

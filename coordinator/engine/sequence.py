@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from fusedserve.coordinator.engine.block_manager import prefix_hashes
 from fusedserve.coordinator.engine.detokenizer import Detokenizer
 from fusedserve.coordinator.engine.speculative.speculation_policy import SpecState
@@ -44,6 +46,10 @@ class Sequence:
     cached_tokens: int | None = None
     t_scheduled: float | None = None  # perf_counter when a launch first took it (its queue time ends)
     spec: SpecState | None = None  # speculative decoding: whether its proposals pay (made on first use)
+    # A pooling runner's request: its prompt runs once and ``pooled`` (float32 [H], read from the
+    # launch that finished the prompt) is its result instead of tokens.
+    pooling: bool = False
+    pooled: np.ndarray | None = field(default=None, repr=False)
     _hashes: tuple[int, int, list[bytes]] | None = field(default=None, repr=False)
 
     def prefix_hashes(self, block_size: int) -> list[bytes]:

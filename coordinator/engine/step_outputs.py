@@ -44,6 +44,18 @@ class StepOutputs:
     prompt_top_values: np.ndarray = field(default_factory=lambda: _empty(0, 0))
     # Rows whose settings never reached the device, each with the error that fails its request.
     invalid: dict[int, RequestError] = field(default_factory=dict)
+    # A pooling runner's rows whose prompts ended in the launch, and what each pooled [PL, H].
+    pool_rows: list[int] = field(default_factory=list)
+    pooled: np.ndarray = field(default_factory=lambda: _empty(0, 0))
+
+    def pooled_row(self, row: int, request_id: str) -> np.ndarray:
+        """A copy of the row's pooled floats (the bank is rewritten two launches later)."""
+        if row in self.invalid:
+            err = self.invalid[row]
+            raise RequestError(err.code, f"request {request_id!r}, step {self.step}: {err}")
+        if row not in self.pool_rows:
+            raise MissingRowError(f"request {request_id!r}, step {self.step}: row {row} has no pooled output")
+        return self.pooled[self.pool_rows.index(row)].copy()
 
     def token(self, row: int, request_id: str) -> int:
         if row in self.invalid:

@@ -117,8 +117,10 @@ class TextTokenizer:
         """The tokenizer as ``tokenizer.json`` text (what a grammar library builds its own from)."""
         return self._tok.to_str()
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, special: bool = False) -> list[int]:
+        """``special``: with the tokenizer's post-processor (an embedding model's appended EOS, which
+        its last-token pooling reads); chat templates write their special tokens themselves."""
+        return self._tok.encode(text, add_special_tokens=special).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

@@ -74,6 +74,12 @@ class _Reader:
     def has(self, name: str) -> bool:
         return self.gguf.has(name) if self.gguf is not None else name in self.files
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        if self.gguf is not None:
+            return self.gguf.shape(name)
+        with safe_open(str(self.files[name]), framework="pt") as f:
+            return tuple(f.get_slice(name).get_shape())
+
     def get(self, name: str, shape: tuple[int, ...], rows: range | None = None,
             cols: range | None = None, dtype: torch.dtype | None = None, packed: bool = False) -> Weight:
         """The tensor ``name`` of ``shape`` in ``dtype`` (default: the model's; ``EXACT``), or only its
@@ -239,7 +245,8 @@ def load_weights(model_dir: str | Path, config: Qwen3Config, dtype: torch.dtype,
 
     # A Qwen3.5 ``...ForConditionalGeneration`` checkpoint keeps its language model under
     # ``model.language_model.`` (its vision tower is not read).
-    root = "model.language_model." if reader.has("model.language_model.embed_tokens.weight") else "model."
+    # A sentence-transformers save of the bare ``Qwen3Model`` (Qwen3-Embedding) has no prefix at all.
+    root = next((r for r in ("model.language_model.", "model.") if reader.has(r + "embed_tokens.weight")), "")
     layers = []
     for i in range(c.num_hidden_layers):
         p = f"{root}layers.{i}."
@@ -260,7 +267,15 @@ def load_weights(model_dir: str | Path, config: Qwen3Config, dtype: torch.dtype,
         if progress is not None:
             progress(i + 1, c.num_hidden_layers + 1)
     embed = _vocab_rows(reader, root + "embed_tokens.weight", c, tp)
-    lm_head = embed if c.tie_word_embeddings else _vocab_rows(reader, "lm_head.weight", c, tp)
+    lm_head = None  # an embedding or classification checkpoint: no logits
+    if c.tie_word_embeddings:
+        lm_head = embed
+    elif reader.has("lm_head.weight") or not (root == "" or reader.has("score.weight")):
+        lm_head = _vocab_rows(reader, "lm_head.weight", c, tp)
+    classifier = None
+    if reader.has("score.weight"):  # ...ForSequenceClassification: a head of one row per label
+        rows = reader.shape("score.weight")[0]
+        classifier = reader.get("score.weight", (rows, hidden))
     if progress is not None:
         progress(c.num_hidden_layers + 1, c.num_hidden_layers + 1)
     return Qwen3Weights(
@@ -269,6 +284,7 @@ def load_weights(model_dir: str | Path, config: Qwen3Config, dtype: torch.dtype,
         final_norm=(hybrid_loader.norm(reader, root + "norm.weight", hidden, dtype) if c.hybrid
                     else reader.get(root + "norm.weight", (hidden,))),
         lm_head=lm_head,
+        classifier=classifier,
     )
 
 

@@ -38,6 +38,7 @@ class Qwen3Model:
                  device: torch.device | str = "cpu", max_model_len: int | None = None,
                  quantization: str | None = None, tp: TensorParallel = SINGLE, gemm: str = "auto"):
         self.config = config
+        self.source = ""  # the directory it was read from (from_pretrained), which pooling detection reads
         # What this rank computes: its heads and MLP slice under tensor parallelism, else the model.
         self.local = tp.local_config(config)
         self.tp = tp
@@ -84,8 +85,10 @@ class Qwen3Model:
         # a layer above their quantized size); accelerators quantize after the move, as before.
         quantize = Quantizer(quantization, torch_dtype, dev) if quantization and dev.type == "cpu" else None
         weights = load_weights(model_dir, config, torch_dtype, tp, progress, fmt, quantize)
-        return cls(config, weights, torch_dtype, device, max_model_len, quantization=quantization, tp=tp,
-                   gemm=gemm)
+        model = cls(config, weights, torch_dtype, device, max_model_len, quantization=quantization, tp=tp,
+                    gemm=gemm)
+        model.source = str(model_dir)
+        return model
 
     def kernel_info(self) -> dict[str, str]:
         """Which kernels this model runs (``stats`` and the startup log report it)."""
@@ -202,8 +205,31 @@ class Qwen3Model:
         torch.matmul(h, lw.shared_gate.t(), out=hb.shared_gate)
         out.add_(hb.shared_out.mul_(hb.shared_gate.sigmoid_()))
 
+    def pool(self, x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, ws: Workspace,
+             logits: torch.Tensor, score_tokens: tuple[int, ...] = ()) -> None:
+        """A pooling runner's rows: ``out`` [R, H] float32 gets, for each token of ``rows`` (a request's
+        last), its final-normed hidden state (embed), its classification head's logits, or with
+        ``score_tokens`` (no, yes) a causal LM's logit(yes) - logit(no), the one-row head a
+        Qwen3-Reranker scores with (``logits`` [>= R, V] is the scratch of its full logits)."""
+        n = rows.shape[0]
+        if self.w.classifier is None and score_tokens:
+            self.compute_logits(x, rows, logits[:n], ws)
+            no, yes = score_tokens
+            out[:, 0].copy_(logits[:n, yes] - logits[:n, no])
+            return
+        h = ws.final[:n]
+        torch.index_select(x, 0, rows, out=h)
+        self.norms.add_rms_norm(h, None, self.w.final_norm, h, ws.buffers.norm.rows(n))
+        if self.w.classifier is None:
+            out.copy_(h)
+        else:
+            torch.matmul(h.float(), self.w.classifier.float().t(), out=out)
+
     def compute_logits(self, x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, ws: Workspace) -> None:
         """``out`` [R, V] float32 = lm_head(final_norm(x[rows])), ``ws.max_rows`` rows at a time."""
+        if self.w.lm_head is None:
+            raise RuntimeError("this checkpoint has no lm_head (an embedding or classification model): "
+                               "it runs as a pooling model (--runner pooling)")
         step = ws.max_rows
         for s in range(0, rows.shape[0], step):
             n = min(step, rows.shape[0] - s)

@@ -55,7 +55,12 @@ class Qwen3Weights:
     embed: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+    # [vocab, hidden]; the embedding itself when tied; None in an embedding checkpoint that has none
+    # (a pooling runner reads the final hidden state, never the logits).
+    lm_head: torch.Tensor | None
+    # A sequence-classification checkpoint's head, ``score.weight`` [labels, hidden] (a pooling
+    # runner's score task), kept as read: it multiplies one row per request.
+    classifier: torch.Tensor | None = None
 
 
 # The projections a layer may have, each quantized and packed like the others.
@@ -106,7 +111,8 @@ def _quantize(w: Qwen3Weights, mode: str, dtype: torch.dtype, device: torch.devi
                                                                 q(lw.linear_attn.out_proj))
         if lw.experts is not None:  # the experts; the router stays 16-bit (routing is sensitive)
             lw.experts = [None if ex is None else (q(ex[0]), q(ex[1])) for ex in lw.experts]
-    w.lm_head = Int8Weight.quantize(w.lm_head, dtype, device)
+    if w.lm_head is not None:
+        w.lm_head = Int8Weight.quantize(w.lm_head, dtype, device)
 
 
 def _prepare(w: Qwen3Weights, linear: LinearOp, grouped_moe: bool) -> None:
@@ -128,7 +134,8 @@ def _prepare(w: Qwen3Weights, linear: LinearOp, grouped_moe: bool) -> None:
         elif lw.experts is not None:
             lw.experts = [None if ex is None else (linear.prepare(ex[0]), linear.prepare(ex[1]))
                           for ex in lw.experts]
-    w.lm_head = linear.prepare_head(w.lm_head)
+    if w.lm_head is not None:
+        w.lm_head = linear.prepare_head(w.lm_head)
 
 
 def _to_device(w: Qwen3Weights, device: torch.device) -> Qwen3Weights:
@@ -147,5 +154,6 @@ def _to_device(w: Qwen3Weights, device: torch.device) -> Qwen3Weights:
         embed=embed,
         layers=[type(lw)(**{k: move(t) for k, t in vars(lw).items()}) for lw in w.layers],
         final_norm=w.final_norm.to(device),
-        lm_head=embed if w.lm_head is w.embed else w.lm_head.to(device),
+        lm_head=embed if w.lm_head is w.embed else move(w.lm_head),
+        classifier=move(w.classifier),
     )
