@@ -24,6 +24,7 @@ from fusedserve.coordinator.openai import chat_output, event_stream
 from fusedserve.coordinator.openai import protocol as oa
 from fusedserve.coordinator.openai import response_fields as rf
 from fusedserve.coordinator.openai.gateway import Gateway
+from fusedserve.coordinator.openai.pooling_api import add_pooling_routes
 from fusedserve.coordinator.sampling_params import is_kind
 
 log = logging.getLogger(__name__)
@@ -161,12 +162,14 @@ def build_app(gw: Gateway) -> FastAPI:
              "max_model_len": gw.max_model_len} for name in gw.model_names]}
 
     async def as_completion(request: Request, body: dict) -> Response:
+        gw.need_task(None, "/v1/completions")
         # Tokenizing (and, for chat, rendering the template) runs on a thread: never on this loop.
         prep = await anyio.to_thread.run_sync(oa.completion_request, body, gw.tokenizer, 16,
                                               gw.max_prompt_chars, gw.defaults)
         return await _run(gw, request, gw.admit(prep, request), chat=False)
 
     async def as_chat(request: Request, body: dict) -> Response:
+        gw.need_task(None, "/v1/chat/completions")
         prep = await anyio.to_thread.run_sync(oa.chat_request, body, gw.tokenizer, gw.template, gw.max_tokens,
                                               gw.reasoning, gw.tool_parser, gw.max_prompt_chars,
                                               gw.trust_request_template, gw.defaults, gw.auto_tools,
@@ -196,6 +199,7 @@ def build_app(gw: Gateway) -> FastAPI:
         raise oa.ApiError(400, "an /invocations body has 'messages' (a chat completion) or 'prompt' (a "
                           "completion)", code="bad_field")
 
+    add_pooling_routes(app, gw, _read_body)
     return app
 
 

@@ -44,6 +44,9 @@ class GatewayConfig:
     http: HttpConfig = field(default_factory=HttpConfig)
     # Sampling defaults a request's own fields override (``generation_defaults.py``).
     defaults: dict = field(default_factory=dict)
+    # A pooling model's task (embed, score) and floats per pooled row; None: the model generates.
+    pooling_task: str | None = None
+    pooled_width: int = 0
 
     @classmethod
     def for_server(cls, server: Server, http: HttpConfig | None = None, **settings: object) -> GatewayConfig:
@@ -58,6 +61,10 @@ class GatewayConfig:
         settings.setdefault("defaults", generation_defaults(server.model_dir, http.generation_config))
         settings.setdefault("max_prompt_chars", server.server_config.limits.max_prompt_chars)
         settings.setdefault("token", server.server_config.auth_token)
+        engine = server.engine_config
+        if engine.pooling:
+            settings.setdefault("pooling_task", engine.model.pooling_task)
+            settings.setdefault("pooled_width", engine.model.pooled_width)
         return cls(local, str(server.model_dir), http.served_model_name or (given,), server.max_model_len,
                    server.admission.max_tokens, curve_server_key=server.curve_public_key, http=http,
                    **settings)
@@ -96,6 +103,17 @@ class Gateway:
         self.log_requests = http.enable_log_requests
         if self.log_requests:
             REQUEST_LOG.setLevel(logging.INFO)
+
+    def need_task(self, task: str | None, endpoint: str) -> None:
+        """A 400 where the model does not serve ``endpoint`` (``task``: embed, score, or None for
+        generation)."""
+        have = self.config.pooling_task
+        if have == task:
+            return
+        what = f"a pooling model ({have})" if have else "a generating model"
+        wants = {None: "a generating model", "embed": "an embedding model (--pooling-task embed)",
+                 "score": "a scoring model"}[task]
+        raise oa.ApiError(400, f"{endpoint} needs {wants}; this server runs {what}", code="wrong_task")
 
     @property
     def token(self) -> str | None:

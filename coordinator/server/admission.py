@@ -34,7 +34,7 @@ class Admission:
         self.max_tokens = min(limits.max_tokens or max_model_len, max_model_len)
         # Every worker has the same shape: one check answers "can this be served?".
         self.input = InputProcessor.for_model(config, tokenizer, RequestLimits.for_worker(
-            engine, config.vocab_size, limits.max_prompt_tokens), grammar_limits)
+            engine, config.vocab_size, limits.max_prompt_tokens), grammar_limits, pooling=engine.pooling)
 
     def check_limits(self, identity: bytes, req: GenerateRequest, requests: RequestTable) -> None:
         lim = self.limits
@@ -54,6 +54,9 @@ class Admission:
         if asked > lim.max_logprobs:
             raise RequestError("bad_param", f"{asked} logprobs asked; this server allows {lim.max_logprobs} "
                                "(--max-logprobs)")
+        if self.input.pooling and req.stream:
+            raise RequestError("bad_param", "this server runs a pooling model: its result comes whole in the "
+                               "done frame (send stream false)")
         if req.params.max_tokens > self.max_tokens:
             raise RequestError("max_tokens_too_large",
                                f"max_tokens is {req.params.max_tokens}; this server allows {self.max_tokens}")

@@ -183,6 +183,8 @@ def done(rid: Any, seq: Sequence, timings: dict) -> dict:
                   "cached_tokens": seq.cached_tokens or 0},
         "timings": timings,
     }
+    if seq.pooled is not None:  # a pooling model's result: float32, little-endian
+        msg["pooled"] = seq.pooled.astype("<f4").tobytes()
     if seq.params.logprobs:
         msg["logprobs"] = list(seq.logprobs)
         if seq.params.top_logprobs:
