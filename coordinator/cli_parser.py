@@ -174,7 +174,8 @@ def _serve_flags(p: argparse.ArgumentParser, demo: bool) -> None:
 
 # vLLM's flags this parser honours (beside its own names): the README's table lists them first.
 VLLM_HONOURED = (
-    "--model", "--revision", "--download-dir", "--dtype", "--quantization", "--max-model-len", "--seed",
+    "--model", "--revision", "--download-dir", "--dtype", "--quantization", "--max-model-len", "--runner",
+    "--convert", "--seed",
     "--max-logprobs", "--generation-config", "--served-model-name", "--block-size",
     "--num-gpu-blocks-override", "--kv-cache-memory-bytes", "--gpu-memory-utilization",
     "--enable-prefix-caching", "--no-enable-prefix-caching", "--kv-cache-dtype", "--max-num-seqs",

@@ -39,7 +39,8 @@ def _r(flag: str, why: str, takes_value: bool = True) -> VllmFlag:
 
 
 LORA = "LoRA adapters are not served yet"
-POOLING = "embedding, classification and scoring models are not served yet; this server generates"
+POOLING = ("serve a pooling model with --runner pooling and --pooling-task embed (embeddings) or score (a "
+           "reranker or classifier)")
 DP_REMOTE = "Ray places the workers across nodes: join a cluster with --ray-address"
 
 FLAGS: tuple[VllmFlag, ...] = (
@@ -82,9 +83,8 @@ FLAGS: tuple[VllmFlag, ...] = (
     _r("--model-loader-extra-config", "the loader has no extra settings"),
     _r("--enable-sleep-mode", "workers do not release their memory while serving", False),
     _r("--logprobs-mode", "logprobs are always of the processed distribution the sample is drawn from"),
-    _n("--runner", "this server generates", values=("auto", "generate"), why_not=POOLING),
-    _n("--task", "this server generates", values=("auto", "generate"), why_not=POOLING),
-    _r("--convert", POOLING),
+    _n("--task", "vLLM's older spelling: --runner and --pooling-task say it", values=("auto", "generate"),
+       why_not=POOLING),
     # Parallelism and placement
     _n("--distributed-executor-backend", "workers are Ray actors, always", values=("ray", "mp", "uni")),
     _n("--pipeline-parallel-size", "no pipeline parallelism: -tp within a node, --workers across nodes",

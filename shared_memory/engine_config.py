@@ -52,11 +52,11 @@ class ModelConfig:
         choices=("auto", "generate", "pooling"))
     pooling_task: str = setting(
         "auto",
-        "with --runner pooling: embed (last-token pooling; /v1/embeddings) or score (a reranker: the "
-        "yes/no logit difference of a causal LM, as Qwen3-Reranker's card scores, or a sequence-"
-        "classification head; /score, /rerank); auto: score for a classification or reranker "
-        "checkpoint, else embed",
-        choices=("auto", "embed", "score"))
+        "embed (last-token pooling; /v1/embeddings) or score (a reranker: the yes/no logit difference of a "
+        "causal LM, as Qwen3-Reranker's card scores, or a sequence-classification head; /score, /rerank; "
+        "classify is the same); naming one implies --runner pooling; auto: score for a classification or "
+        "reranker checkpoint, else embed",
+        choices=("auto", "embed", "score", "classify"), aliases=("--convert",))
     # Set by resolution, not flags: the floats one pooled row hands back (hidden size for embed, the
     # labels for score; 0 when generating), and a causal-LM reranker's (no, yes) token ids.
     pooled_width: int = setting(0, cli=False)
@@ -248,10 +248,8 @@ class EngineConfig:
         m = self.model
         if m.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be auto, generate or pooling, got {m.runner!r}")
-        if m.pooling_task not in ("auto", "embed", "score"):
-            raise ValueError(f"pooling_task must be auto, embed or score, got {m.pooling_task!r}")
-        if m.runner == "pooling" and self.speculating:
-            raise ValueError("a pooling runner samples nothing: speculative decoding does not apply")
+        if m.pooling_task not in ("auto", "embed", "score", "classify"):
+            raise ValueError(f"pooling_task must be auto, embed, score or classify, got {m.pooling_task!r}")
 
     def _check_speculative(self) -> None:
         sp = self.speculative

@@ -11,16 +11,19 @@ worker hands back that difference, the head vLLM builds for it.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
 from fusedserve.kernels.model_description.config import Qwen3Config
 from fusedserve.shared_memory.engine_config import EngineConfig
 
+log = logging.getLogger(__name__)
 SENTENCE_TRANSFORMERS_FILES = ("modules.json", "config_sentence_transformers.json")
 
 
 def _raw_config(model_dir: Path) -> dict:
+    """A directory's config.json as a dict ({} where it has none)."""
     path = model_dir / "config.json"
     try:
         raw = json.loads(path.read_text())
@@ -38,6 +41,24 @@ def classifier_labels(raw: dict) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 2
 
 
+def _check_pooling_mode(path: Path) -> None:
+    """A sentence-transformers Pooling module must pool the last token, as Qwen3-Embedding does
+    (the only pooling the worker runs); another mode is refused by name, never served wrongly."""
+    try:
+        modules = json.loads((path / "modules.json").read_text())
+    except (OSError, ValueError):
+        return
+    for module in modules if isinstance(modules, list) else []:
+        if not isinstance(module, dict) or not str(module.get("type", "")).endswith("models.Pooling"):
+            continue
+        conf = _raw_config(path / str(module.get("path", "")))
+        modes = [k.removeprefix("pooling_mode_") for k, v in conf.items()
+                 if k.startswith("pooling_mode_") and v]
+        if modes and modes != ["lasttoken"]:
+            raise ValueError(f"{path}: its sentence-transformers Pooling module pools by {', '.join(modes)}; "
+                             "only last-token pooling (Qwen3-Embedding's) is served")
+
+
 def resolve_pooling(cfg: EngineConfig, model_dir: str, model: Qwen3Config) -> EngineConfig:
     """``cfg`` with ``runner`` and ``pooling_task`` concrete, and the pooled width and score tokens
     set; ValueError for a combination no launch could serve."""
@@ -47,18 +68,21 @@ def resolve_pooling(cfg: EngineConfig, model_dir: str, model: Qwen3Config) -> En
     classifier = any(a.endswith("ForSequenceClassification") for a in archs)
     embedding = any((path / f).is_file() for f in SENTENCE_TRANSFORMERS_FILES) or archs == ["Qwen3Model"]
     reranker = "reranker" in path.name.lower() or "reranker" in m.model.lower()
-    runner = m.runner
+    runner, task = m.runner, {"classify": "score"}.get(m.pooling_task, m.pooling_task)
     if runner == "auto":
-        runner = "pooling" if classifier or embedding or reranker else "generate"
+        runner = "pooling" if classifier or embedding or reranker or task != "auto" else "generate"
     if runner == "generate":
         if classifier:
             raise ValueError(f"{model_dir} is a sequence-classification checkpoint ({archs[0]}): it has no "
                              "lm_head to generate with; serve it with --runner pooling")
         return cfg.replace(runner="generate", pooled_width=0, score_tokens=())
-    task = m.pooling_task
+    if cfg.speculating:  # nothing is sampled, so nothing is proposed
+        log.info("a pooling model: speculative decoding (%s) is off", cfg.speculative.speculative_method)
+        cfg = cfg.replace(speculative_method="off", speculative_model=None)
     if task == "auto":
         task = "score" if classifier or reranker else "embed"
     if task == "embed":
+        _check_pooling_mode(path)
         return cfg.replace(runner="pooling", pooling_task="embed", pooled_width=model.hidden_size,
                            score_tokens=())
     if classifier:
