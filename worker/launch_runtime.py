@@ -99,8 +99,11 @@ class LaunchRuntime:
     """
 
     def __init__(self, table: SlotTable, arenas: HostArena | list[HostArena], pool: DeviceScratchPool,
-                 writes_outputs: bool = True):
+                 writes_outputs: bool = True, unread: tuple[str, ...] = ()):
+        """``unread``: output slots this worker's launches never fill (a pooling runner samples no
+        ids), so none of their bytes cross."""
         self.writes_outputs = writes_outputs
+        self.unread = frozenset(unread)
         self.table = table
         self.arenas = arenas if isinstance(arenas, list) else [arenas]
         self.pool = pool
@@ -140,7 +143,8 @@ class LaunchRuntime:
             arena, table = self.arenas[bank], self.table
             views = {s.name: self.pool.view(s.name, s.concrete(dims)) for s in table}
             ins = [s for s in table.host_inputs() if s.nbytes(dims)]
-            outs = [s for s in table.host_outputs() if s.nbytes(dims)] if self.writes_outputs else []
+            outs = ([s for s in table.host_outputs() if s.nbytes(dims) and s.name not in self.unread]
+                    if self.writes_outputs else [])
             plan = CopyPlan(views, tuple((views[s.name], arena.view(s.name, s.concrete(dims))) for s in ins),
                             tuple((arena.view(s.name, s.concrete(dims)), views[s.name]) for s in outs),
                             sum(s.nbytes(dims) for s in ins), sum(s.nbytes(dims) for s in outs))

@@ -50,7 +50,9 @@ class ModelRunner:
         self.hybrid = model.config.hybrid
         self.ws = model.new_workspace(max_batch, block_size, cfg.cache.kv_cache_dtype)
         self.pool = DeviceScratchPool(self.table, self.max_dims, model.device)
-        self.runtime = LaunchRuntime(self.table, arenas, self.pool, writes_outputs)
+        # A pooling runner hands back its pooled rows alone: no ids are sampled.
+        self.runtime = LaunchRuntime(self.table, arenas, self.pool, writes_outputs,
+                                     unread=("sampled_ids",) if cfg.pooling else ())
         self.logits = self.pool.full("logits")
         dev = model.device  # the feed's scratch: no allocation per launch
         self._feed_idx = torch.zeros(max_batch, dtype=torch.int32, device=dev)

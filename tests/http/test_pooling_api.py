@@ -13,8 +13,10 @@ import openai
 import pytest
 import torch
 
+from fusedserve.coordinator.client import Client, ServerError
 from fusedserve.coordinator.model_files import reranker_prompt
 from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
+from fusedserve.coordinator.server.server import Server
 from tests.pooling_models import write_embedding_model, write_reranker_model
 from tests.support import running_server, serving_http
 
@@ -35,11 +37,16 @@ def rerank_path(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def embed_server(embed_path, ray_session) -> Iterator[str]:
+def embed_served(embed_path, ray_session) -> Iterator[tuple[Server, str]]:
     """Auto-detected as an embedding model (its modules.json)."""
     with running_server(model=embed_path, dtype="float32", max_batch=8, max_model_len=1024) as coord, \
             serving_http(coord) as http:
-        yield http.url
+        yield coord, http.url
+
+
+@pytest.fixture(scope="module")
+def embed_server(embed_served) -> str:
+    return embed_served[1]
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +154,17 @@ def test_rerank_and_score_equal_the_yes_no_formula(rerank_server, rerank_path):
         emb = c.post("/v1/embeddings", json={"input": "hi"})
         assert emb.status_code == 400 and emb.json()["error"]["code"] == "wrong_task"
         assert c.post("/rerank", json={"query": QUERY, "documents": DOCS[:1]}).status_code == 200
+
+
+def test_zmq_done_frame_carries_the_pooled_row_and_streams_are_refused(embed_served, embed_path):
+    coord, url = embed_served
+    ref = _reference_embeddings(embed_path, TEXTS[:1])[0]
+    with Client(coord.address, timeout_s=60) as c:
+        done = c.generate(TEXTS[0])
+        row = np.frombuffer(done["pooled"], dtype="<f4")
+        assert row.shape == (64,) and done["token_ids"] == [] and done["usage"]["completion_tokens"] == 0
+        assert np.dot(row / np.linalg.norm(row), ref) >= 0.9999
+        with pytest.raises(ServerError) as err:
+            list(c.stream(TEXTS[0]))
+        assert err.value.reply["code"] == "bad_param" and "stream false" in err.value.reply["message"]
+        assert "pooled" in c.generate(TEXTS[1])
