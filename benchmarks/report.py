@@ -581,6 +581,34 @@ def host_line() -> str:
     return f"Host of this section: {machine()}; {isa_line()}."
 
 
+EMBED_HEADING = "## Embeddings"
+EMBED_RESULTS = RESULTS / "embeddings.json"
+
+
+def embeddings_section(args: argparse.Namespace, t: list) -> list[str]:
+    """``fusedserve.benchmarks.embeddings``: the pooling runner against sentence-transformers and
+    OpenVINO, its targets into ``t``."""
+    from fusedserve.benchmarks import embeddings
+
+    peer = ["--openvino-python", args.openvino_python] if args.openvino_python else ["--engines",
+                                                                                     "fusedserve-bf16,"
+                                                                                     "sentence-transformers-bf16"]
+    res = embeddings.main([*peer, "--threads", str(args.threads), "--json", str(EMBED_RESULTS)])
+    ours = res["results"]["fusedserve-bf16"]
+    for peer_name, want in (("sentence-transformers-bf16", 1.5), ("openvino", 1.0)):
+        row = res["results"].get(peer_name)
+        if row is None:
+            continue
+        ratios = {n: median(ours[n]) / median(row[n]) for n in embeddings.LENGTHS}
+        figure = ", ".join(f"{n} tokens {r:.2f}x" for n, r in ratios.items())
+        t.append((f"embeddings >= {want}x {peer_name}", min(ratios.values()) >= want, figure))
+    return [EMBED_HEADING, "", host_line(), "",
+            "`python -m fusedserve.benchmarks.embeddings --openvino-python PY`: a Qwen3-0.6B-shaped random "
+            f"checkpoint as an embedding model (last-token pooling, normalised), batches of {embeddings.BATCH} "
+            f"texts, {res['threads']} threads, each engine in a process of its own, round robin. Input "
+            "tokens/s, median (min-max):", "", *embeddings.table(res)]
+
+
 CORE_HEADING = "## Decode step (one worker, in-process launch path, greedy, context 128)"
 PEERS_HEADING = "## CPU peers on a Qwen3-0.6B-shaped checkpoint"
 SECTIONS = {"core": (CORE_HEADING, core_section),
@@ -592,7 +620,8 @@ SECTIONS = {"core": (CORE_HEADING, core_section),
             "formats": (FORMATS_HEADING, formats_section),
             "long": (LONG_HEADING, long_section),
             "isa": (ISA_HEADING, isa_section),
-            "hybrid": (HYBRID_HEADING, hybrid_section)}
+            "hybrid": (HYBRID_HEADING, hybrid_section),
+            "embeddings": (EMBED_HEADING, embeddings_section)}
 
 
 def splice(path: Path, heading: str, section: list[str], targets: list) -> None:
@@ -748,6 +777,7 @@ def main(argv: list[str] | None = None) -> None:
     lines += isa_section(args, t)
     lines += spec_section(args, t)
     lines += hybrid_section(args, t)
+    lines += embeddings_section(args, t)
     lines += cuda_section(t)
     lines += ["", "## Targets", "", "| target | met | figure |", "|---|---|---|"]
     lines += [f"| {name} | {'yes' if ok else 'no'} | {fig} |" for name, ok, fig in t]
