@@ -140,6 +140,11 @@ def _startup_lines(coord: Server) -> None:
           f"{e.parallel.tensor_parallel_size} ranks x {threads} threads; max_model_len {e.max_model_len}",
           flush=True)
     print(f"fusedserve: {r.kv.describe()}", flush=True)
+    if e.pooling:
+        m = e.model
+        row = f"{m.pooled_width} floats" if m.pooling_task == "embed" else f"{m.pooled_width} score logit(s)"
+        print(f"fusedserve: a pooling model ({m.pooling_task}): each request's prompt runs once and its last "
+              f"token's row ({row}) comes back; /v1/embeddings, /pooling, /score, /rerank", flush=True)
 
 
 def _serve(coord: Server, http_cfg: HttpConfig) -> int:

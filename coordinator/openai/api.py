@@ -25,6 +25,7 @@ from fusedserve.coordinator.openai import protocol as oa
 from fusedserve.coordinator.openai import response_fields as rf
 from fusedserve.coordinator.openai.gateway import Gateway
 from fusedserve.coordinator.openai.pooling_api import add_pooling_routes
+from fusedserve.coordinator.openai.responses_api import add_responses_routes
 from fusedserve.coordinator.sampling_params import is_kind
 
 log = logging.getLogger(__name__)
@@ -168,13 +169,17 @@ def build_app(gw: Gateway) -> FastAPI:
                                               gw.max_prompt_chars, gw.defaults)
         return await _run(gw, request, gw.admit(prep, request), chat=False)
 
-    async def as_chat(request: Request, body: dict) -> Response:
-        gw.need_task(None, "/v1/chat/completions")
+    async def prepare_chat(request: Request, body: dict) -> oa.Prepared:
+        """A chat body rendered, tokenized (on a thread: never on this loop) and admitted."""
         prep = await anyio.to_thread.run_sync(oa.chat_request, body, gw.tokenizer, gw.template, gw.max_tokens,
                                               gw.reasoning, gw.tool_parser, gw.max_prompt_chars,
                                               gw.trust_request_template, gw.defaults, gw.auto_tools,
                                               gw.tool_format)
-        return await _run(gw, request, gw.admit(prep, request), chat=True)
+        return gw.admit(prep, request)
+
+    async def as_chat(request: Request, body: dict) -> Response:
+        gw.need_task(None, "/v1/chat/completions")
+        return await _run(gw, request, await prepare_chat(request, body), chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -200,6 +205,8 @@ def build_app(gw: Gateway) -> FastAPI:
                           "completion)", code="bad_field")
 
     add_pooling_routes(app, gw, _read_body)
+    add_responses_routes(app, gw, _read_body, prepare_chat,
+                         lambda request, prep: _complete(gw, request, prep, True))
     return app
 
 
@@ -208,6 +215,12 @@ async def _run(gw: Gateway, request: Request, prep: oa.Prepared, chat: bool) -> 
         gen = event_stream.stream(gw, prep, chat)
         first = await gen.__anext__()  # errors before the first token become a plain HTTP error
         return StreamingResponse(event_stream.chain(first, gen), media_type="text/event-stream")
+    out = await _complete(gw, request, prep, chat)
+    return out if isinstance(out, Response) else JSONResponse(out)
+
+
+async def _complete(gw: Gateway, request: Request, prep: oa.Prepared, chat: bool) -> dict | Response:
+    """A whole (not streamed) completion's body, or the 499 of a client that left."""
     rids = [gw.client.new_id() for _ in range(prep.choices)]
     tasks = [asyncio.ensure_future(gw.client.generate(prep.prompt(i)[0], request_id=rid,
                                                       **prep.choice_params(i))) for i, rid in enumerate(rids)]
@@ -235,7 +248,7 @@ async def _run(gw: Gateway, request: Request, prep: oa.Prepared, chat: bool) -> 
     dones = [t.result() for t in tasks]
     for done in dones:
         gw.metrics.finished(done, prep.params["max_tokens"])
-    return JSONResponse(_final(gw, prep, dones, chat))
+    return _final(gw, prep, dones, chat)
 
 
 def _final(gw: Gateway, prep: oa.Prepared, dones: list[dict], chat: bool) -> dict:

@@ -8,7 +8,7 @@ import argparse
 import json
 from dataclasses import dataclass
 
-from fusedserve.shared_memory.setting import setting
+from fusedserve.shared_memory.setting import parse_size, setting
 
 API_KEY_ENV = "FUSEDSERVE_API_KEY"
 # vLLM's parser names: the ones built here, and the others (refused by name, with why).
@@ -96,6 +96,14 @@ class HttpConfig:
         False,
         "let a request's own chat_template render its prompt (Jinja, sandboxed); without it such a request "
         "gets 400")
+    responses_store_size: int = setting(
+        1000,
+        "responses /v1/responses keeps (store true: retrieved by id, continued with previous_response_id), "
+        "oldest dropped first; 0 keeps none")
+    responses_store_bytes: int = setting(
+        64 << 20,
+        "the most bytes of JSON those kept responses (and their conversations) take together, oldest dropped "
+        "first", parse=parse_size)
 
     def check(self) -> None:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:

@@ -38,7 +38,23 @@ def _logits(model: Qwen3Model, vocab: int) -> torch.Tensor:
     return torch.stack(steps)
 
 
-def _rank(rank: int, size: int, port: int, path: str, dtype: str, ep: bool, quant, result) -> None:
+def _pooled(model: Qwen3Model, vocab: int) -> torch.Tensor:
+    """The three prompts in one launch, as a pooling runner reads them: each one's last token's
+    final-normed hidden state, and a yes/no score (tokens 7 and 5) over the vocab-parallel lm_head."""
+    kv = model.new_kv_cache(num_blocks=40, block_size=BLOCK, max_seqs=len(PROMPTS))
+    ws = model.new_workspace(max_rows=8, block_size=BLOCK)
+    batch = prompt_batch(PROMPTS, [[3, 9, 1, 12, 20], [0, 7, 30], [5, 2, 14, 33, 21]], BLOCK)
+    x = model.forward(batch, kv, ws, None)
+    last = batch.query_start_loc[1:] - 1
+    hidden, score = torch.empty(len(PROMPTS), model.config.hidden_size), torch.empty(len(PROMPTS), 1)
+    logits = torch.empty(len(PROMPTS), vocab)
+    model.pool(x, last, hidden, ws, logits)
+    model.pool(x, last, score, ws, logits, (7, 5))
+    return torch.cat([hidden, score], 1)
+
+
+def _rank(rank: int, size: int, port: int, path: str, dtype: str, ep: bool, quant, result,
+          what: str = "logits") -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -47,18 +63,19 @@ def _rank(rank: int, size: int, port: int, path: str, dtype: str, ep: bool, quan
         tp = TensorParallel(rank, size, expert_parallel=ep)
         model = Qwen3Model.from_pretrained(path, dtype=dtype, quantization=quant, tp=tp)
         buf = io.BytesIO()  # bytes, not a shared tensor: this process exits next
-        torch.save(_logits(model, model.config.vocab_size), buf)
+        torch.save((_pooled if what == "pooled" else _logits)(model, model.config.vocab_size), buf)
         result.put((rank, buf.getvalue()))
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(path, size: int, dtype: str = "float32", ep: bool = False, quant=None) -> list[torch.Tensor]:
-    """Every rank's logits, in rank order."""
+def run_ranks(path, size: int, dtype: str = "float32", ep: bool = False, quant=None,
+              what: str = "logits") -> list[torch.Tensor]:
+    """Every rank's logits (or ``what="pooled"``: pooled rows), in rank order."""
     ctx = mp.get_context("spawn")
     result = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, size, port, str(path), dtype, ep, quant, result))
+    procs = [ctx.Process(target=_rank, args=(r, size, port, str(path), dtype, ep, quant, result, what))
              for r in range(size)]
     for p in procs:
         p.start()
@@ -95,6 +112,15 @@ def test_fp32_logits_equal_the_whole_model(hf_checkpoints, name, size):
         assert torch.equal(got, ranks[0])
     torch.testing.assert_close(ranks[0], want, atol=1e-4, rtol=1e-4)
     assert torch.equal(ranks[0].argmax(-1), want.argmax(-1))
+
+
+def test_pooled_rows_equal_the_whole_model(hf_checkpoints):
+    """A pooling runner under tensor parallelism: every rank pools the same rows as one device."""
+    path = hf_checkpoints["gqa2_untied"]
+    want = _pooled(Qwen3Model.from_pretrained(path, dtype="float32"), Qwen3Config.from_dir(path).vocab_size)
+    ranks = run_ranks(path, 2, what="pooled")
+    assert torch.equal(ranks[0], ranks[1])
+    torch.testing.assert_close(ranks[0], want, atol=1e-4, rtol=1e-4)
 
 
 def test_padded_vocab_shard(odd_vocab):
