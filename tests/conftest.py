@@ -97,7 +97,7 @@ SLOW_MODULES = frozenset({
     "test_ray_cluster", "test_network_exposure", "test_multinode", "test_worker_faults",  # server/
     "test_tensor_parallel_serving",
     "test_real_use",  # http/
-    "test_deploy", "test_cli",  # deploy/
+    "test_deploy", "test_cli", "test_soak",  # deploy/
 })
 
 

@@ -14,9 +14,11 @@ import uuid
 
 from fusedserve.coordinator.openai.api_error import ApiError
 
-# Request fields passed to the chat body as they are.
-PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "user", "parallel_tool_calls", "stop",
-               "presence_penalty", "frequency_penalty", "repetition_penalty", "chat_template_kwargs")
+# The Responses API's own fields, mapped here; every other field (sampling settings, model, user, ...)
+# goes to the chat body as it is, where the chat endpoint checks it.
+OWN_FIELDS = frozenset({"input", "instructions", "max_output_tokens", "tools", "tool_choice", "text",
+                        "stream", "store", "previous_response_id", "metadata", "reasoning", "background",
+                        "include", "truncation", "service_tier", "prompt_cache_key", "safety_identifier"})
 ROLES = ("user", "assistant", "system", "developer")
 
 
@@ -148,9 +150,7 @@ def chat_body(body: dict, history: list[dict]) -> tuple[dict, list[dict], list[d
         raise _bad("'instructions' must be a string", "instructions")
     lead = [{"role": "system", "content": instructions}] if instructions else []
     chat: dict = {"messages": lead + conversation, "stream": bool(body.get("stream", False))}
-    for key in PASSTHROUGH:
-        if body.get(key) is not None:
-            chat[key] = body[key]
+    chat.update({k: v for k, v in body.items() if k not in OWN_FIELDS and v is not None})
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     tools = _tools(body.get("tools"))
