@@ -127,7 +127,9 @@ def check(res: dict) -> list[str]:
 
 
 def run(minutes: float, model: str = "default", workers: int = 2, clients: int = 8, interval: float = 10.0,
-        prompt_max: int = 1800, extra: list[str] | None = None) -> dict:
+        prompt_max: int = 1200, extra: list[str] | None = None) -> dict:
+    """``prompt_max``: the longest prompt in words (about 1.45 tokens each on the default model's
+    tokenizer: 1,200 words stay inside its 2,048-token context with the chat turn and the output)."""
     proc, address, url = start_server(model, workers, extra or [])
     log, samples = LoadLog(), []
     try:

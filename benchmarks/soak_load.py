@@ -46,9 +46,9 @@ class LoadLog:
         return [o for o in self.outcomes if t0 <= o.t_end < t1]
 
 
-def _prompt(rng: random.Random, max_tokens: int) -> str:
-    """About ``n`` tokens of text, n log-uniform in [10, max_tokens]."""
-    n = int(10 * (max_tokens / 10) ** rng.random())
+def _prompt(rng: random.Random, max_words: int) -> str:
+    """``n`` words of text, n log-uniform in [10, max_words]."""
+    n = int(10 * (max_words / 10) ** rng.random())
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 

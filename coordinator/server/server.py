@@ -330,4 +330,6 @@ class Server:
         return False
 
     def stats(self) -> dict:
-        return server_stats(self.counters, self.faults, self.requests, self.router, self.pool, self.frontend)
+        grammars = self.admission.input.grammars
+        return server_stats(self.counters, self.faults, self.requests, self.router, self.pool, self.frontend,
+                            grammars.cached if grammars is not None else 0)

@@ -71,7 +71,7 @@ def worker_stats(w: WorkerHandle) -> dict:
 
 
 def server_stats(counters: ServerCounters, faults: FaultCounters, requests: RequestTable, router: Router,
-                 pool: WorkerPool, fe: Frontend) -> dict:
+                 pool: WorkerPool, fe: Frontend, grammar_cache: int = 0) -> dict:
     elapsed = max(time.time() - counters.started_at, 1e-9)
     workers = pool.workers
     tokens = pool.retired_tokens + sum(w.core.stats.tokens for w in workers)  # every worker that ever ran
@@ -84,7 +84,7 @@ def server_stats(counters: ServerCounters, faults: FaultCounters, requests: Requ
         "routing": router.policy.snapshot(),
         "coordinator": {"pending": len(requests), "clients": len(requests.identities()),
                         "orphans": len(router.orphans), "owed_frames": fe.owed,
-                        "rss_bytes": rss_bytes(), "pid": os.getpid()},
+                        "rss_bytes": rss_bytes(), "pid": os.getpid(), "grammar_cache": grammar_cache},
         "faults": {**asdict(faults), "client_disconnects": fe.disconnects,
                    "worker_failures": [asdict(f) for f in pool.failures]},
     }

@@ -124,6 +124,11 @@ class GrammarCompiler:
         self.think_end = THINK_END.encode()
         self.has_end_token = end is not None
 
+    @property
+    def cached(self) -> int:
+        """Compiled constraints held (the soak watches that it stays bounded)."""
+        return len(self._cache)
+
     def _llg(self) -> tuple[llguidance.LLTokenizer, llguidance.LLExecutor, llguidance.LLParserLimits]:
         """llguidance's tokenizer (built once: ~0.1-1 s at a 152k vocabulary), its executor and
         the parser limits, made with the first grammar."""
