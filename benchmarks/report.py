@@ -609,6 +609,54 @@ def embeddings_section(args: argparse.Namespace, t: list) -> list[str]:
             "tokens/s, median (min-max):", "", *embeddings.table(res)]
 
 
+SOAK_HEADING = "## Soak"
+SOAK_RESULTS = RESULTS / "soak.json"
+
+
+def soak_lines(res: dict, png: str) -> list[str]:
+    """A stored ``fusedserve.benchmarks.soak`` run as the section."""
+    from fusedserve.benchmarks import soak
+
+    n = len(res["samples"])
+    q2, q4 = res["samples"][n // 4 : n // 2], res["samples"][3 * n // 4 :]
+
+    def med(rows: list[dict], key: str) -> float:
+        vals = [r[key] for r in rows if r[key] is not None]
+        return sorted(vals)[len(vals) // 2] if vals else float("nan")
+
+    lines = [SOAK_HEADING, "", f"Host: {res['machine']}.", "",
+             f"`python -m fusedserve.benchmarks.soak --minutes {res['minutes']:g}`: `fusedserve serve` on the "
+             f"`{res['model']}` model, {res['workers']} workers, {res['clients']} concurrent clients of the mixed "
+             "load (chat and completions, streamed or not, JSON-schema outputs, forced tool calls, n = 2, prompts "
+             "of 10 to ~1,750 tokens, 5% of requests dropped mid-stream, 5% bad), sampled every "
+             f"{res['interval_s']:g} s; {res['requests']} requests ({', '.join(f'{k} {v}' for k, v in sorted(res['by_kind'].items()))}). "
+             "Each series: its median over the second quarter and over the last, and the change "
+             f"(bound: {100 * soak.GROWTH:.0f}%, counts with a slack of {soak.SLACK}):", "",
+             "| series | 2nd quarter | last quarter | change |", "|---|---|---|---|"]
+    for key in (*soak.BYTES, *soak.COUNTS, "kv_blocks_used", "requests", "ttft_p50", "ttft_p99", "tpot_p50",
+                "tpot_p99"):
+        a, b = med(q2, key), med(q4, key)
+        scale, unit = (2**20, " MiB") if key.endswith("rss") else ((1e-3, " ms") if key.startswith("t") else (1, ""))
+        change = f"{100 * (b - a) / a:+.1f}%" if a else "-"
+        lines.append(f"| {key} | {a / scale:.1f}{unit} | {b / scale:.1f}{unit} | {change} |")
+    end = res["end"]
+    lines += ["", f"At the end, after the load stopped: {end['kv_blocks_used']} KV blocks in use, {end['running']} "
+              f"running, {end['requests']} requests held, {end['queue']} queued; {res['unexpected']} responses "
+              f"not as expected. Checks failed: {res['failures'] or 'none'}.", "", f"![soak series]({png})"]
+    return lines
+
+
+def soak_section(args: argparse.Namespace, t: list) -> list[str]:
+    from fusedserve.benchmarks import soak
+
+    png = Path(args.out).with_name("benchmarks_soak.png")
+    res = soak.main(["--minutes", str(args.soak_minutes), "--json", str(SOAK_RESULTS), "--png", str(png)])
+    worst = max(res["growth"].items(), key=lambda kv: kv[1])
+    t.append(("soak: no series grows > 5% after warm-up; drained at the end", not res["failures"],
+              f"{res['minutes']:g} min, worst {worst[0]} {100 * worst[1]:+.1f}%, end {res['end']}"))
+    return soak_lines(res, png.name)
+
+
 CORE_HEADING = "## Decode step (one worker, in-process launch path, greedy, context 128)"
 PEERS_HEADING = "## CPU peers on a Qwen3-0.6B-shaped checkpoint"
 SECTIONS = {"core": (CORE_HEADING, core_section),
@@ -621,7 +669,8 @@ SECTIONS = {"core": (CORE_HEADING, core_section),
             "long": (LONG_HEADING, long_section),
             "isa": (ISA_HEADING, isa_section),
             "hybrid": (HYBRID_HEADING, hybrid_section),
-            "embeddings": (EMBED_HEADING, embeddings_section)}
+            "embeddings": (EMBED_HEADING, embeddings_section),
+            "soak": (SOAK_HEADING, soak_section)}
 
 
 def splice(path: Path, heading: str, section: list[str], targets: list) -> None:
@@ -739,6 +788,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--llama-python", default=None, help="a python for llama.cpp's GGUF conversion")
     ap.add_argument("--avx2-peers", action="store_true",
                     help="also run the CPU peers with every engine held to AVX2 (needs llama.cpp's build-avx2)")
+    ap.add_argument("--soak-minutes", type=float, default=30.0, help="the soak section's length")
     ap.add_argument("--only", choices=sorted(SECTIONS), default=None,
                     help="re-run one section and splice it into the existing --out file")
     args = ap.parse_args(argv)
@@ -778,6 +828,7 @@ def main(argv: list[str] | None = None) -> None:
     lines += spec_section(args, t)
     lines += hybrid_section(args, t)
     lines += embeddings_section(args, t)
+    lines += soak_section(args, t)
     lines += cuda_section(t)
     lines += ["", "## Targets", "", "| target | met | figure |", "|---|---|---|"]
     lines += [f"| {name} | {'yes' if ok else 'no'} | {fig} |" for name, ok, fig in t]
