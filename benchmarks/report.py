@@ -650,7 +650,11 @@ def soak_section(args: argparse.Namespace, t: list) -> list[str]:
     from fusedserve.benchmarks import soak
 
     png = Path(args.out).with_name("benchmarks_soak.png")
-    res = soak.main(["--minutes", str(args.soak_minutes), "--json", str(SOAK_RESULTS), "--png", str(png)])
+    if args.soak_minutes > 0:
+        res = soak.main(["--minutes", str(args.soak_minutes), "--json", str(SOAK_RESULTS), "--png", str(png)])
+    else:  # the stored run, its plot redrawn
+        res = json.loads(SOAK_RESULTS.read_text())
+        soak.plot(res, png)
     worst = max(res["growth"].items(), key=lambda kv: kv[1])
     t.append(("soak: no series grows > 5% after warm-up; drained at the end", not res["failures"],
               f"{res['minutes']:g} min, worst {worst[0]} {100 * worst[1]:+.1f}%, end {res['end']}"))
@@ -788,7 +792,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--llama-python", default=None, help="a python for llama.cpp's GGUF conversion")
     ap.add_argument("--avx2-peers", action="store_true",
                     help="also run the CPU peers with every engine held to AVX2 (needs llama.cpp's build-avx2)")
-    ap.add_argument("--soak-minutes", type=float, default=30.0, help="the soak section's length")
+    ap.add_argument("--soak-minutes", type=float, default=30.0,
+                    help="the soak section's length (0: the stored run of benchmarks/results/soak.json)")
     ap.add_argument("--only", choices=sorted(SECTIONS), default=None,
                     help="re-run one section and splice it into the existing --out file")
     args = ap.parse_args(argv)

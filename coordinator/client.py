@@ -7,6 +7,7 @@ the async client multiplexes many requests over one socket by id.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import os
 import uuid
@@ -159,6 +160,10 @@ class AsyncClient:
         _secure(self.sock, curve_server_key)
         self.sock.connect(address)
         self._queues: dict[Any, asyncio.Queue] = {}
+        # generate requests in flight, and how many per end client (the gateway sheds on these
+        # before a coordinator round trip)
+        self._owners: dict[Any, str | None] = {}
+        self.per_client: collections.Counter = collections.Counter()
         self._reader: asyncio.Task | None = None
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
@@ -177,8 +182,24 @@ class AsyncClient:
             self._reader = asyncio.get_running_loop().create_task(self._read())
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
+        if msg.get("type") == "generate":
+            self._owners[rid] = msg.get("client")
+            self.per_client[msg.get("client")] += 1
         await self._send(msg)
         return q
+
+    def _close(self, rid: Any) -> None:
+        self._queues.pop(rid, None)
+        if rid in self._owners:
+            owner = self._owners.pop(rid)
+            self.per_client[owner] -= 1
+            if self.per_client[owner] <= 0:
+                del self.per_client[owner]
+
+    @property
+    def in_flight(self) -> int:
+        """generate requests sent and not yet done."""
+        return len(self._owners)
 
     async def _send(self, msg: dict) -> None:
         if self.token is not None:
@@ -202,7 +223,7 @@ class AsyncClient:
                 if reply["type"] == "done":
                     return
         finally:
-            self._queues.pop(rid, None)
+            self._close(rid)
 
     async def generate(self, prompt: str | list[int], request_id: str | None = None, **params: Any) -> dict:
         rid = request_id or self.new_id()
@@ -225,7 +246,7 @@ class AsyncClient:
         try:
             reply = await q.get()
         finally:
-            self._queues.pop(rid, None)
+            self._close(rid)
         if reply["type"] == "error":
             raise ServerError(reply)
         return reply

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import logging
+import time
 
 import anyio
 from fastapi import FastAPI, Request
@@ -23,7 +24,7 @@ from fusedserve.coordinator.client import ServerError
 from fusedserve.coordinator.openai import chat_output, event_stream
 from fusedserve.coordinator.openai import protocol as oa
 from fusedserve.coordinator.openai import response_fields as rf
-from fusedserve.coordinator.openai.gateway import Gateway
+from fusedserve.coordinator.openai.gateway import HEALTH_STALE_S, Gateway
 from fusedserve.coordinator.openai.pooling_api import add_pooling_routes
 from fusedserve.coordinator.openai.responses_api import add_responses_routes
 from fusedserve.coordinator.sampling_params import is_kind
@@ -80,10 +81,15 @@ def build_app(gw: Gateway) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        try:
-            h = await asyncio.wait_for(gw.client.health(), 5)
-        except (TimeoutError, ServerError):
-            return JSONResponse({"ok": False}, status_code=503)
+        """The coordinator's health as the gateway's watcher last heard it (at most HEALTH_STALE_S
+        old): answered at once, however busy the coordinator is; asked directly before the first."""
+        if gw.health is not None and time.monotonic() - gw.health[0] < HEALTH_STALE_S:
+            h = gw.health[1]
+        else:
+            try:
+                h = await asyncio.wait_for(gw.client.health(), HEALTH_STALE_S)
+            except (TimeoutError, ServerError):
+                return JSONResponse({"ok": False}, status_code=503)
         body = {"ok": h["ok"], "workers": h["workers"], "starting": h["starting"]}
         return JSONResponse(body, status_code=200 if h["ok"] else 503)
 
@@ -164,6 +170,7 @@ def build_app(gw: Gateway) -> FastAPI:
 
     async def as_completion(request: Request, body: dict) -> Response:
         gw.need_task(None, "/v1/completions")
+        gw.shed(request, _choices(body))
         # Tokenizing (and, for chat, rendering the template) runs on a thread: never on this loop.
         prep = await anyio.to_thread.run_sync(oa.completion_request, body, gw.tokenizer, 16,
                                               gw.max_prompt_chars, gw.defaults)
@@ -179,6 +186,7 @@ def build_app(gw: Gateway) -> FastAPI:
 
     async def as_chat(request: Request, body: dict) -> Response:
         gw.need_task(None, "/v1/chat/completions")
+        gw.shed(request, _choices(body))
         return await _run(gw, request, await prepare_chat(request, body), chat=True)
 
     @app.post("/v1/completions")
@@ -208,6 +216,12 @@ def build_app(gw: Gateway) -> FastAPI:
     add_responses_routes(app, gw, _read_body, prepare_chat,
                          lambda request, prep: _complete(gw, request, prep, True))
     return app
+
+
+def _choices(body: dict) -> int:
+    """The requests a body will send (its ``n``; a bad one is refused later, by field)."""
+    n = body.get("n")
+    return n if is_kind(n, int) and 1 <= n <= 64 else 1
 
 
 async def _run(gw: Gateway, request: Request, prep: oa.Prepared, chat: bool) -> Response:

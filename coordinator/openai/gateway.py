@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import hmac
 import logging
+import time
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from fastapi import Request
 
-from fusedserve.coordinator.client import MAX_CLIENT_CHARS, AsyncClient
+from fusedserve.coordinator.client import MAX_CLIENT_CHARS, AsyncClient, ServerError
 from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
 from fusedserve.coordinator.openai import protocol as oa
 from fusedserve.coordinator.openai.chat_template import ChatTemplate
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
     from fusedserve.coordinator.server.server import Server
 
 log = logging.getLogger(__name__)
+HEALTH_STALE_S = 2.0  # /health answers from the watcher's last reply while it is younger than this
 # --enable-log-requests: one INFO line per request, whatever FUSEDSERVE_LOG says of the rest.
 REQUEST_LOG = logging.getLogger("fusedserve.requests")
 
@@ -47,6 +50,10 @@ class GatewayConfig:
     # A pooling model's task (embed, score) and floats per pooled row; None: the model generates.
     pooling_task: str | None = None
     pooled_width: int = 0
+    # The coordinator's caps (--max-queued-requests, --max-requests-per-client): the gateway refuses
+    # what would pass them at once, before tokenizing, instead of after a round trip.
+    max_inflight: int = 4096
+    max_requests_per_client: int = 256
 
     @classmethod
     def for_server(cls, server: Server, http: HttpConfig | None = None, **settings: object) -> GatewayConfig:
@@ -61,6 +68,8 @@ class GatewayConfig:
         settings.setdefault("defaults", generation_defaults(server.model_dir, http.generation_config))
         settings.setdefault("max_prompt_chars", server.server_config.limits.max_prompt_chars)
         settings.setdefault("token", server.server_config.auth_token)
+        settings.setdefault("max_inflight", server.server_config.limits.max_queued_requests)
+        settings.setdefault("max_requests_per_client", server.server_config.limits.max_requests_per_client)
         engine = server.engine_config
         if engine.pooling:
             settings.setdefault("pooling_task", engine.model.pooling_task)
@@ -90,6 +99,7 @@ class Gateway:
         self.bearer = http.api_key or config.token  # what every /v1 request must carry, if any
         self.metrics = Metrics(self.model_name, config.max_model_len)
         self.client: AsyncClient | None = None
+        self.health: tuple[float, dict] | None = None  # (monotonic time, the coordinator's health reply)
         # Qwen3's <think> split and its tool calls: on where the chat template speaks them, in the
         # format it renders (Qwen3-Coder's and Qwen3.5's templates write <function=...> XML).
         source = self.template.source if self.template is not None else ""
@@ -103,6 +113,34 @@ class Gateway:
         self.log_requests = http.enable_log_requests
         if self.log_requests:
             REQUEST_LOG.setLevel(logging.INFO)
+
+    def shed(self, request: Request, n: int = 1) -> None:
+        """A 429 at once where ``n`` more requests would pass the server's or this client's cap on
+        requests in flight (the coordinator would refuse them too, but only after the request was
+        read, rendered, tokenized and had waited its turn on the coordinator's loop)."""
+        c = self.client
+        if c is None:
+            return
+        if c.in_flight + n > self.config.max_inflight:
+            reason, why = "server_busy", f"{c.in_flight} requests in flight; retry later"
+        elif c.per_client[end_client(request)] + n > self.config.max_requests_per_client:
+            reason = "too_many_requests"
+            why = (f"this client has {self.config.max_requests_per_client} requests in flight "
+                   "(max_requests_per_client); wait for one to finish")
+        else:
+            return
+        self.metrics.shed.labels(self.model_name, reason).inc()
+        raise oa.ApiError(429, why, code=reason)
+
+    async def watch_health(self, every_s: float = 0.25) -> None:
+        """Keep the coordinator's health fresh, so that ``/health`` answers from here at once however
+        busy the coordinator's loop is (a stale answer, over ``HEALTH_STALE_S``, reads as down)."""
+        while True:
+            try:
+                self.health = (time.monotonic(), await asyncio.wait_for(self.client.health(), 5))
+            except (TimeoutError, ServerError):
+                pass
+            await asyncio.sleep(every_s)
 
     def need_task(self, task: str | None, endpoint: str) -> None:
         """A 400 where the model does not serve ``endpoint`` (``task``: embed, score, or None for

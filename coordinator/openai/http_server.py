@@ -39,9 +39,11 @@ class HttpServer:
     async def _serve(self) -> None:
         self.gw.client = AsyncClient(self.gw.coordinator, token=self.gw.token,
                                      curve_server_key=self.gw.curve_server_key)
+        health = asyncio.get_running_loop().create_task(self.gw.watch_health())
         try:
             await self.server.serve()
         finally:
+            health.cancel()
             self.gw.client.close()
 
     def start(self, timeout_s: float = 30.0) -> None:

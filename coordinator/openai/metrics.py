@@ -175,6 +175,11 @@ class Metrics:
         # (every bad input has its own 4xx). The fuzz tests require it to stay 0.
         self.internal_errors = Counter(PREFIX + "http_internal_errors", "Requests answered by the gateway's "
                                        "generic 500 handler", label, registry=r).labels(model_name)
+        # Requests the gateway refused at once, before tokenizing, because the server or the client
+        # had its most in flight (a 429 each): what an overload sheds.
+        self.shed = Counter(PREFIX + "requests_shed", "Requests refused at the gateway with 429 under load",
+                            ["model_name", "reason"], registry=r)
+        self._model = model_name
         self._stats = _StatsCollector(model_name)
         r.register(self._stats)
 

@@ -105,6 +105,7 @@ def add_pooling_routes(app: FastAPI, gw: Gateway, read_body: Callable[[Request],
         gw.check_auth(request)
         body = await read_body(request)
         gw.need_task("embed", endpoint)
+        gw.shed(request)
         model = _model(gw, body)
         req = pp.embedding_request(body, gw.config.pooled_width)
         ids = await anyio.to_thread.run_sync(_encode, gw, req.inputs)

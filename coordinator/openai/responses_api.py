@@ -52,6 +52,7 @@ def add_responses_routes(app: FastAPI, gw: Gateway, read_body: ReadBody, prepare
         gw.check_auth(request)
         body = await read_body(request)
         gw.need_task(None, "/v1/responses")
+        gw.shed(request)
         history: list[dict] = []
         previous = body.get("previous_response_id")
         if previous is not None:
