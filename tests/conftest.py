@@ -96,7 +96,7 @@ SLOW_MODULES = frozenset({
     "test_tensor_parallel",  # model/
     "test_ray_cluster", "test_network_exposure", "test_multinode", "test_worker_faults",  # server/
     "test_tensor_parallel_serving",
-    "test_real_use",  # http/
+    "test_real_use", "test_overload",  # http/
     "test_deploy", "test_cli", "test_soak",  # deploy/
 })
 
