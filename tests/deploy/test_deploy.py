@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -120,7 +121,7 @@ def test_draining_a_worker_that_holds_running_requests_drops_none(ray_session):
 
 @pytest.mark.skipif(shutil.which("ray", path=str(Path(sys.executable).parent)) is None,
                     reason="the ray CLI is not installed beside this python")
-def test_ray_job_submit_serves_and_job_stop_cleans_up(tmp_path):
+def test_ray_job_submit_serves_stops_clean_restarts_and_fails_visibly(tmp_path):
     bindir = Path(sys.executable).parent
     # A SIGTERM grace far beyond what a stop takes on any machine (about 0.5 s measured here, with
     # `exec`): a force-kill then means the job ignored SIGTERM, not that this machine was slow.
@@ -188,5 +189,32 @@ def test_ray_job_submit_serves_and_job_stop_cleans_up(tmp_path):
         wait_for(lambda: "terminated gracefully" in log.read_text(errors="replace")
                  or "force-killed" in log.read_text(errors="replace"), 30, "the job's stop to be logged")
         assert "force-killed" not in log.read_text(errors="replace")
+        # Restarted on the same ports, it serves again; its coordinator killed, the job fails visibly
+        # and nothing of it stays.
+        out = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=180)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+        job_id = next(w.strip("'\"") for w in out.stdout.split() if w.strip("'\"").startswith("raysubmit_"))
+        with Client(f"tcp://127.0.0.1:{port}", timeout_s=5) as c:
+            wait_for(up, 150, "the restarted job's server on the same port", every_s=0.1)
+            assert c.generate("The capital of France is", max_tokens=12, ignore_eos=True)["token_ids"] \
+                == want[0].token_ids
+            os.kill(c.stats()["coordinator"]["pid"], signal.SIGKILL)
+
+        def status() -> str:
+            res = subprocess.run([ray_bin, "job", "status", "--address", address, job_id], env=env,
+                                 capture_output=True, text=True, timeout=60)
+            return res.stdout + res.stderr
+
+        last: list[str] = [""]
+
+        def failed() -> bool:
+            last[0] = status()
+            return f"Job '{job_id}' failed" in last[0]  # `ray job status` of a FAILED job
+
+        try:
+            wait_for(failed, 60, "the job to fail visibly after its coordinator was killed")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; ray job status: {last[0][-1500:]}") from None
+        wait_for(clean, 60, "nothing of the job left after its coordinator was killed", every_s=0.2)
     finally:
         stop_head(temp_dir, grace_s=10)  # not `ray stop`: that would also end this session's own cluster
