@@ -76,3 +76,23 @@ def write_classifier_model(out: Path, seed: int = 2) -> Path:
     model.save_pretrained(out)
     _tokenizer(out, append_eos=False)
     return out
+
+
+def reference_scores(path: Path | str, query: str, docs: list[str],
+                     instruction: str | None = None) -> list[float]:
+    """Qwen3-Reranker's card with transformers: P(yes) from the yes/no logits at the last position
+    of each pair's prompt."""
+    from transformers import Qwen3ForCausalLM
+
+    from fusedserve.coordinator.model_files import reranker_prompt
+    from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
+
+    tok = TextTokenizer.from_dir(path)
+    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    no, yes = tok.token_id("no"), tok.token_id("yes")
+    out = []
+    with torch.no_grad():
+        for d in docs:
+            logits = model(torch.tensor([reranker_prompt.pair_ids(tok, query, d, instruction)])).logits[0, -1]
+            out.append(float(torch.log_softmax(torch.stack([logits[no], logits[yes]]), 0)[1].exp()))
+    return out

@@ -14,7 +14,12 @@ import torch
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.model_files import reranker_prompt
 from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
-from tests.pooling_models import write_classifier_model, write_embedding_model, write_reranker_model
+from tests.pooling_models import (
+    reference_scores,
+    write_classifier_model,
+    write_embedding_model,
+    write_reranker_model,
+)
 
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog " * 8, "a", "tea or coffee",
          "one two three four five six seven eight nine ten " * 3, "zebra", "rain in spain falls mainly",
@@ -77,17 +82,10 @@ def test_bf16_embeddings_are_no_worse_than_transformers_bf16(models):
 
 
 def test_reranker_scores_equal_the_cards_yes_no_formula(models):
-    from transformers import Qwen3ForCausalLM
-
     path = models["rerank"]
     tok = TextTokenizer.from_dir(path)
-    lm = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     no, yes = tok.token_id("no"), tok.token_id("yes")
-    ref = []
-    with torch.no_grad():
-        for d in DOCS:
-            logits = lm(torch.tensor([reranker_prompt.pair_ids(tok, QUERY, d, "Find animals")])).logits[0, -1]
-            ref.append(float(torch.log_softmax(torch.stack([logits[no], logits[yes]]), 0)[1].exp()))
+    ref = reference_scores(path, QUERY, DOCS, "Find animals")
     with LLMEngine(path, dtype="float32", max_batch=4) as eng:
         assert eng.config.model.score_tokens == (no, yes)
         got = [o.value for o in eng.score(QUERY, DOCS, instruction="Find animals")]

@@ -14,10 +14,9 @@ import pytest
 import torch
 
 from fusedserve.coordinator.client import Client, ServerError
-from fusedserve.coordinator.model_files import reranker_prompt
 from fusedserve.coordinator.model_files.tokenizer import TextTokenizer
 from fusedserve.coordinator.server.server import Server
-from tests.pooling_models import write_embedding_model, write_reranker_model
+from tests.pooling_models import reference_scores, write_embedding_model, write_reranker_model
 from tests.support import running_server, serving_http
 
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog " * 6, "a",
@@ -121,24 +120,8 @@ def test_bad_embedding_inputs_are_coded_400s_and_lose_nothing(embed_server, body
         assert wrong.status_code == 400 and wrong.json()["error"]["code"] == "wrong_task"
 
 
-def _reference_scores(path: str, query: str, docs: list[str]) -> list[float]:
-    """Qwen3-Reranker's card: P(yes) from the yes/no logits at the prompt's last position."""
-    from transformers import Qwen3ForCausalLM
-
-    tok = TextTokenizer.from_dir(path)
-    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    no, yes = tok.token_id("no"), tok.token_id("yes")
-    out = []
-    with torch.no_grad():
-        for d in docs:
-            logits = model(torch.tensor([reranker_prompt.pair_ids(tok, query, d)])).logits[0, -1]
-            pair = torch.log_softmax(torch.stack([logits[no], logits[yes]]), 0)
-            out.append(float(pair[1].exp()))
-    return out
-
-
 def test_rerank_and_score_equal_the_yes_no_formula(rerank_server, rerank_path):
-    ref = _reference_scores(rerank_path, QUERY, DOCS)
+    ref = reference_scores(rerank_path, QUERY, DOCS)
     with httpx.Client(base_url=rerank_server, timeout=60) as c:
         s = c.post("/score", json={"text_1": QUERY, "text_2": DOCS}).json()
         assert np.allclose([d["score"] for d in s["data"]], ref, atol=1e-5)
