@@ -11,6 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The step socket's ZMTP heartbeats, on both ends: a peer silent this long (a host that vanished, a
+# link that dropped) is gone, and since the coordinator never reconnects to a worker's endpoint, a
+# worker whose coordinator connection is gone retires itself.
+HEARTBEAT_IVL_MS = 200
+HEARTBEAT_TIMEOUT_MS = 600
+
 
 def launch_kind(num_decode: int, rows: int) -> str:
     """``decode`` (decode rows only), ``prefill`` (prompt chunks only) or ``mixed``."""
@@ -38,6 +44,9 @@ class LaunchDescriptor:
     sampling: list[str] = field(default_factory=list)
     # Each speculating request's (first row, rows): a hybrid model runs their rows in order.
     spec_groups: list[list[int]] = field(default_factory=list)
+    # The worker incarnation it is for (set by the step socket's executor): a reply echoes it and
+    # ``step``, and the coordinator accepts none from an incarnation it has replaced.
+    epoch: int = 0
 
     @property
     def kind(self) -> str:
@@ -47,13 +56,15 @@ class LaunchDescriptor:
     def to_wire(self) -> dict:
         return {"dims": self.dims, "step": self.step, "num_decode": self.num_decode,
                 "prompt_query_lens": self.prompt_query_lens, "prompt_seq_lens": self.prompt_seq_lens,
-                "sampling": self.sampling, "bank": self.bank, "spec_groups": self.spec_groups}
+                "sampling": self.sampling, "bank": self.bank, "spec_groups": self.spec_groups,
+                "epoch": self.epoch}
 
     @classmethod
     def from_wire(cls, d: dict) -> LaunchDescriptor:
         return cls(dict(d["dims"]), d["step"], d.get("bank", 0), d.get("num_decode", 0),
                    list(d.get("prompt_query_lens", [])), list(d.get("prompt_seq_lens", [])),
-                   list(d.get("sampling", [])), [list(g) for g in d.get("spec_groups", [])])
+                   list(d.get("sampling", [])), [list(g) for g in d.get("spec_groups", [])],
+                   d.get("epoch", 0))
 
 
 @dataclass
@@ -73,6 +84,8 @@ class LaunchReply:
     # Of that gap, the time it waited for this launch's descriptor to arrive (for the
     # coordinator); the rest is the worker's own reply and decode. In-process: all of it.
     wait: float = 0.0
+    epoch: int = 0  # the descriptor's, echoed: which incarnation and launch this answers
+    step: int = -1
 
     @classmethod
     def failed(cls, exc: BaseException) -> LaunchReply:
@@ -80,7 +93,7 @@ class LaunchReply:
 
     def to_wire(self) -> dict:
         msg = {"ok": self.ok, "h2d": self.h2d, "d2h": self.d2h, "seconds": self.seconds, "idle": self.idle,
-               "wait": self.wait}
+               "wait": self.wait, "epoch": self.epoch, "step": self.step}
         if self.error:
             msg["error"] = self.error
         if self.outputs is not None:
@@ -91,4 +104,4 @@ class LaunchReply:
     def from_wire(cls, d: dict) -> LaunchReply:
         return cls(bool(d.get("ok")), d.get("h2d", 0), d.get("d2h", 0), d.get("seconds", 0.0),
                    d.get("error", "" if d.get("ok") else "launch failed"), d.get("outputs"),
-                   d.get("idle", 0.0), d.get("wait", 0.0))
+                   d.get("idle", 0.0), d.get("wait", 0.0), d.get("epoch", 0), d.get("step", -1))

@@ -25,7 +25,7 @@ from fusedserve.coordinator.engine.step_outputs import StepOutputs
 from fusedserve.coordinator.sampling_params import SamplingParams
 from fusedserve.coordinator.server.config import ServerConfig
 from fusedserve.coordinator.server.server import Server
-from fusedserve.shared_memory.arena import HostArena
+from fusedserve.shared_memory.arena import HostArena, pid_alive
 from fusedserve.shared_memory.contract import LaunchDescriptor, LaunchReply
 
 if TYPE_CHECKING:
@@ -218,3 +218,26 @@ def stream_requests(address: str, prompts: list, params: list[dict]) -> Streams:
     for t in streams.threads:
         t.start()
     return streams
+
+
+def assert_streams_exact(streams: Streams, want: list[list[int]]) -> None:
+    """Every stream ended once, with no token repeated or skipped, equal to ``want`` (the offline
+    engine's): what a fault test asks of the requests that lived through it."""
+    streams.join()
+    assert not streams.errors, streams.errors
+    for i, frames in streams.frames.items():
+        tokens = [f for f in frames if f["type"] == "token"]
+        dones = [f for f in frames if f["type"] == "done"]
+        assert len(dones) == 1 and frames[-1] is dones[0], f"request {i} finished exactly once"
+        assert [f["index"] for f in tokens] == list(range(len(tokens))), f"request {i}: no repeats"
+        assert [f["token"] for f in tokens] == dones[0]["token_ids"] == want[i], f"request {i}"
+
+
+def exits_within(pid: int, seconds: float) -> bool:
+    """Whether process ``pid`` is gone within ``seconds``."""
+    deadline = time.time() + seconds
+    while pid_alive(pid):
+        if time.time() > deadline:
+            return False
+        time.sleep(0.05)
+    return True

@@ -5,6 +5,11 @@ descriptors arrive on a ZeroMQ PAIR socket served by a thread of the actor, sinc
 Ray call costs milliseconds against a step of tens of milliseconds. Under tensor parallelism a
 worker is a group of these actors, one per device (``worker/tensor_group.py``): rank 0 owns the
 step socket and relays each launch to the others, which follow it.
+
+A worker is one incarnation (its ``epoch``): the coordinator connects to its endpoint once and
+never again, so once that connection is gone (the coordinator closed it on replacing this worker,
+or its heartbeats stopped: the coordinator died or the link dropped) the worker retires itself
+rather than wait for a kill that a lost link may never deliver.
 """
 
 from __future__ import annotations
@@ -18,10 +23,16 @@ import msgpack
 import ray
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from fusedserve.shared_memory import transport
 from fusedserve.shared_memory.arena import HostArena
-from fusedserve.shared_memory.contract import LaunchDescriptor, LaunchReply
+from fusedserve.shared_memory.contract import (
+    HEARTBEAT_IVL_MS,
+    HEARTBEAT_TIMEOUT_MS,
+    LaunchDescriptor,
+    LaunchReply,
+)
 from fusedserve.shared_memory.engine_config import EngineConfig
 from fusedserve.shared_memory.slots import step_table
 from fusedserve.worker.device import torch_device
@@ -40,9 +51,13 @@ class WorkerActor:
     """One device: weights, KV cache, scratch pool; executes launches on request."""
 
     def __init__(self, worker_id: str, device_kind: str = "cpu", threads: int = 0,
-                 cores: list[int] | None = None):
-        """``threads``: torch's (0: its default); ``cores``: the CPUs this rank runs on, its own."""
+                 cores: list[int] | None = None, epoch: int = 0, heartbeat_timeout_ms: int = 0):
+        """``threads``: torch's (0: its default); ``cores``: the CPUs this rank runs on, its own;
+        ``epoch``: this incarnation's number; ``heartbeat_timeout_ms``: how long a silent
+        coordinator connection lives (0: ``contract.HEARTBEAT_TIMEOUT_MS``)."""
         self.worker_id = worker_id
+        self.epoch = epoch
+        self.heartbeat_timeout_ms = heartbeat_timeout_ms or HEARTBEAT_TIMEOUT_MS
         self.device_kind = device_kind
         if cores and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, cores)
@@ -109,6 +124,8 @@ class WorkerActor:
             return info
         sock = self._ctx.socket(zmq.PAIR)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, min(HEARTBEAT_IVL_MS, self.heartbeat_timeout_ms // 3))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat_timeout_ms)
         port = sock.bind_to_random_port(f"tcp://{host}")
         self._thread = threading.Thread(target=self._serve, args=(sock,), daemon=True,
                                         name=f"steps-{self.worker_id}")
@@ -116,19 +133,32 @@ class WorkerActor:
         return {"endpoint": f"tcp://{host}:{port}", **info}
 
     def _serve(self, sock: zmq.Socket) -> None:
+        coordinator = CoordinatorLink(sock)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        poller.register(coordinator.monitor, zmq.POLLIN)
         sent: float | None = None  # when the previous reply went out
         while not self._stop.is_set():
-            if not poller.poll(100):
+            ready = dict(poller.poll(100))
+            if coordinator.monitor in ready and coordinator.gone():
+                self._retire("its coordinator's connection closed or stopped answering heartbeats")
+            if sock not in ready:
                 continue
             raw = sock.recv()
             waited = time.perf_counter() - sent if sent is not None else 0.0
+            msg = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+            if msg.get("epoch", 0) != self.epoch:  # not for this incarnation: nobody to answer
+                log.warning("%s: dropped a launch for incarnation %s", self.worker_id, msg.get("epoch"))
+                continue
             if self.group is not None:
                 self._relay(raw)
-            reply = self._execute(msgpack.unpackb(raw, raw=False, strict_map_key=False))
+            reply = self._execute(msg)
             reply.wait = waited  # blocked on the coordinator: nothing queued behind the last launch
-            sock.send(msgpack.packb(reply.to_wire()))
+            reply.epoch, reply.step = self.epoch, msg.get("step", -1)
+            try:
+                sock.send(msgpack.packb(reply.to_wire()), zmq.NOBLOCK)
+            except zmq.Again:  # PAIR without its peer: the coordinator is gone
+                self._retire("its coordinator left while a launch ran")
             sent = time.perf_counter()
             if self.group is not None and not reply.ok:
                 # The other ranks may have stopped at another collective, or none: their next
@@ -145,6 +175,8 @@ class WorkerActor:
             if raw is None:
                 continue
             if raw == STOP:
+                if not self._stop.is_set():  # rank 0 left without a stop call here: so does this rank
+                    self._retire("rank 0 of its group stopped")
                 break
             reply = self._execute(msgpack.unpackb(raw, raw=False, strict_map_key=False))
             if not reply.ok:  # out of step with the group from here on (see _serve)
@@ -172,6 +204,21 @@ class WorkerActor:
             log.exception("launch failed")
             return LaunchReply.failed(exc)
 
+    def _retire(self, why: str) -> None:
+        """Leave the process: its coordinator will never reach this incarnation again. The other
+        ranks of a group are told to stop; banks this worker created are unlinked."""
+        log.error("%s (incarnation %d): %s; retiring", self.worker_id, self.epoch, why)
+        self._stop.set()
+        if self.group is not None:
+            try:
+                self.group.relay(STOP)
+            except GroupBroken:
+                pass
+        for arena in self.arenas:
+            arena.close()
+        logging.shutdown()
+        os._exit(0)
+
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
@@ -190,6 +237,24 @@ class WorkerActor:
         for arena in self.arenas:
             arena.close()
         self.arenas = []
+
+
+class CoordinatorLink:
+    """Watches a bound step socket for the end of the coordinator's one connection (the first
+    one accepted; a stray connection's end does not count)."""
+
+    def __init__(self, sock: zmq.Socket):
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.fd: int | None = None
+
+    def gone(self) -> bool:
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            if event["event"] == zmq.EVENT_ACCEPTED and self.fd is None:
+                self.fd = event["value"]
+            elif event["event"] == zmq.EVENT_DISCONNECTED and event["value"] == self.fd:
+                return True
+        return False
 
 
 def _leave_group(exc: GroupBroken) -> None:

@@ -61,6 +61,11 @@ class ServerConfig:
         flag="--zmq-host")
     port: int = setting(5557, "the ZeroMQ front end's port (0: a free one)", flag="--zmq-port")
     step_timeout_s: float = setting(60.0, "a launch running longer means a hung worker: it is replaced")
+    heartbeat_timeout_s: float = setting(
+        0.6,
+        "a worker (or its coordinator) silent this long on the step socket is gone: the coordinator re-runs "
+        "its requests elsewhere, and the worker retires itself (raise it on a network with long stalls)",
+        flag="--worker-heartbeat-timeout")
     transport: str = setting(
         "auto",
         "auto: shared memory for workers on this node, serializing for others; serial forces the "
@@ -105,6 +110,9 @@ class ServerConfig:
         self.routing.check()
         self.limits.check()
         check_quantization(self.engine.model.quantization)
+        if not 0.01 <= self.heartbeat_timeout_s <= 3600:
+            raise ValueError(f"--worker-heartbeat-timeout must be in [0.01, 3600] s, "
+                             f"got {self.heartbeat_timeout_s}")
         if self.transport not in ("auto", "serial"):
             raise ValueError(f"transport must be auto or serial, got {self.transport!r}")
         if self.auth_token is not None and len(self.auth_token) < MIN_TOKEN_CHARS:

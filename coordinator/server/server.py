@@ -85,7 +85,7 @@ class Server:
         cfg.check()
         remove_stale()
         pcfg = PoolConfig(self.engine_config, self.device, cfg.transport == "serial", cfg.step_timeout_s,
-                          cfg.max_restarts)
+                          cfg.max_restarts, heartbeat_timeout_ms=round(cfg.heartbeat_timeout_s * 1000))
         self.pool = WorkerPool(self.ctx, pcfg, self.model_config, self._new_core)
         self.router = Router(self.pool, self.requests, RoutingPolicy(cfg.routing))
         workers = self.engine_config.parallel.workers

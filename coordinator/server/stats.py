@@ -86,5 +86,6 @@ def server_stats(counters: ServerCounters, faults: FaultCounters, requests: Requ
                         "orphans": len(router.orphans), "owed_frames": fe.owed,
                         "rss_bytes": rss_bytes(), "pid": os.getpid(), "grammar_cache": grammar_cache},
         "faults": {**asdict(faults), "client_disconnects": fe.disconnects,
+                   "fenced": pool.retired_fenced + sum(w.executor.fenced for w in workers),
                    "worker_failures": [asdict(f) for f in pool.failures]},
     }

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 import pytest
 
@@ -23,7 +24,7 @@ from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.sampling_params import SamplingParams
 from fusedserve.coordinator.server.ray_cluster import free_port, free_ports, stop_head
 from tests.serve_proc import ServeProcess
-from tests.support import wait_for
+from tests.support import assert_streams_exact, exits_within, stream_requests, wait_for
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"),
@@ -98,6 +99,10 @@ class TwoNodes:
             except ProcessLookupError:
                 pass
 
+    def link(self, up: bool) -> None:
+        """The second host's network link (not its processes): down drops every packet both ways."""
+        _sh("ip", "link", "set", self.veth + "a", "up" if up else "down")
+
     def stop(self) -> None:
         self.kill_node()
         if self.node is not None:
@@ -162,3 +167,72 @@ def test_a_remote_node_serves_serially_and_losing_it_loses_nothing(nodes, tmp_pa
     finally:
         srv.stop()
     wait_for(lambda: not nodes.node_pids(), 30, "the lost node's processes to be gone")
+
+
+def _time_to_move(c: Client, t_drop: float, seconds: float) -> float | None:
+    """Seconds from the drop until the coordinator gave up on a worker (None: not within ``seconds``)."""
+    deadline = t_drop + seconds
+    while time.time() < deadline:
+        failures = c.stats()["faults"]["worker_failures"]
+        if failures:
+            return failures[0]["at"] - t_drop
+        time.sleep(0.05)
+    return None
+
+
+# The negative control: a heartbeat bound longer than the outage, and the checks fire (nothing moves
+# within the bound, the stale worker lives on).
+LINK = [("0.6", True), ("30", False)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("heartbeat_s,moves", LINK, ids=["heartbeat-0.6s", "negative-control-30s"])
+def test_a_link_lost_for_ten_seconds_moves_its_requests_and_retires_the_stale_worker(tmp_path, heartbeat_s,
+                                                                                    moves):
+    """The second node's link (not its processes) drops for 10 s under load: its requests re-run on
+    the first node within the heartbeat bound and finish exactly, each token delivered once; the
+    stale worker retires itself while still cut off (so nothing it held can come back), and once
+    the link is back a new incarnation joins there and serves."""
+    prompts = [f"Link {i}: the module provides" for i in range(8)]
+    params = [{"max_tokens": 160, "temperature": 0.8, "seed": i, "ignore_eos": True} for i in range(8)]
+    greedy_params = [{"max_tokens": 32}] * len(prompts)
+    with LLMEngine("default", dtype="float32", max_batch=8, num_blocks=128) as eng:
+        want = [o.token_ids for o in eng.generate(prompts, [SamplingParams(**p) for p in params])]
+        greedy = [o.token_ids for o in eng.generate(prompts, SamplingParams(max_tokens=32))]
+    nodes = TwoNodes(1)
+    srv = None
+    try:
+        nodes.start()
+        srv = ServeProcess.start(tmp_path / "serve.log", *ARGS, "--ray-address", nodes.address,
+                                 "--worker-heartbeat-timeout", heartbeat_s, join_session=False)
+        with Client(srv.address, timeout_s=120) as c:
+            remote = next(w for w in c.workers() if w["transport"] == "serial")
+            streams = stream_requests(srv.address, prompts, params)
+            for _ in prompts:
+                assert streams.progressed.acquire(timeout=120), "every stream has 4 tokens before the drop"
+            t_drop = time.time()
+            nodes.link(False)
+            try:
+                moved_s = _time_to_move(c, t_drop, 3.0)
+                retired = exits_within(remote["pid"], 5.0 - (time.time() - t_drop))
+                print(f"heartbeat bound {heartbeat_s} s: requests moved after {moved_s} s; the cut-off "
+                      f"worker retired itself: {retired}")
+                time.sleep(max(0.0, t_drop + 10 - time.time()))
+            finally:
+                nodes.link(True)
+            assert (moved_s is not None) == moves and retired == moves
+            assert_streams_exact(streams, want)
+
+            def rejoined() -> bool:
+                ws = c.workers()
+                return len(ws) == 2 and any(w["node_id"] == remote["node_id"] for w in ws)
+            wait_for(rejoined, 120, "a worker on the second node again", every_s=0.5)
+            assert_streams_exact(stream_requests(srv.address, prompts, greedy_params), greedy)
+            stats = c.stats()
+        on_node = [w for w in stats["workers"] if w["transport"] == "serial"]
+        assert on_node and on_node[0]["tokens"] > 0, "the second node's worker serves again"
+        assert (stats["faults"]["reruns"] > 0) == moves and stats["faults"]["fenced"] == 0
+    finally:
+        if srv is not None:
+            srv.stop()
+        nodes.stop()

@@ -1,5 +1,7 @@
 """A worker killed in the middle of decode: noticed, replaced, nothing lost (the time to notice is
-printed, not asserted: it is a figure of the machine, not of correctness)."""
+printed, not asserted: it is a figure of the machine, not of correctness). And the other side of
+the step socket: a coordinator frozen past the heartbeat bound loses its workers (they retire
+themselves), and once it runs again it replaces them and finishes every request exactly."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from fusedserve.coordinator.client import Client
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.sampling_params import SamplingParams
 from fusedserve.shared_memory.arena import list_segments, pid_alive
-from tests.support import running_server, stream_requests, wait_for
+from tests.serve_proc import ServeProcess
+from tests.support import assert_streams_exact, exits_within, running_server, stream_requests, wait_for
 
 RC = dict(max_batch=16, block_size=8, num_blocks=200, sampler_candidates=16)
 N = 10
@@ -38,7 +41,6 @@ FAULTS = [(2, "ray.kill"), (2, "SIGKILL"), (1, "SIGKILL"), (2, "SIGSTOP")]
 def test_worker_killed_mid_decode(ray_session, want, workers, how):
     with running_server(workers=workers, **RC, dtype="float32") as coord:
         streams = stream_requests(coord.address, PROMPTS, PARAMS)
-        frames, errors = streams.frames, streams.errors
         for _ in range(N):
             assert streams.progressed.acquire(timeout=120), "every stream has 4 tokens before the fault"
         victim = coord.workers[0]
@@ -54,14 +56,7 @@ def test_worker_killed_mid_decode(ray_session, want, workers, how):
         print(f"{how}: lost worker noticed after {failure.at - t_kill:.3f} s "
               f"({failure.requests} requests re-run): {failure.reason}")
         assert failure.worker_id == victim.worker_id and failure.requests > 0
-        streams.join()
-        assert not errors, errors
-        for i in range(N):
-            tokens = [f for f in frames[i] if f["type"] == "token"]
-            dones = [f for f in frames[i] if f["type"] == "done"]
-            assert len(dones) == 1 and frames[i][-1] is dones[0], f"request {i} finished exactly once"
-            assert [f["index"] for f in tokens] == list(range(len(tokens))), f"request {i}: no repeats"
-            assert [f["token"] for f in tokens] == dones[0]["token_ids"] == want[i], f"request {i}"
+        assert_streams_exact(streams, want)
         wait_for(lambda: len(coord.pool.active) == workers, 120, "the replacement worker")
         stats = Client(coord.address).stats()
         assert stats["faults"]["reruns"] == failure.requests
@@ -69,3 +64,37 @@ def test_worker_killed_mid_decode(ray_session, want, workers, how):
         assert all(w["kv_blocks_used"] == 0 for w in stats["workers"])
         assert not segments & set(list_segments()), "the lost worker's arena banks are unlinked"
         wait_for(lambda: not pid_alive(pid), 30, "the killed process to be gone")
+
+
+# The negative control: with a heartbeat bound longer than the freeze, the worker never notices.
+FROZEN = [("0.6", True), ("30", False)]
+
+
+@pytest.mark.parametrize("heartbeat_s,retires", FROZEN, ids=["heartbeat-0.6s", "negative-control-30s"])
+def test_a_frozen_coordinator_retires_its_worker_then_recovers_exactly(ray_session, want, tmp_path,
+                                                                      heartbeat_s, retires):
+    args = ("--workers", "1", "--dtype", "float32", "--max-batch", "16", "--block-size", "8",
+            "--num-blocks", "200", "--sampler-candidates", "16", "--worker-heartbeat-timeout", heartbeat_s)
+    srv = ServeProcess.start(tmp_path / "serve.log", *args)
+    try:
+        with Client(srv.address) as c:
+            pid = c.workers()[0]["pid"]
+        streams = stream_requests(srv.address, PROMPTS, PARAMS)
+        for _ in range(N):
+            assert streams.progressed.acquire(timeout=120), "every stream has 4 tokens before the freeze"
+        srv.signal(signal.SIGSTOP)  # a GC pause, a swap storm, or the worker's link: nothing answers
+        t0 = time.time()
+        try:
+            retired = exits_within(pid, 5.0)
+            print(f"heartbeat bound {heartbeat_s} s: worker retired={retired} "
+                  f"after {time.time() - t0:.2f} s of a frozen coordinator")
+        finally:
+            srv.signal(signal.SIGCONT)
+        assert retired == retires
+        assert_streams_exact(streams, want)
+        with Client(srv.address) as c:
+            stats = c.stats()
+        assert (stats["faults"]["reruns"] > 0) == retires, stats["faults"]
+        assert stats["faults"]["fenced"] == 0  # a retired worker sent nothing after its last reply
+    finally:
+        srv.stop()
