@@ -42,7 +42,8 @@ def buckets_1_2_5(limit: int) -> tuple[int, ...]:
         scale *= 10
 
 
-FAULTS = ("reruns", "client_gone", "slow_client", "unauthorized", "request_errors")
+FAULTS = ("reruns", "client_gone", "slow_client", "unauthorized", "request_errors", "queue_timeouts",
+          "fenced")
 
 
 class _StatsCollector:

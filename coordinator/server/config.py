@@ -41,10 +41,17 @@ class Limits:
         "address); more get 429 with Retry-After")
     max_queued_requests: int = setting(
         4096, "requests in flight on the whole server; more get 429 (server_busy)")
+    max_queue_time_s: float = setting(
+        0.0,
+        "seconds a request may wait for its first launch (0: no bound); one that waits longer is refused "
+        "with 429 (server_busy), so an overloaded server's queue holds only what it can start in time",
+        flag="--max-queue-time")
     max_logprobs: int = setting(MAX_TOP_LOGPROBS, f"top logprobs a request may ask for, of its output or its "
                                 f"prompt (at most {MAX_TOP_LOGPROBS}, the device slots' width)")
 
     def check(self) -> None:
+        if self.max_queue_time_s < 0:
+            raise ValueError(f"--max-queue-time must be >= 0 s, got {self.max_queue_time_s}")
         if not 0 <= self.max_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"max_logprobs must be in [0, {MAX_TOP_LOGPROBS}] (the device slots hold "
                              f"{MAX_TOP_LOGPROBS} per row), got {self.max_logprobs}")

@@ -60,6 +60,17 @@ class RequestTable:
                 del self._per_client[req.limit_key]
         return req
 
+    def queued_since(self, cutoff: float) -> list[ClientRequest]:
+        """Requests that arrived before ``cutoff`` (perf_counter) and no launch has taken yet. The
+        table holds them in arrival order, so the walk stops at the first younger one."""
+        old = []
+        for req in self._by_seq.values():
+            if req.t_arrival >= cutoff:
+                break
+            if req.seq.t_scheduled is None:
+                old.append(req)
+        return old
+
     def of_client(self, identity: bytes) -> list[ClientRequest]:
         return [r for r in self._by_seq.values() if r.identity == identity]
 

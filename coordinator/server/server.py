@@ -75,6 +75,7 @@ class Server:
         self.faults = FaultCounters()
         self.address = f"tcp://{cfg.host}:{cfg.port}"
         self._ids = itertools.count()
+        self._next_expiry = 0.0  # when _expire_queued looks again
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -153,6 +154,8 @@ class Server:
             self.router.service_orphans(self._fail)
         if self.compiles is not None and self.compiles.pending:
             self._admit_compiled()
+        if self.server_config.limits.max_queue_time_s:
+            self._expire_queued()
         for w in list(pool.workers):
             while w.core.wants_launch() and self._launch(w):
                 pass  # with async scheduling, a second launch goes out behind the first
@@ -242,6 +245,19 @@ class Server:
                 continue
             entry.seq.grammar = result
             entry.worker = self.router.admit(entry.seq)
+
+    def _expire_queued(self) -> None:
+        """Refuse what waited past ``--max-queue-time`` without a launch taking it (at most every
+        0.1 s): under a burst the queue holds what can start in time, and the rest hear so."""
+        now = time.perf_counter()
+        if now < self._next_expiry:
+            return
+        self._next_expiry = now + 0.1
+        limit = self.server_config.limits.max_queue_time_s
+        for req in self.requests.queued_since(now - limit):
+            self.faults.queue_timeouts += 1
+            self._fail(req.seq.seq_id, "server_busy", f"waited {now - req.t_arrival:.1f} s in the queue "
+                       f"(--max-queue-time {limit:g}); retry later")
 
     def _control(self, identity: bytes, req: ControlRequest) -> None:
         reply: dict

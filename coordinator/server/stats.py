@@ -20,6 +20,7 @@ class FaultCounters:
     slow_client: int = 0  # requests aborted because their client stopped reading
     unauthorized: int = 0  # frames refused for a missing or wrong token
     request_errors: int = 0  # requests failed alone by an exception (admission, sampling, replies)
+    queue_timeouts: int = 0  # requests refused after waiting past --max-queue-time for a launch
 
 
 @dataclass
