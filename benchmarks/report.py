@@ -661,6 +661,38 @@ def soak_section(args: argparse.Namespace, t: list) -> list[str]:
     return soak_lines(res, png.name)
 
 
+OVERLOAD_HEADING = "## Overload"
+OVERLOAD_RESULTS = RESULTS / "overload.json"
+
+
+def overload_section(args: argparse.Namespace, t: list) -> list[str]:
+    """Ten times the served rate for a minute (``overload.py``), or its stored runs."""
+    from fusedserve.benchmarks import overload
+
+    if args.overload_seconds > 0:
+        res = overload.main(["--seconds", str(args.overload_seconds), "--json", str(OVERLOAD_RESULTS)])
+    else:
+        res = json.loads(OVERLOAD_RESULTS.read_text())
+    runs = res["runs"]
+    fails = [f for r in runs for f in r["failures"]]
+    worst = {k: max(r[k]["max"] for r in runs) for k in ("refusal_s", "health_s")}
+    t.append(("overload: 429 at once, admitted in bound, /health < 100 ms", not fails,
+              f"{res['factor']:g}x for {res['seconds']:g} s, {len(runs)} runs: 429 within "
+              f"{1e3 * worst['refusal_s']:.0f} ms, /health within {1e3 * worst['health_s']:.0f} ms"))
+    return [OVERLOAD_HEADING, "", f"Host: {res['machine']}.", "",
+            f"`python -m fusedserve.benchmarks.overload --seconds {res['seconds']:g}`: `fusedserve serve`, one "
+            f"worker, the embedded default model (float32, 8 rows a launch), `--max-queued-requests "
+            f"{res['hold']}` (and per client), `--max-queue-time {res['queue_time_s']:g}`. First what it serves "
+            f"closed-loop (8 clients, 15 s), then {res['factor']:g}x that rate open-loop for {res['seconds']:g} s "
+            f"from one HTTP client: streamed completions of {res['max_tokens']} tokens, `/health` probed every "
+            "100 ms, the serve process's RSS sampled every second. An admitted request's bound is the queue "
+            "bound plus two closed-loop service times. Each run a server of its own:", "",
+            *overload.table(res), "",
+            f"Every refusal carried `Retry-After` and was counted in `/metrics`; checks failed: {fails or 'none'}. "
+            "The same arrivals against a server allowed to queue them all miss the bound "
+            "(`tests/http/test_overload.py`, its negative control)."]
+
+
 CORE_HEADING = "## Decode step (one worker, in-process launch path, greedy, context 128)"
 PEERS_HEADING = "## CPU peers on a Qwen3-0.6B-shaped checkpoint"
 SECTIONS = {"core": (CORE_HEADING, core_section),
@@ -674,7 +706,8 @@ SECTIONS = {"core": (CORE_HEADING, core_section),
             "isa": (ISA_HEADING, isa_section),
             "hybrid": (HYBRID_HEADING, hybrid_section),
             "embeddings": (EMBED_HEADING, embeddings_section),
-            "soak": (SOAK_HEADING, soak_section)}
+            "soak": (SOAK_HEADING, soak_section),
+            "overload": (OVERLOAD_HEADING, overload_section)}
 
 
 def splice(path: Path, heading: str, section: list[str], targets: list) -> None:
@@ -794,6 +827,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="also run the CPU peers with every engine held to AVX2 (needs llama.cpp's build-avx2)")
     ap.add_argument("--soak-minutes", type=float, default=30.0,
                     help="the soak section's length (0: the stored run of benchmarks/results/soak.json)")
+    ap.add_argument("--overload-seconds", type=float, default=60.0,
+                    help="the overload section's length (0: the stored runs of benchmarks/results/overload.json)")
     ap.add_argument("--only", choices=sorted(SECTIONS), default=None,
                     help="re-run one section and splice it into the existing --out file")
     args = ap.parse_args(argv)
@@ -834,6 +869,7 @@ def main(argv: list[str] | None = None) -> None:
     lines += hybrid_section(args, t)
     lines += embeddings_section(args, t)
     lines += soak_section(args, t)
+    lines += overload_section(args, t)
     lines += cuda_section(t)
     lines += ["", "## Targets", "", "| target | met | figure |", "|---|---|---|"]
     lines += [f"| {name} | {'yes' if ok else 'no'} | {fig} |" for name, ok, fig in t]

@@ -62,6 +62,15 @@ def start_server(model: str, workers: int, extra: list[str]) -> tuple[subprocess
     raise RuntimeError("the server did not start")
 
 
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM (the server ends its Ray session), SIGKILL after a minute."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def _proc(pid: int) -> tuple[int, int]:
     """(RSS bytes, open descriptors) of a process; (0, 0) once it is gone."""
     try:
@@ -159,11 +168,7 @@ def run(minutes: float, model: str = "default", workers: int = 2, clients: int =
                    "running": stats["running"], "requests": stats["coordinator"]["pending"],
                    "queue": stats["queue_length"]}
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     bad = [o for o in log.outcomes if not expected(o)]
     kinds: dict[str, int] = {}
     for o in log.outcomes:

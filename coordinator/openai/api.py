@@ -254,10 +254,11 @@ async def _complete(gw: Gateway, request: Request, prep: oa.Prepared, chat: bool
         if not failed:
             gw.metrics.failed("abort")
             return Response(status_code=499)
-        gw.metrics.failed()
         exc = failed[0].exception()
         if isinstance(exc, ServerError):
+            gw.metrics.refused(exc.reply)
             raise oa.ApiError.from_reply(exc.reply) from None
+        gw.metrics.failed()
         raise exc
     dones = [t.result() for t in tasks]
     for done in dones:

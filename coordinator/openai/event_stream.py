@@ -85,7 +85,7 @@ async def stream(gw: Gateway, prep: oa.Prepared, chat: bool) -> AsyncIterator[st
             i, frame = await frames.__anext__()
         except ServerError as exc:
             finished.update(range(len(rids)))
-            gw.metrics.failed()
+            gw.metrics.refused(exc.reply)
             raise oa.ApiError.from_reply(exc.reply) from None
         while True:
             if i not in started:  # a choice's first chunk: the role, or the echoed prompt

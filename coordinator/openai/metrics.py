@@ -176,9 +176,10 @@ class Metrics:
         # (every bad input has its own 4xx). The fuzz tests require it to stay 0.
         self.internal_errors = Counter(PREFIX + "http_internal_errors", "Requests answered by the gateway's "
                                        "generic 500 handler", label, registry=r).labels(model_name)
-        # Requests the gateway refused at once, before tokenizing, because the server or the client
-        # had its most in flight (a 429 each): what an overload sheds.
-        self.shed = Counter(PREFIX + "requests_shed", "Requests refused at the gateway with 429 under load",
+        # Requests refused with a 429 because the server or the client had its most in flight (at once
+        # by the gateway, before tokenizing, or by the coordinator's own caps), or that waited past
+        # --max-queue-time: what an overload sheds.
+        self.shed = Counter(PREFIX + "requests_shed", "Requests refused with 429 under load",
                             ["model_name", "reason"], registry=r)
         self._model = model_name
         self._stats = _StatsCollector(model_name)
@@ -213,6 +214,13 @@ class Metrics:
 
     def failed(self, reason: str = "error") -> None:
         self.requests.labels(self.model_name, reason).inc()
+
+    def refused(self, reply: dict) -> None:
+        """A request the coordinator refused: under load (its own caps, ``--max-queue-time``) it
+        counts as shed, like the gateway's own 429s, which a burst can slip past while tokenizing."""
+        self.failed()
+        if reply.get("code") in ("server_busy", "too_many_requests"):
+            self.shed.labels(self.model_name, reply["code"]).inc()
 
     def render(self, stats: dict | None) -> bytes:
         self._stats.snapshot = stats
