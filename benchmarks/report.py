@@ -628,7 +628,8 @@ def soak_lines(res: dict, png: str) -> list[str]:
              f"`python -m fusedserve.benchmarks.soak --minutes {res['minutes']:g}`: `fusedserve serve` on the "
              f"`{res['model']}` model, {res['workers']} workers, {res['clients']} concurrent clients of the mixed "
              "load (chat and completions, streamed or not, JSON-schema outputs, forced tool calls, n = 2, prompts "
-             "of 10 to ~1,750 tokens, 5% of requests dropped mid-stream, 5% bad), sampled every "
+             f"of 10 to ~{1.45 * res.get('prompt_max_words', 1200):,.0f} tokens, 5% of requests dropped "
+             "mid-stream, 5% bad), sampled every "
              f"{res['interval_s']:g} s; {res['requests']} requests ({', '.join(f'{k} {v}' for k, v in sorted(res['by_kind'].items()))}). "
              "Each series: its median over the second quarter and over the last, and the change "
              f"(bound: {100 * soak.GROWTH:.0f}%, counts with a slack of {soak.SLACK}):", "",

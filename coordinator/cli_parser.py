@@ -39,6 +39,7 @@ AUTH_HELP = (f"a file holding the shared auth token (or set ${TOKEN_ENV}); requi
              "trusted network, reach the port through an SSH tunnel or a VPN.")
 
 
+LONG_MAX_MODEL_LEN_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
 ENGINE = [Section(ModelConfig, title="the model"), Section(CacheConfig, title="the KV cache"),
           Section(SchedulerConfig, title="the scheduler"), Section(DeviceConfig, title="the device"),
           Section(ParallelConfig, title="parallelism")]
@@ -61,6 +62,8 @@ def server_config(args: argparse.Namespace, token: str | None = None) -> ServerC
         engine["model"] = args.model_tag
     if args.enforce_eager:
         engine["graphs"] = "off"
+    if os.environ.get(LONG_MAX_MODEL_LEN_ENV) == "1":  # vLLM's switch, honoured as the flag
+        engine["allow_long_max_model_len"] = True
     limits, routing, grammar = (build(args, s) for s in SERVER[1:])
     return ServerConfig(engine=EngineConfig.build(**engine), limits=limits, routing=routing, grammar=grammar,
                         auth_token=token, admin_token=read_file(args.admin_token_file),

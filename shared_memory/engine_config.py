@@ -43,6 +43,11 @@ class ModelConfig:
         None,
         "the longest sequence, as 4096, 32k or 1M (k: 1000, K: 1024); default: the model's own context, "
         "YaRN included, or what the KV cache holds if less")
+    allow_long_max_model_len: bool = setting(
+        False,
+        "let --max-model-len exceed the model's own context (positions past its training may give wrong "
+        "outputs; vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 sets it too); without it a longer one is cut to "
+        "the context")
     runner: str = setting(
         "auto",
         "generate: requests sample tokens; pooling: each request's prompt runs once and its last token's "

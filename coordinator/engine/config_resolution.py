@@ -47,7 +47,10 @@ def resolve_config(cfg: EngineConfig, device_kind: str, ranks_on_node: int = 1) 
     quantization = fmt.quantization(quantization, device_kind)
     limit = model.max_context  # YaRN's stretched window where the config has one
     max_len = m.max_model_len
-    if max_len is not None and max_len > limit:
+    if max_len is not None and max_len > limit and m.allow_long_max_model_len:
+        log.warning("max_model_len %d exceeds the model's context %d (allowed: --allow-long-max-model-len); "
+                    "positions past it may give wrong outputs", max_len, limit)
+    elif max_len is not None and max_len > limit:
         log.warning("max_model_len %d exceeds the model's context %d: using %d", max_len, limit, limit)
         max_len = limit
     dtype = resolve_dtype(m.dtype, parse_dtype(model.dtype), device_kind)

@@ -53,6 +53,22 @@ def test_greedy_tokens_equal_transformers(engine):
         assert got == want, prompt
 
 
+def test_past_its_context_only_when_allowed_and_then_as_transformers():
+    """``--max-model-len`` past the model's 2,048 positions is cut to them unless allowed (vLLM's
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN); allowed, a 3,000-token prompt continues as transformers does."""
+    from transformers import Qwen3ForCausalLM
+
+    with LLMEngine("default", dtype="float32", max_model_len=4096) as eng:
+        assert eng.config.max_model_len == 2048
+    hf = Qwen3ForCausalLM.from_pretrained(TRAINED_DIR, dtype=torch.float32).eval()
+    ids = [(i * 7919) % (hf.config.vocab_size - 20) + 10 for i in range(3000)]
+    want = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                       pad_token_id=0)[0, len(ids):].tolist()
+    with LLMEngine("default", dtype="float32", max_model_len=4096, allow_long_max_model_len=True) as eng:
+        assert eng.config.max_model_len == 4096
+        assert eng.generate([ids], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids == want
+
+
 def test_int8_weights_round_trip_within_half_a_step():
     w = torch.randn(64, 96) * torch.logspace(-3, 1, 64)[:, None]  # rows of very different ranges
     q, scale = quantize_int8(w)
