@@ -2,7 +2,9 @@
 is recomputed later) keeps every greedy output equal to the offline engine's with a cache that
 never runs out, every request finishes, the preemptions are counted in ``/metrics``, and no request
 takes longer than the bound stated here: the time the same requests take one after another (a
-request is never starved by later ones; preempted requests go back to the front of the queue)."""
+request is never starved by later ones; preempted requests go back to the front of the queue). Its
+negative control: a broken block manager that reuses an evicted block without forgetting its prefix
+hash (a preempted request comes back to another request's KV), and the exactness check fires."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from fusedserve.coordinator.client import Client
+from fusedserve.coordinator.engine.block_manager import BlockManager
 from fusedserve.coordinator.engine.llm_engine import LLMEngine
 from fusedserve.coordinator.sampling_params import SamplingParams
 from tests.support import settled
@@ -38,9 +41,13 @@ def _preemptions(client: httpx.Client) -> float:
     return float(re.search(r"^fusedserve:num_preemptions_total\{[^}]*\} (\S+)$", text, re.M).group(1))
 
 
-def test_preemption_keeps_outputs_exact_and_every_request_within_the_bound(http):
+def _want() -> list[list[int]]:
     with LLMEngine("default", dtype="float32", max_batch=8, num_blocks=256) as ref:  # never runs out
-        want = [o.token_ids for o in ref.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True))]
+        return [o.token_ids for o in ref.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True))]
+
+
+def test_preemption_keeps_outputs_exact_and_every_request_within_the_bound(http):
+    want = _want()
     c = http.client
     before = _preemptions(c)
     serial = sum(_complete(c, p)[1] for p in PROMPTS)  # the bound: one after another
@@ -54,3 +61,14 @@ def test_preemption_keeps_outputs_exact_and_every_request_within_the_bound(http)
         stats = settled(zc)
         assert all(w["kv_blocks_used"] == 0 for w in stats["workers"])
         assert stats["coordinator"]["pending"] == 0
+
+
+def test_negative_control_a_stale_prefix_hash_after_eviction_is_caught(http, monkeypatch):
+    want = _want()
+    monkeypatch.setattr(BlockManager, "_forget", lambda self, block: None)  # evicted, still "cached"
+    c = http.client
+    before = _preemptions(c)
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        got = list(pool.map(lambda p: _complete(c, p), PROMPTS))
+    assert _preemptions(c) > before
+    assert [tokens for tokens, _ in got] != want  # the check of the test above fires
