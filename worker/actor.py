@@ -207,7 +207,7 @@ class WorkerActor:
     def _retire(self, why: str) -> None:
         """Leave the process: its coordinator will never reach this incarnation again. The other
         ranks of a group are told to stop; banks this worker created are unlinked."""
-        log.error("%s (incarnation %d): %s; retiring", self.worker_id, self.epoch, why)
+        log.warning("%s (incarnation %d): %s; retiring", self.worker_id, self.epoch, why)
         self._stop.set()
         if self.group is not None:
             try:

@@ -1,0 +1,121 @@
+"""LoRA adapters written by ``peft`` on a random-weight Qwen3: what is read of them, what is refused
+with its reason, and their updates in the model's fused layout (q/k/v as one projection, gate/up
+as one) against peft's own merge (``merge_and_unload``), per row of a batch mixing the base model
+and two adapters, whole and split over a tensor-parallel pair."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusedserve.kernels.lora import add_lora
+from fusedserve.kernels.model_description.config import Qwen3Config
+from fusedserve.kernels.model_description.lora import LoraAdapter, LoraError
+from fusedserve.worker.model.lora_weights import FUSED, ROW_PARALLEL, load_lora
+from fusedserve.worker.model.tensor_parallel import TensorParallel
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Adapter 0: rank 4 on every projection. Adapter 1: rank-stabilised rank 8 on three, layer 1 only.
+ADAPTERS = [dict(r=4, lora_alpha=8, target_modules=ALL),
+            dict(r=8, lora_alpha=16, use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"],
+                 layers_to_transform=[1])]
+
+
+def _write(base: Path, out: Path, seed: int, **lora: object) -> dict[str, torch.Tensor]:
+    """Save a peft adapter with random A and B; return peft's merged weights."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = get_peft_model(Qwen3ForCausalLM.from_pretrained(base, dtype=torch.float32),
+                           LoraConfig(init_lora_weights=False, **lora))
+    model.save_pretrained(out)
+    return {k: v.clone() for k, v in model.merge_and_unload().state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def adapters(hf_checkpoints, tmp_path_factory):
+    from transformers import Qwen3ForCausalLM
+
+    base_dir = hf_checkpoints["gqa2_untied"]
+    root = tmp_path_factory.mktemp("lora")
+    merged = [_write(base_dir, root / f"a{i}", i, **kw) for i, kw in enumerate(ADAPTERS)]
+    base = Qwen3ForCausalLM.from_pretrained(base_dir, dtype=torch.float32).state_dict()
+    return base_dir, [root / f"a{i}" for i in range(len(ADAPTERS))], base, merged
+
+
+def _fused(state: dict[str, torch.Tensor], i: int, fused: str) -> torch.Tensor:
+    """Layer ``i``'s fused projection as the model holds it: its parts' weights stacked by rows."""
+    parts = [f"model.layers.{i}.{'self_attn' if m in ALL[:4] else 'mlp'}.{m}.weight" for m in FUSED[fused]]
+    return torch.cat([state[p] for p in parts])
+
+
+def test_what_an_adapter_changes_is_read_from_its_tensors(adapters):
+    _, dirs, _, _ = adapters
+    a0 = LoraAdapter.from_dir("a0", dirs[0], max_rank=16, num_layers=2)
+    assert (a0.rank, a0.scaling, a0.targets) == (4, 2.0, tuple(ALL))
+    assert a0.modules == {(i, m) for i in range(2) for m in ALL}
+    a1 = LoraAdapter.from_dir("a1", dirs[1], max_rank=16)
+    assert a1.rslora and a1.scaling == pytest.approx(16 / 8 ** 0.5)
+    assert a1.modules == {(1, "q_proj"), (1, "v_proj"), (1, "down_proj")}  # layers_to_transform
+
+
+def test_what_cannot_be_served_is_refused_with_its_reason(adapters, tmp_path):
+    base_dir, dirs, _, _ = adapters
+    with pytest.raises(LoraError, match="rank 8; this server allows 4 .--max-lora-rank"):
+        LoraAdapter.from_dir("a1", dirs[1], max_rank=4)
+    _write(base_dir, tmp_path / "head", 5, r=4, target_modules=["q_proj", "lm_head"])
+    with pytest.raises(LoraError, match="lm_head"):
+        LoraAdapter.from_dir("head", tmp_path / "head", max_rank=16)
+    _write(base_dir, tmp_path / "dora", 6, r=4, target_modules=["q_proj"], use_dora=True)
+    with pytest.raises(LoraError, match="DoRA"):
+        LoraAdapter.from_dir("dora", tmp_path / "dora", max_rank=16)
+    with pytest.raises(LoraError, match="no readable adapter_config.json"):
+        LoraAdapter.from_dir("none", tmp_path, max_rank=16)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_mixed_rows_equal_peft_merged_weights_per_row(adapters, tp_size):
+    base_dir, dirs, base, merged = adapters
+    c = Qwen3Config.from_dir(base_dir)
+    slots = torch.tensor([0, -1, 1, 0, 1, -1, 1])  # base, adapter 0 and adapter 1 rows mixed
+    torch.manual_seed(0)
+    for i in range(c.num_hidden_layers):
+        for fused in FUSED:
+            w = _fused(base, i, fused)
+            want_w = [_fused(m, i, fused) for m in merged]
+            x = torch.randn(len(slots), w.shape[1])
+            want = torch.stack([x[t] @ (w if s < 0 else want_w[s]).T for t, s in enumerate(slots.tolist())])
+            ranks = [TensorParallel(r, tp_size) for r in range(tp_size)]
+            got = torch.zeros_like(want)
+            for tp in ranks:
+                found = [LoraAdapter.from_dir(f"a{k}", d, 16) for k, d in enumerate(dirs)]
+                weights = [load_lora(a, c, torch.float32, torch.device("cpu"), tp).layers[i].get(fused)
+                           for a in found]
+                if fused in ROW_PARALLEL:  # this rank's inputs; the ranks' partial sums add up
+                    cols = _share(c, tp, fused)
+                    y = x[:, cols] @ w[:, cols].T
+                    add_lora(x[:, cols].contiguous(), y, slots, weights)
+                    got += y
+                else:  # this rank's rows of each part, in the order the model stacks them
+                    rows = _share(c, tp, fused)
+                    y = x @ w[rows].T
+                    add_lora(x, y, slots, weights)
+                    got[:, rows] = y
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"layer {i} {fused} tp {tp_size}")
+
+
+def _share(c: Qwen3Config, tp: TensorParallel, fused: str) -> list[int]:
+    """This rank's rows (column-parallel) or columns (row-parallel) of the whole fused weight."""
+    hd = c.head_dim
+    if fused in ("qkv", "o_proj"):
+        heads, kv = tp.heads(c), tp.kv_heads(c)
+        q = list(range(heads.start * hd, heads.stop * hd))
+        if fused == "o_proj":
+            return q
+        k = [c.q_size + j for j in range(kv.start * hd, kv.stop * hd)]
+        return q + k + [j + c.kv_size for j in k]
+    inter = list(tp.split(c.intermediate_size))
+    return inter + [c.intermediate_size + j for j in inter] if fused == "gate_up" else inter
