@@ -38,6 +38,8 @@ class ForwardBatch:
     # Speculating requests' decode rows, (first row, rows) each: a hybrid runs them in order, one
     # state per position, and keeps the accepted one after verification.
     spec_groups: list[list[int]] = field(default_factory=list)
+    # LoRA: each token's adapter slot [T] int64 (-1: the base model alone); None: no adapters.
+    lora_slots: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -119,3 +119,51 @@ def _share(c: Qwen3Config, tp: TensorParallel, fused: str) -> list[int]:
         return q + k + [j + c.kv_size for j in k]
     inter = list(tp.split(c.intermediate_size))
     return inter + [c.intermediate_size + j for j in inter] if fused == "gate_up" else inter
+
+
+def test_a_batch_mixing_base_and_two_adapters_equals_peft_per_row(adapters):
+    """Three prompts in one launch, one on the base model and one under each adapter, then decode
+    steps: each row's logits equal transformers + peft with that row's adapter (or none)."""
+    from peft import PeftModel
+    from transformers import Qwen3ForCausalLM
+
+    from fusedserve.worker.model.qwen3 import Qwen3Model
+    from tests.model_batches import decode_batch, prompt_batch
+
+    base_dir, dirs, _, _ = adapters
+    hf = Qwen3ForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="eager")
+    peft_model = PeftModel.from_pretrained(hf, dirs[0], adapter_name="a0").eval()
+    peft_model.load_adapter(dirs[1], adapter_name="a1")
+    model = Qwen3Model.from_pretrained(base_dir, dtype="float32")
+    for slot, d in enumerate(dirs):
+        model.set_lora(slot, load_lora(LoraAdapter.from_dir(f"a{slot}", d, 16), model.config, torch.float32,
+                                       torch.device("cpu")))
+    prompts = [[5, 17, 42, 99, 3, 8], [250, 1, 8, 77, 5], [77] * 7]
+    row_slots = [-1, 0, 1]
+    with torch.no_grad():
+        want = []
+        for p, s in zip(prompts, row_slots):
+            ids = torch.tensor([p + [11, 12]])  # the prompt, then two decode steps
+            if s < 0:
+                with peft_model.disable_adapter():
+                    want.append(peft_model(ids).logits[0])
+            else:
+                peft_model.set_adapter(f"a{s}")
+                want.append(peft_model(ids).logits[0])
+    kv = model.new_kv_cache(num_blocks=16, block_size=4)
+    ws = model.new_workspace(max_rows=3, block_size=4)
+    logits = torch.empty(3, model.config.vocab_size)
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    batch = prompt_batch(prompts, tables, 4)
+    batch.lora_slots = torch.tensor([s for p, s in zip(prompts, row_slots) for _ in p])
+    model.forward(batch, kv, ws, logits)
+    for r, p in enumerate(prompts):
+        torch.testing.assert_close(logits[r], want[r][len(p) - 1], atol=2e-4, rtol=1e-4,
+                                   msg=f"prompt row {r}")
+    for step, token in enumerate((11, 12)):
+        batch = decode_batch([(token, len(p) + step, t) for p, t in zip(prompts, tables)], 4)
+        batch.lora_slots = torch.tensor(row_slots)
+        model.forward(batch, kv, ws, logits)
+        for r, p in enumerate(prompts):
+            torch.testing.assert_close(logits[r], want[r][len(p) + step], atol=2e-4, rtol=1e-4,
+                                       msg=f"decode step {step} row {r}")

@@ -18,6 +18,7 @@ from fusedserve.kernels.forward_batch import ForwardBatch
 from fusedserve.kernels.hybrid_cache import HybridKVCache
 from fusedserve.kernels.kv_cache import PagedKVCache
 from fusedserve.kernels.layer_ops import partial_rope_tables, rope_tables
+from fusedserve.kernels.lora import add_lora
 from fusedserve.kernels.model_description.checkpoint_format import checkpoint_format
 from fusedserve.kernels.model_description.config import ConfigError, Qwen3Config, parse_dtype, resolve_dtype
 from fusedserve.kernels.model_description.quantization import check_quantization
@@ -25,6 +26,7 @@ from fusedserve.kernels.native import build as native_build
 from fusedserve.worker.model.gated_delta_net import DeltaNetOps, delta_net_forward
 from fusedserve.worker.model.hybrid_norms import HybridNorms
 from fusedserve.worker.model.loader import Progress, load_weights
+from fusedserve.worker.model.lora_weights import LoraWeights
 from fusedserve.worker.model.moe import moe_forward
 from fusedserve.worker.model.tensor_parallel import SINGLE, TensorParallel
 from fusedserve.worker.model.weights import Quantizer, Qwen3Weights, prepare_weights
@@ -65,6 +67,7 @@ class Qwen3Model:
         # A hybrid's norms and decode step: the native CPU kernels where they run, else torch.
         native = native_build.kernels() if self.kernels.name == "native" else None
         self.norms = HybridNorms(self.local, native) if config.hybrid else self.kernels.ops
+        self.loras: list[LoraWeights | None] = []  # the adapter slots (set_lora)
         self.delta_ops = DeltaNetOps(native)
         self.cos, self.sin = self.cos.to(self.device), self.sin.to(self.device)
 
@@ -172,6 +175,7 @@ class Qwen3Model:
                               buf.hybrid)
         else:
             linear(buf.h, lw.qkv, buf.qkv)
+            self._lora(i, "qkv", batch, buf.h, buf.qkv)
             if lw.qkv_bias is not None:
                 buf.qkv.add_(lw.qkv_bias)
             k_cache, v_cache = kv.layer(i)
@@ -183,6 +187,7 @@ class Qwen3Model:
                 linear(buf.h, lw.attn_gate, gate)
                 buf.attn.view(n, c.q_size).mul_(gate.sigmoid_())
             linear(buf.attn.view(n, c.q_size), lw.o_proj, buf.o)
+            self._lora(i, "o_proj", batch, buf.attn.view(n, c.q_size), buf.o)
         tp.all_reduce(buf.o)
         norms.add_rms_norm(x, buf.o, lw.post_norm, buf.h, buf.norm)
         if lw.experts is not None:
@@ -191,10 +196,26 @@ class Qwen3Model:
                 self._shared_expert(lw, buf.h, buf.o, buf.hybrid)
         else:
             linear(buf.h, lw.gate_up, buf.gate_up)
+            self._lora(i, "gate_up", batch, buf.h, buf.gate_up)
             ops.silu_mul(buf.gate_up, buf.act)
             linear(buf.act, lw.down, buf.o)
+            self._lora(i, "down", batch, buf.act, buf.o)
         tp.all_reduce(buf.o)
         return buf.o
+
+    def set_lora(self, slot: int, weights: LoraWeights | None) -> None:
+        """Make ``weights`` (an adapter loaded for this model and rank) the one of adapter slot
+        ``slot``; None empties it. A launch's ``lora_slots`` name these slots per token."""
+        while len(self.loras) <= slot:
+            self.loras.append(None)
+        self.loras[slot] = weights
+
+    def _lora(self, i: int, name: str, batch: ForwardBatch, x: torch.Tensor, y: torch.Tensor) -> None:
+        """The adapters' updates of projection ``name`` of layer ``i`` (partial sums under tensor
+        parallelism, before the layer's all-reduce)."""
+        if batch.lora_slots is not None and self.loras:
+            add_lora(x, y, batch.lora_slots,
+                     [None if w is None else w.layers[i].get(name) for w in self.loras])
 
     def _shared_expert(self, lw, h: torch.Tensor, out: torch.Tensor, hb: HybridBuffers) -> None:
         """A hybrid MoE layer's shared expert, gated by sigmoid(h . w), added to the experts' ``out``."""
