@@ -4,7 +4,8 @@
 through the adapter's stacked A once (``u = x @ A.T``, rank-wide) and each of its parts expanded
 through its B straight into its rows and columns of the projection's output (``index_add_``), so
 the base projection runs once for the whole launch and an adapter costs two thin products over
-its own rows. Rows whose slot is negative use no adapter.
+its own rows. Rows whose slot is negative use no adapter. Which rows are whose is found once per
+launch (``lora_groups``), not per projection.
 """
 
 from __future__ import annotations
@@ -26,23 +27,31 @@ class Projection(Protocol):
     parts: Sequence[Part]
 
 
-def add_lora(x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor,
+def lora_groups(slots: torch.Tensor, num_slots: int) -> list[tuple[int, torch.Tensor | None]]:
+    """Each adapter slot's rows of a launch, found once for all its layers and projections:
+    (slot, rows), rows None where every row is that slot's; slots without a row are left out."""
+    groups = []
+    for s in range(num_slots):
+        rows = torch.nonzero(slots == s).squeeze(1)
+        if rows.numel():
+            groups.append((s, None if rows.numel() == slots.numel() else rows))
+    return groups
+
+
+def add_lora(x: torch.Tensor, y: torch.Tensor, groups: list[tuple[int, torch.Tensor | None]],
              projections: Sequence[Projection | None]) -> None:
-    """``y[t] += B_s A_s x[t]`` for every row ``t`` whose adapter slot ``s = slots[t]`` is >= 0 and
-    has an update for this projection (``projections[s]``). ``x``: [T, in]; ``y``: [T, out]."""
-    for s, proj in enumerate(projections):
+    """``y[t] += B_s A_s x[t]`` for every row ``t`` of each group's slot ``s`` (``lora_groups``)
+    that has an update for this projection (``projections[s]``). ``x``: [T, in]; ``y``: [T, out]."""
+    for s, rows in groups:
+        proj = projections[s]
         if proj is None:
             continue
-        rows = torch.nonzero(slots == s).squeeze(1)
-        if rows.numel() == 0:
-            continue
-        whole = rows.numel() == x.shape[0]  # every row this adapter's: no gather, no scatter
-        xs = x if whole else x.index_select(0, rows)
+        xs = x if rows is None else x.index_select(0, rows)  # every row this adapter's: no gather
         u = xs @ proj.a.T
         for part in proj.parts:
             delta = u[:, part.cols] @ part.b.T
             out = y[:, part.rows]
-            if whole:
+            if rows is None:
                 out.add_(delta)
             else:
                 out.index_add_(0, rows, delta)

@@ -18,6 +18,11 @@ HEARTBEAT_IVL_MS = 200
 HEARTBEAT_TIMEOUT_MS = 600
 
 
+def heartbeat_interval_ms(timeout_ms: int) -> int:
+    """The ping interval for a heartbeat bound: at least three pings inside it."""
+    return min(HEARTBEAT_IVL_MS, timeout_ms // 3)
+
+
 def launch_kind(num_decode: int, rows: int) -> str:
     """``decode`` (decode rows only), ``prefill`` (prompt chunks only) or ``mixed``."""
     if num_decode == rows:

@@ -28,10 +28,10 @@ from zmq.utils.monitor import recv_monitor_message
 from fusedserve.shared_memory import transport
 from fusedserve.shared_memory.arena import HostArena
 from fusedserve.shared_memory.contract import (
-    HEARTBEAT_IVL_MS,
     HEARTBEAT_TIMEOUT_MS,
     LaunchDescriptor,
     LaunchReply,
+    heartbeat_interval_ms,
 )
 from fusedserve.shared_memory.engine_config import EngineConfig
 from fusedserve.shared_memory.slots import step_table
@@ -124,7 +124,7 @@ class WorkerActor:
             return info
         sock = self._ctx.socket(zmq.PAIR)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, min(HEARTBEAT_IVL_MS, self.heartbeat_timeout_ms // 3))
+        sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_interval_ms(self.heartbeat_timeout_ms))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat_timeout_ms)
         port = sock.bind_to_random_port(f"tcp://{host}")
         self._thread = threading.Thread(target=self._serve, args=(sock,), daemon=True,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import replace
 
 import msgpack
 import zmq
@@ -42,8 +41,8 @@ class SocketExecutor:
         self._reply: LaunchReply | None = None  # the oldest launch's reply, received and checked
 
     def submit(self, desc: LaunchDescriptor) -> None:
-        desc = replace(desc, epoch=self.epoch)
         msg = desc.to_wire()
+        msg["epoch"] = self.epoch  # stamped on the wire: the queued descriptor keeps only its step
         if self.serial:
             msg["inputs"] = transport.pack_inputs(self.arenas[desc.bank], self.table, desc.dims)
         payload = msgpack.packb(msg)

@@ -181,7 +181,6 @@ class Metrics:
         # --max-queue-time: what an overload sheds.
         self.shed = Counter(PREFIX + "requests_shed", "Requests refused with 429 under load",
                             ["model_name", "reason"], registry=r)
-        self._model = model_name
         self._stats = _StatsCollector(model_name)
         r.register(self._stats)
 

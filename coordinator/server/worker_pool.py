@@ -31,7 +31,7 @@ from fusedserve.coordinator.engine.socket_executor import SocketExecutor
 from fusedserve.coordinator.server.core_slots import CoreSlots
 from fusedserve.kernels.model_description.config import Qwen3Config
 from fusedserve.shared_memory.arena import HostArena
-from fusedserve.shared_memory.contract import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
+from fusedserve.shared_memory.contract import HEARTBEAT_TIMEOUT_MS, heartbeat_interval_ms
 from fusedserve.shared_memory.engine_config import EngineConfig
 from fusedserve.shared_memory.slots import step_table
 from fusedserve.worker.actor import WorkerActor
@@ -220,7 +220,7 @@ class WorkerPool:
         info = {**infos[0], "ranks": [{"pid": i["pid"], "device": i["device"]} for i in infos]}
         sock = self.ctx.socket(zmq.PAIR)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, min(HEARTBEAT_IVL_MS, self.cfg.heartbeat_timeout_ms // 3))
+        sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_interval_ms(self.cfg.heartbeat_timeout_ms))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.cfg.heartbeat_timeout_ms)
         sock.setsockopt(zmq.RECONNECT_IVL, -1)  # a worker's endpoint is never reused
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)

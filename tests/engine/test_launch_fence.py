@@ -18,8 +18,8 @@ from fusedserve.shared_memory.contract import LaunchDescriptor, LaunchReply
 def pair():
     ctx = zmq.Context()
     coordinator, worker = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-    port = coordinator.bind_to_random_port("tcp://127.0.0.1")
-    worker.connect(f"tcp://127.0.0.1:{port}")
+    port = worker.bind_to_random_port("tcp://127.0.0.1")  # as in the server: the worker binds
+    coordinator.connect(f"tcp://127.0.0.1:{port}")
     yield coordinator, worker
     coordinator.close(0)
     worker.close(0)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusedserve.kernels.lora import add_lora
+from fusedserve.kernels.lora import add_lora, lora_groups
 from fusedserve.kernels.model_description.config import Qwen3Config
 from fusedserve.kernels.model_description.lora import LoraAdapter, LoraError
 from fusedserve.worker.model.lora_weights import FUSED, ROW_PARALLEL, load_lora
@@ -97,12 +97,12 @@ def test_mixed_rows_equal_peft_merged_weights_per_row(adapters, tp_size):
                 if fused in ROW_PARALLEL:  # this rank's inputs; the ranks' partial sums add up
                     cols = _share(c, tp, fused)
                     y = x[:, cols] @ w[:, cols].T
-                    add_lora(x[:, cols].contiguous(), y, slots, weights)
+                    add_lora(x[:, cols].contiguous(), y, lora_groups(slots, 2), weights)
                     got += y
                 else:  # this rank's rows of each part, in the order the model stacks them
                     rows = _share(c, tp, fused)
                     y = x @ w[rows].T
-                    add_lora(x, y, slots, weights)
+                    add_lora(x, y, lora_groups(slots, 2), weights)
                     got[:, rows] = y
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"layer {i} {fused} tp {tp_size}")
 

@@ -18,7 +18,7 @@ from fusedserve.kernels.forward_batch import ForwardBatch
 from fusedserve.kernels.hybrid_cache import HybridKVCache
 from fusedserve.kernels.kv_cache import PagedKVCache
 from fusedserve.kernels.layer_ops import partial_rope_tables, rope_tables
-from fusedserve.kernels.lora import add_lora
+from fusedserve.kernels.lora import add_lora, lora_groups
 from fusedserve.kernels.model_description.checkpoint_format import checkpoint_format
 from fusedserve.kernels.model_description.config import ConfigError, Qwen3Config, parse_dtype, resolve_dtype
 from fusedserve.kernels.model_description.quantization import check_quantization
@@ -147,8 +147,11 @@ class Qwen3Model:
             if batch.state_restores is not None and batch.state_restores.numel():
                 kv.restore(batch.state_restores)
         pending = None  # the previous layer's MLP output, added to the residual by the next norm
+        lora = None  # each adapter slot's rows, for every layer's updates
+        if batch.lora_slots is not None and self.loras:
+            lora = lora_groups(batch.lora_slots, len(self.loras))
         for i, lw in enumerate(self.w.layers):
-            pending = self._layer(i, lw, x, pending, buf, cos, sin, batch, kv, ws)
+            pending = self._layer(i, lw, x, pending, buf, cos, sin, batch, kv, ws, lora)
         if pending is not None:
             x.add_(pending)
         if self.config.hybrid and batch.state_saves is not None and batch.state_saves.numel():
@@ -162,7 +165,7 @@ class Qwen3Model:
 
     def _layer(self, i: int, lw, x: torch.Tensor, pending: torch.Tensor | None, buf: LayerBuffers,
                cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache,
-               ws: Workspace) -> torch.Tensor:
+               ws: Workspace, lora: list | None = None) -> torch.Tensor:
         """One transformer layer over n tokens: the residual ``x`` [n, D] gets ``pending`` and the
         attention output (a hybrid's linear-attention layer: its Gated DeltaNet's) in place;
         returns the MLP's output, for the next layer to add."""
@@ -175,7 +178,7 @@ class Qwen3Model:
                               buf.hybrid)
         else:
             linear(buf.h, lw.qkv, buf.qkv)
-            self._lora(i, "qkv", batch, buf.h, buf.qkv)
+            self._lora(i, "qkv", lora, buf.h, buf.qkv)
             if lw.qkv_bias is not None:
                 buf.qkv.add_(lw.qkv_bias)
             k_cache, v_cache = kv.layer(i)
@@ -187,7 +190,7 @@ class Qwen3Model:
                 linear(buf.h, lw.attn_gate, gate)
                 buf.attn.view(n, c.q_size).mul_(gate.sigmoid_())
             linear(buf.attn.view(n, c.q_size), lw.o_proj, buf.o)
-            self._lora(i, "o_proj", batch, buf.attn.view(n, c.q_size), buf.o)
+            self._lora(i, "o_proj", lora, buf.attn.view(n, c.q_size), buf.o)
         tp.all_reduce(buf.o)
         norms.add_rms_norm(x, buf.o, lw.post_norm, buf.h, buf.norm)
         if lw.experts is not None:
@@ -196,10 +199,10 @@ class Qwen3Model:
                 self._shared_expert(lw, buf.h, buf.o, buf.hybrid)
         else:
             linear(buf.h, lw.gate_up, buf.gate_up)
-            self._lora(i, "gate_up", batch, buf.h, buf.gate_up)
+            self._lora(i, "gate_up", lora, buf.h, buf.gate_up)
             ops.silu_mul(buf.gate_up, buf.act)
             linear(buf.act, lw.down, buf.o)
-            self._lora(i, "down", batch, buf.act, buf.o)
+            self._lora(i, "down", lora, buf.act, buf.o)
         tp.all_reduce(buf.o)
         return buf.o
 
@@ -210,12 +213,11 @@ class Qwen3Model:
             self.loras.append(None)
         self.loras[slot] = weights
 
-    def _lora(self, i: int, name: str, batch: ForwardBatch, x: torch.Tensor, y: torch.Tensor) -> None:
-        """The adapters' updates of projection ``name`` of layer ``i`` (partial sums under tensor
-        parallelism, before the layer's all-reduce)."""
-        if batch.lora_slots is not None and self.loras:
-            add_lora(x, y, batch.lora_slots,
-                     [None if w is None else w.layers[i].get(name) for w in self.loras])
+    def _lora(self, i: int, name: str, lora: list | None, x: torch.Tensor, y: torch.Tensor) -> None:
+        """The adapters' updates of projection ``name`` of layer ``i`` for the launch's rows of each
+        (``lora``: ``lora_groups``; partial sums under tensor parallelism, before the all-reduce)."""
+        if lora:
+            add_lora(x, y, lora, [None if w is None else w.layers[i].get(name) for w in self.loras])
 
     def _shared_expert(self, lw, h: torch.Tensor, out: torch.Tensor, hb: HybridBuffers) -> None:
         """A hybrid MoE layer's shared expert, gated by sigmoid(h . w), added to the experts' ``out``."""
