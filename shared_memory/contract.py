@@ -52,6 +52,9 @@ class LaunchDescriptor:
     # The worker incarnation it is for (set by the step socket's executor): a reply echoes it and
     # ``step``, and the coordinator accepts none from an incarnation it has replaced.
     epoch: int = 0
+    # LoRA: adapters to read into the worker's slots before the launch runs, as [slot, key, path]
+    # (``key`` names one load of an adapter: a name reloaded from another path is another key).
+    lora_loads: list[list] = field(default_factory=list)
 
     @property
     def kind(self) -> str:
@@ -62,14 +65,14 @@ class LaunchDescriptor:
         return {"dims": self.dims, "step": self.step, "num_decode": self.num_decode,
                 "prompt_query_lens": self.prompt_query_lens, "prompt_seq_lens": self.prompt_seq_lens,
                 "sampling": self.sampling, "bank": self.bank, "spec_groups": self.spec_groups,
-                "epoch": self.epoch}
+                "epoch": self.epoch, "lora_loads": self.lora_loads}
 
     @classmethod
     def from_wire(cls, d: dict) -> LaunchDescriptor:
         return cls(dict(d["dims"]), d["step"], d.get("bank", 0), d.get("num_decode", 0),
                    list(d.get("prompt_query_lens", [])), list(d.get("prompt_seq_lens", [])),
                    list(d.get("sampling", [])), [list(g) for g in d.get("spec_groups", [])],
-                   d.get("epoch", 0))
+                   d.get("epoch", 0), [list(x) for x in d.get("lora_loads", [])])
 
 
 @dataclass

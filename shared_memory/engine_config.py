@@ -179,8 +179,25 @@ class SpeculativeConfig:
     speculative_max_batch: int = setting(4, cli=False)
 
 
+@dataclass(frozen=True)
+class LoraConfig:
+    """Multi-LoRA serving: requests name an adapter (``model`` over HTTP, ``lora`` over ZeroMQ) and
+    each launch applies every row's own (kernels/lora.py)."""
+
+    enable_lora: bool = setting(False, "serve LoRA adapters on the base model (--lora-modules, and loaded "
+                                "at run time through /v1/load_lora_adapter)")
+    lora_modules: tuple[str, ...] = setting(
+        (), "adapters served from the start: NAME=PATH (a PEFT directory), or JSON "
+        '{"name": ..., "path": ..., "base_model_name": ...}; one or more', metavar="NAME=PATH")
+    max_loras: int = setting(1, "adapters resident in each worker's slots at once: a launch mixes rows of "
+                             "at most this many; another is loaded into the least recently used free slot")
+    max_lora_rank: int = setting(16, "the highest adapter rank served; each slot is sized for it")
+    max_cpu_loras: int | None = setting(None, "adapters each worker keeps read in host memory (default: "
+                                        "--max-loras)")
+
+
 PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig,
-         "parallel": ParallelConfig, "speculative": SpeculativeConfig}
+         "parallel": ParallelConfig, "speculative": SpeculativeConfig, "lora": LoraConfig}
 
 
 def _owner(name: str) -> str:
@@ -198,6 +215,7 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     @classmethod
     def fields(cls) -> set[str]:
@@ -248,6 +266,7 @@ class EngineConfig:
             raise ValueError(f"threads_per_worker must be >= 0, got {d.threads_per_worker}")
         self._check_speculative()
         self._check_pooling()
+        self._check_lora()
 
     def _check_pooling(self) -> None:
         m = self.model
@@ -255,6 +274,17 @@ class EngineConfig:
             raise ValueError(f"runner must be auto, generate or pooling, got {m.runner!r}")
         if m.pooling_task not in ("auto", "embed", "score", "classify"):
             raise ValueError(f"pooling_task must be auto, embed, score or classify, got {m.pooling_task!r}")
+
+    def _check_lora(self) -> None:
+        lo = self.lora
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            value = getattr(lo, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if lo.lora_modules and not lo.enable_lora:
+            raise ValueError("lora_modules needs enable_lora (--enable-lora)")
+        if lo.enable_lora and self.pooling:
+            raise ValueError("LoRA adapters are served on a generating model, not a pooling one")
 
     def _check_speculative(self) -> None:
         sp = self.speculative
@@ -345,4 +375,5 @@ class EngineConfig:
             "SSV": b,  # (state slot, snapshot) saved after it
             "PL": b if self.pooling else 0,  # rows pooled (a pooling runner's finished prompts)
             "H": self.model.pooled_width,  # floats per pooled row
+            "LT": t if self.lora.enable_lora else 0,  # tokens with an adapter slot (LoRA)
         }

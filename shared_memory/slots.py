@@ -11,7 +11,8 @@ logprob, NP top logprobs per such token, V vocabulary, G rows of token bitmask (
 of the launch samples under a mask, else 0), VW = ceil(V / 32) bitmask words per row; for
 penalties, PR slots reset, PT tokens counted, PB rows penalized; LB logit-bias entries; S
 speculating requests, K1 rows of one (its newest token and its proposals), BD rows a draft model's
-first pass reads; PL rows pooled, H floats each (a pooling runner).
+first pass reads; PL rows pooled, H floats each (a pooling runner); LT tokens with an adapter
+slot (LoRA).
 """
 
 from __future__ import annotations
@@ -196,6 +197,9 @@ def step_table() -> SlotTable:
             # token's final hidden state, or its score head's logits), float32 as the API serves it.
             Slot("pool_rows", ("PL",), i64, IN, HS),
             Slot("pooled", ("PL", "H"), f32, OUT, HS),
+            # LoRA: each token's adapter slot in the worker's pool (-1: the base model); LT is T when a
+            # row of the launch has an adapter, else 0 (nothing crosses).
+            Slot("lora_slots", ("LT",), i32, IN, HS),
             Slot("sampled_ids", ("B",), i32, OUT, HS),  # -1 on a speculating request's rejected rows
             Slot("spec_accepted", ("S",), i32, OUT, HS),  # tokens each speculating request gained
 

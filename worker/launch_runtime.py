@@ -153,10 +153,13 @@ class LaunchRuntime:
         self._plans[key] = plan
         return plan
 
-    def launch(self, dims: dict[str, int], step: StepFn, bank: int = 0, num_decode: int = 0) -> LaunchRecord:
+    def launch(self, dims: dict[str, int], step: StepFn, bank: int = 0, num_decode: int = 0,
+               extra_h2d: int = 0) -> LaunchRecord:
         """Copy inputs in from arena ``bank``, run ``step(views)``, copy HOST_SHARED outputs out
         to the same bank. ``num_decode`` is recorded (``LaunchRecord.kind``). Empty slots move
-        nothing (a copy of zero bytes would still cost a dispatch)."""
+        nothing (a copy of zero bytes would still cost a dispatch). ``extra_h2d``: bytes the launch
+        had copied to the device besides its slots (LoRA adapters read into their slots), counted
+        with them."""
         plan = self.plan(dims, bank)
         t0 = time.perf_counter()
         idle = t0 - self._last_end if self._last_end is not None else 0.0
@@ -167,7 +170,8 @@ class LaunchRuntime:
             dst.copy_(src, non_blocking=True)
         self._wait()
         self._last_end = time.perf_counter()
-        rec = LaunchRecord(dict(dims), num_decode, plan.h2d_bytes, plan.d2h_bytes, self._last_end - t0, idle)
+        rec = LaunchRecord(dict(dims), num_decode, plan.h2d_bytes + extra_h2d, plan.d2h_bytes,
+                           self._last_end - t0, idle)
         self.counters.record(rec)
         if self.keep_history:
             self.history.append(rec)

@@ -25,6 +25,7 @@ from fusedserve.shared_memory.slots import step_table
 from fusedserve.worker.drafter import Drafter
 from fusedserve.worker.graphs import DecodeGraphs
 from fusedserve.worker.launch_runtime import LaunchRuntime
+from fusedserve.worker.lora_pool import LoraPool
 from fusedserve.worker.model.qwen3 import Qwen3Model
 from fusedserve.worker.scratch_pool import DeviceScratchPool
 
@@ -67,6 +68,8 @@ class ModelRunner:
         self.drafter = Drafter.load(cfg, model)
         # A pooling runner: prompts in, each finished prompt's pooled row out; nothing is sampled.
         self.pooling, self.score_tokens = cfg.pooling, cfg.model.score_tokens
+        # LoRA adapters' slots (--max-loras), filled as launches name them.
+        self.loras = LoraPool(model, cfg.lora) if cfg.lora.enable_lora else None
         self.graphs: DecodeGraphs | None = None
         # A Qwen3-MoE layer reads its routing back to the host: no device graph can capture it.
         # Tensor-parallel ranks run eagerly too (collectives in a captured graph: not yet checked).
@@ -74,7 +77,8 @@ class ModelRunner:
         # A hybrid's prompt chunks index their states from host lists: eager too (not yet captured).
         has_graphs = (model.device.type in ("cuda", "npu") and not model.config.num_experts
                       and model.tp.size == 1 and model.kernels.capturable and not self.hybrid)
-        graphs = "off" if self.hybrid else cfg.device.graphs
+        # LoRA rows are grouped per adapter from the launch's slots: not captured either.
+        graphs = "off" if self.hybrid or self.loras is not None else cfg.device.graphs
         if not self.pooling and (graphs == "padded" or (graphs == "auto" and has_graphs)):
             inputs = {name: self.pool.full(name) for name in FORWARD_SLOTS}
             self.graphs = DecodeGraphs(model, self.kv, self.ws, self.logits, inputs, cfg.pad_slot,
@@ -98,7 +102,8 @@ class ModelRunner:
         self.runtime.close()
 
     def execute(self, desc: LaunchDescriptor) -> LaunchReply:
-        rec = self.runtime.launch(desc.dims, lambda v: self._step(v, desc), desc.bank, desc.num_decode)
+        moved = self.loras.load(desc.lora_loads) if desc.lora_loads else 0  # adapters into their slots
+        rec = self.runtime.launch(desc.dims, lambda v: self._step(v, desc), desc.bank, desc.num_decode, moved)
         return rec.reply()
 
     def _feed(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
@@ -118,7 +123,8 @@ class ModelRunner:
             self.drafter.propose(v, desc)
         batch = ForwardBatch(v["token_ids"], v["positions"], v["slot_mapping"], v["query_start_loc"],
                              v["seq_lens"], v["block_tables"], desc.num_decode, desc.prompt_query_lens,
-                             desc.prompt_seq_lens, *self._state_args(v, dims), desc.spec_groups)
+                             desc.prompt_seq_lens, *self._state_args(v, dims), desc.spec_groups,
+                             lora_slots=v["lora_slots"] if dims["LT"] else None)
         if self.pooling:  # the prompts' K/V (and states), then the rows whose prompts ended here
             hidden = self.model.forward(batch, self.kv, self.ws, None)
             if dims["PL"]:

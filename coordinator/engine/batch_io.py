@@ -46,12 +46,14 @@ def write_batch(arena: HostArena, batch: ScheduledBatch, step: int, bank: int, c
                 penalty_slots: dict[int, int] | None = None,
                 state_slots: dict[int, int] | None = None,
                 state_copies: tuple[list, list] | None = None,
-                pooled_width: int = 0) -> tuple[LaunchDescriptor, OutputPlan]:
+                pooled_width: int = 0, loras: tuple[list[int] | None, list[list]] = (None, []),
+                ) -> tuple[LaunchDescriptor, OutputPlan]:
     """``arena`` is bank ``bank`` of the worker's; ``candidates``: the sampler's candidate count;
     ``penalty_slots``: each penalized row's slot of the worker's token counts; ``state_slots``:
     each row's recurrent-state slot (a hybrid model's; None otherwise); ``state_copies``: its
     snapshots restored before the launch and saved after it (``StateSnapshots.plan``);
-    ``pooled_width``: a pooling runner's floats per pooled row."""
+    ``pooled_width``: a pooling runner's floats per pooled row; ``loras``: each row's LoRA slot (None:
+    no row has one) and the adapters to read into slots first (``LoraSlots.assign``)."""
     b, nd = batch.batch_size, batch.num_decode
     dims = {"B": b, "B1": b + 1, "T": batch.num_tokens, "W": batch.block_tables.shape[1], "V": vocab}
     _put(arena, "token_ids", batch.token_ids)
@@ -72,9 +74,13 @@ def write_batch(arena: HostArena, batch: ScheduledBatch, step: int, bank: int, c
     pooled = [r for r, seq in enumerate(batch.seqs) if seq.pooling and batch.samples[r]]
     dims["PL"], dims["H"] = len(pooled), pooled_width
     _put(arena, "pool_rows", np.asarray(pooled, dtype=np.int64))
+    rows_slots, loads = loras
+    tokens = [] if rows_slots is None else np.repeat(np.asarray(rows_slots, dtype=np.int32), batch.query_lens)
+    dims["LT"] = len(tokens)
+    _put(arena, "lora_slots", np.asarray(tokens, dtype=np.int32))
     desc = LaunchDescriptor(dims, step, bank, num_decode=nd, prompt_query_lens=list(batch.query_lens[nd:]),
                             prompt_seq_lens=batch.seq_lens[nd:].tolist(), sampling=plan.stages(),
-                            spec_groups=[[first, n] for first, n in batch.spec_groups])
+                            spec_groups=[[first, n] for first, n in batch.spec_groups], lora_loads=loads)
     return desc, OutputPlan(tuple(rows), tuple(pooled), firsts, tuple(spans), invalid)
 
 

@@ -36,11 +36,12 @@ def block_hash(parent: bytes, tokens: list[int]) -> bytes:
     return hashlib.sha256(parent + np.asarray(tokens, dtype=np.int64).tobytes()).digest()
 
 
-def prefix_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
+def prefix_hashes(token_ids: list[int], block_size: int, root: bytes = b"") -> list[bytes]:
     """The chained hashes of ``token_ids``' full blocks that a cache hit may cover: all but the
-    last token (its logits give the next one)."""
+    last token (its logits give the next one). ``root``: the first block's parent (b"" for the base
+    model; a LoRA adapter's own, so its blocks never serve another's requests)."""
     arr = np.asarray(token_ids, dtype=np.int64)  # once: each block's slice is a view of it
-    out, parent = [], b""
+    out, parent = [], root
     for i in range((len(token_ids) - 1) // block_size):
         parent = block_hash(parent, arr[i * block_size : (i + 1) * block_size])
         out.append(parent)
@@ -62,6 +63,7 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # hashed, unreferenced: LRU first
         self._tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}  # a sequence's hashed blocks, in order
+        self._roots: dict[str, bytes] = {}  # a sequence's first parent hash, where not b"" (LoRA)
 
     # ------------------------------------------------------------------- counts
 
@@ -106,14 +108,15 @@ class BlockManager:
         return n
 
     def allocate(self, seq_id: str, token_ids: list[int], reserve: int = 0,
-                 hit: list[int] | None = None) -> int:
+                 hit: list[int] | None = None, root: bytes = b"") -> int:
         """Give ``seq_id`` blocks for ``token_ids`` (+ ``reserve`` tokens of room), reusing the
         cached prefix (``hit``: ``cached_prefix(token_ids)`` when the caller already has it);
         returns how many leading tokens are already computed. Raises OutOfBlocks, changing
-        nothing, if the rest does not fit."""
+        nothing, if the rest does not fit. ``root``: its hashes' first parent (``prefix_hashes``)."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already has blocks")
-        hit = self.cached_prefix(token_ids) if hit is None else hit
+        if hit is None:
+            hit = self.cached_prefix(token_ids, prefix_hashes(token_ids, self.block_size, root))
         need = self.blocks_for(len(token_ids) + reserve) - len(hit)
         available = self.num_free - sum(1 for b in hit if b in self._evictable)
         if need > available:
@@ -123,6 +126,8 @@ class BlockManager:
         fresh = [self._fresh() for _ in range(self.blocks_for(len(token_ids)) - len(hit))]
         self._tables[seq_id] = hit + fresh
         self._hashes[seq_id] = [self._hash[b] for b in hit]
+        if root:
+            self._roots[seq_id] = root
         if self.enable_prefix_caching:
             self.stats.queries += 1
             self.stats.query_tokens += len(token_ids)
@@ -163,7 +168,8 @@ class BlockManager:
         table, hashes = self._tables[seq_id], self._hashes[seq_id]
         bs = self.block_size
         for i in range(len(hashes), min(num_computed // bs, len(table))):
-            h = block_hash(hashes[-1] if hashes else b"", token_ids[i * bs : (i + 1) * bs])
+            parent = hashes[-1] if hashes else self._roots.get(seq_id, b"")
+            h = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
             hashes.append(h)
             block = table[i]
             if h in self._cached or block in self._hash:
@@ -185,6 +191,7 @@ class BlockManager:
     def free(self, seq_id: str) -> None:
         """Release a sequence's blocks; hashed ones stay cached. Unknown ids are a no-op."""
         self._hashes.pop(seq_id, None)
+        self._roots.pop(seq_id, None)
         for block in reversed(self._tables.pop(seq_id, [])):
             self._refs[block] -= 1
             if self._refs[block]:

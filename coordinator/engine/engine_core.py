@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from fusedserve.coordinator.engine.batch_io import OutputPlan, read_outputs, write_batch
 from fusedserve.coordinator.engine.executor import Executor
+from fusedserve.coordinator.engine.lora_slots import LoraSlots
 from fusedserve.coordinator.engine.output_processor import OutputProcessor
 from fusedserve.coordinator.engine.scheduled_batch import ScheduledBatch
 from fusedserve.coordinator.engine.scheduler import Scheduler
@@ -60,7 +61,7 @@ class Inflight:
 class EngineCore:
     def __init__(self, scheduler: Scheduler, output: OutputProcessor, arenas: list[HostArena],
                  executor: Executor, candidates: int, vocab_size: int, async_scheduling: bool = False,
-                 recurrent_state: bool = False, pooled_width: int = 0):
+                 recurrent_state: bool = False, pooled_width: int = 0, max_loras: int = 0):
         self.scheduler = scheduler
         self.output = output
         self.arenas = arenas
@@ -73,6 +74,7 @@ class EngineCore:
         self.penalties = SequenceSlots(scheduler.max_batch, lambda seq: seq.params.penalized)
         # A hybrid model's recurrent state: a slot per running request (kernels/hybrid_cache.py).
         self.states = SequenceSlots(scheduler.max_batch, lambda seq: True) if recurrent_state else None
+        self.loras = LoraSlots(max_loras) if max_loras else None  # the worker's LoRA adapter slots
 
     @classmethod
     def for_worker(cls, cfg: EngineConfig, vocab_size: int, output: OutputProcessor, arenas: list[HostArena],
@@ -80,7 +82,8 @@ class EngineCore:
         """One worker's core, offline and served alike: its scheduler over its own KV blocks."""
         return cls(Scheduler.for_worker(cfg), output, arenas, executor, cfg.device.sampler_candidates,
                    vocab_size, cfg.scheduler.async_scheduling, cfg.cache.recurrent_state,
-                   cfg.model.pooled_width if cfg.pooling else 0)
+                   cfg.model.pooled_width if cfg.pooling else 0,
+                   cfg.lora.max_loras if cfg.lora.enable_lora else 0)
 
     def has_work(self) -> bool:
         """Requests to run, or launches whose replies are still owed."""
@@ -120,8 +123,9 @@ class EngineCore:
         states = None if self.states is None else self.states.assign(batch, self.scheduler.running)
         snapshots = self.scheduler.snapshots
         copies = snapshots.plan(batch, states) if snapshots is not None and states is not None else None
+        loras = self.loras.assign(batch, self.scheduler.running) if self.loras is not None else (None, [])
         desc, plan = write_batch(self.arenas[bank], batch, self.scheduler.steps, bank, *self._sampling, slots,
-                                 states, copies, self.pooled_width)
+                                 states, copies, self.pooled_width, loras)
         self.executor.submit(desc)
         self.stats.ahead += bool(self.inflight)
         self.stats.fed_rows += int((batch.feed_rows >= 0).sum())

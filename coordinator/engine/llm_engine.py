@@ -19,6 +19,7 @@ from fusedserve.coordinator.engine.config_resolution import dtype_name, hybrid_s
 from fusedserve.coordinator.engine.engine_core import EngineCore
 from fusedserve.coordinator.engine.executor import InProcessExecutor
 from fusedserve.coordinator.engine.input_processor import InputProcessor
+from fusedserve.coordinator.engine.lora_registry import LoraRegistry, parse_module
 from fusedserve.coordinator.engine.output_processor import OutputProcessor
 from fusedserve.coordinator.engine.pooling_resolution import resolve_pooling
 from fusedserve.coordinator.engine.request_limits import RequestLimits
@@ -136,30 +137,44 @@ class LLMEngine:
         executor = InProcessExecutor(self.runner)
         self.core = EngineCore.for_worker(cfg, c.vocab_size, output, self.arenas, executor)
         self._ids = itertools.count(1)
+        self.loras = LoraRegistry(c, cfg.lora, (Path(cfg.model.model).name or "base",))
+        for spec in cfg.lora.lora_modules:
+            self.loras.add(*parse_module(spec))
+
+    def add_lora(self, name: str, path: str | Path) -> None:
+        """Serve the PEFT adapter in ``path`` as ``name`` (``generate(..., lora=name)``); LoraError
+        naming what cannot be served."""
+        self.loras.add(name, str(path))
 
     @property
     def runtime(self) -> LaunchRuntime:
         return self.runner.runtime
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    request_id: str | None = None) -> Sequence:
-        """Queue one request (``step()`` on ``core`` runs it); RequestError if it cannot be served."""
+                    request_id: str | None = None, lora: str | None = None) -> Sequence:
+        """Queue one request (``step()`` on ``core`` runs it) under the LoRA adapter named ``lora``
+        (None: the base model); RequestError if it cannot be served."""
         n = next(self._ids)
+        served = None if lora is None else self.loras.get(lora)
         seq = self.input.process(request_id or f"req-{n}", n, prompt, params)
+        seq.lora = served
         self.core.scheduler.enqueue(seq)
         return seq
 
     def generate(self, prompts: list[str | list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[GenerationOutput]:
-        """Generate for every prompt with continuous batching; outputs in prompt order."""
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 lora: str | list[str | None] | None = None) -> list[GenerationOutput]:
+        """Generate for every prompt with continuous batching; outputs in prompt order. ``lora``:
+        the adapter (``add_lora``) of every prompt, or of each."""
         if not isinstance(params, list):
             params = [copy.deepcopy(params or SamplingParams()) for _ in prompts]
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
+        if len(params) != len(prompts) or len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params and {len(loras)} "
+                             "adapters")
         if self.config.pooling:
             raise ValueError("this engine runs a pooling model (runner pooling): use embed() or score()")
-        seqs, errors = self._run(prompts, params)
+        seqs, errors = self._run(prompts, params, loras)
         return [self._output(s, errors.get(s.seq_id, "")) for s in seqs]
 
     def embed(self, prompts: list[str | list[int]], dimensions: int | None = None,
@@ -194,15 +209,15 @@ class LLMEngine:
             raise ValueError(f"{task}() needs a pooling model with pooling_task {task}; this engine runs "
                              f"{what}")
 
-    def _run(self, prompts: list[str | list[int]],
-             params: list[SamplingParams]) -> tuple[list[Sequence], dict[str, str]]:
+    def _run(self, prompts: list[str | list[int]], params: list[SamplingParams],
+             loras: list[str | None] | None = None) -> tuple[list[Sequence], dict[str, str]]:
         """Queue every prompt and step until all are done; each failed request's error by id."""
         sched = self.core.scheduler
         seqs: list[Sequence] = []
         errors: dict[str, str] = {}
         try:
-            for prompt, p in zip(prompts, params):
-                seqs.append(self.add_request(prompt, p))
+            for prompt, p, lora in zip(prompts, params, loras or [None] * len(prompts)):
+                seqs.append(self.add_request(prompt, p, lora=lora))
             while self.core.has_work():
                 for ev in self.core.step():
                     if ev.error is not None:

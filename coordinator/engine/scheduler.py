@@ -37,8 +37,10 @@ from fusedserve.shared_memory.engine_config import EngineConfig
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_model_len: int, max_batch: int,
                  max_num_batched_tokens: int = 2048, speculation: Speculation | None = None,
-                 snapshots: StateSnapshots | None = None):
+                 snapshots: StateSnapshots | None = None, max_loras: int = 0):
+        """``max_loras``: the LoRA adapters the running requests may use at once (a worker's slots)."""
         self.speculation = speculation
+        self.max_loras = max_loras
         self.snapshots = snapshots  # a hybrid model's states at block boundaries (prefix caching)
         self.blocks = blocks
         self.max_model_len = max_model_len
@@ -57,7 +59,8 @@ class Scheduler:
         c, s = cfg.cache, cfg.scheduler
         snapshots = StateSnapshots(c.state_snapshots, c.block_size) if c.state_snapshots else None
         return cls(BlockManager(cfg.num_blocks, c.block_size, c.enable_prefix_caching), cfg.max_model_len,
-                   s.max_batch, s.max_num_batched_tokens, Speculation.from_config(cfg), snapshots)
+                   s.max_batch, s.max_num_batched_tokens, Speculation.from_config(cfg), snapshots,
+                   cfg.lora.max_loras if cfg.lora.enable_lora else 0)
 
     # ------------------------------------------------------------------ requests
 
@@ -102,10 +105,14 @@ class Scheduler:
                 take = min(budget, seq.length - seq.num_computed)
                 chunks.append((seq, take))
                 budget -= take
+        skipped: list[Sequence] = []  # waiting for an adapter slot: later ones may still start
         while budget > 0 and self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
             if seq.num_pending:  # preempted with its newest token still on the device
                 break
+            if seq.lora is not None and not self._lora_room(seq):
+                skipped.append(self.waiting.popleft())
+                continue
             # Prompt logprobs and penalties need every token through the device: no cached prefix.
             # One lookup serves both the sibling check and the allocation.
             hashes = seq.prefix_hashes(self.blocks.block_size)
@@ -115,7 +122,8 @@ class Scheduler:
             if self._sibling_computing(seq, len(hit)):  # the same prompt is being computed: share it
                 break
             try:  # room for one generated token too
-                seq.num_computed = self.blocks.allocate(seq.seq_id, seq.all_ids, reserve=1, hit=hit)
+                seq.num_computed = self.blocks.allocate(seq.seq_id, seq.all_ids, reserve=1, hit=hit,
+                                                       root=seq.cache_root)
             except OutOfBlocks:
                 break
             if self.snapshots is not None:
@@ -129,6 +137,7 @@ class Scheduler:
             take = min(budget, seq.num_tokens - seq.num_computed)
             chunks.append((seq, take))
             budget -= take
+        self.waiting.extendleft(reversed(skipped))
         if not decoding and not chunks:
             return None
         drafts = self._propose(decoding, speculating, self.max_batch - len(decoding) - len(chunks), budget)
@@ -136,6 +145,12 @@ class Scheduler:
         self._advance(batch)
         self.steps += 1
         return batch
+
+    def _lora_room(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s adapter can run now: the running requests use it already, or they use
+        fewer adapters than the worker has slots."""
+        active = {s.lora.key for s in self.running if s.lora is not None}
+        return seq.lora.key in active or len(active) < self.max_loras
 
     def _build(self, decoding: list[Sequence], chunks: list[tuple[Sequence, int]],
                drafts: dict[int, list[int]]) -> ScheduledBatch:

@@ -8,6 +8,7 @@ import numpy as np
 
 from fusedserve.coordinator.engine.block_manager import prefix_hashes
 from fusedserve.coordinator.engine.detokenizer import Detokenizer
+from fusedserve.coordinator.engine.lora_registry import ServedAdapter
 from fusedserve.coordinator.engine.speculative.speculation_policy import SpecState
 from fusedserve.coordinator.engine.token_rules import TokenRules
 from fusedserve.coordinator.errors import RequestError
@@ -50,6 +51,7 @@ class Sequence:
     # launch that finished the prompt) is its result instead of tokens.
     pooling: bool = False
     pooled: np.ndarray | None = field(default=None, repr=False)
+    lora: ServedAdapter | None = None  # the LoRA adapter its rows apply (None: the base model)
     _hashes: tuple[int, int, list[bytes]] | None = field(default=None, repr=False)
 
     def prefix_hashes(self, block_size: int) -> list[bytes]:
@@ -57,8 +59,13 @@ class Sequence:
         with them and the scheduler then looks its prefix up with the same."""
         n = self.length - self.num_pending
         if self._hashes is None or self._hashes[:2] != (n, block_size):
-            self._hashes = (n, block_size, prefix_hashes(self.all_ids, block_size))
+            self._hashes = (n, block_size, prefix_hashes(self.all_ids, block_size, self.cache_root))
         return self._hashes[2]
+
+    @property
+    def cache_root(self) -> bytes:
+        """Its prefix hashes' first parent: its adapter's, or b"" (the base model)."""
+        return b"" if self.lora is None else self.lora.cache_root
 
     @property
     def needs_last_token(self) -> bool:

@@ -127,3 +127,28 @@ def _modules(name: str, weights: Path, rank: int, num_layers: int | None) -> fro
     if not seen:
         raise LoraError(f"adapter {name!r}: {WEIGHTS} holds no LoRA weights")
     return frozenset(seen)
+
+
+def check_fits(adapter: LoraAdapter, c) -> None:
+    """Refuse ``adapter`` for a model of config ``c`` (a ``Qwen3Config``) unless every A and B has the
+    shape of the projection it changes: a LoRA trained on another base is refused at load, by
+    tensor, instead of failing inside a launch."""
+    if c.hybrid or c.num_experts:
+        raise LoraError(f"adapter {adapter.name!r}: LoRA is served on dense Qwen3 models; this one is "
+                        f"{'a hybrid' if c.hybrid else 'a mixture of experts'}")
+    h, q, kv, i = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
+    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
+            "up_proj": (h, i), "down_proj": (i, h)}  # (in, out)
+    with safe_open(adapter.path + "/" + WEIGHTS, framework="pt") as f:
+        for key in f.keys():
+            m = TENSOR.match(key)
+            layer, module, side = int(m.group(1)), m.group(2), m.group(3)
+            if layer >= c.num_hidden_layers:
+                raise LoraError(f"adapter {adapter.name!r} changes layer {layer}; the model has "
+                                f"{c.num_hidden_layers}")
+            fan_in, fan_out = dims[module]
+            want = [adapter.rank, fan_in] if side == "A" else [fan_out, adapter.rank]
+            shape = list(f.get_slice(key).get_shape())
+            if shape != want:
+                raise LoraError(f"adapter {adapter.name!r}: {key} has shape {shape}; this model's "
+                                f"{module} needs {want} (an adapter of another base model?)")

@@ -5,8 +5,6 @@ and two adapters, whole and split over a tensor-parallel pair."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -15,24 +13,7 @@ from fusedserve.kernels.model_description.config import Qwen3Config
 from fusedserve.kernels.model_description.lora import LoraAdapter, LoraError
 from fusedserve.worker.model.lora_weights import FUSED, ROW_PARALLEL, load_lora
 from fusedserve.worker.model.tensor_parallel import TensorParallel
-
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# Adapter 0: rank 4 on every projection. Adapter 1: rank-stabilised rank 8 on three, layer 1 only.
-ADAPTERS = [dict(r=4, lora_alpha=8, target_modules=ALL),
-            dict(r=8, lora_alpha=16, use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"],
-                 layers_to_transform=[1])]
-
-
-def _write(base: Path, out: Path, seed: int, **lora: object) -> dict[str, torch.Tensor]:
-    """Save a peft adapter with random A and B; return peft's merged weights."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    model = get_peft_model(Qwen3ForCausalLM.from_pretrained(base, dtype=torch.float32),
-                           LoraConfig(init_lora_weights=False, **lora))
-    model.save_pretrained(out)
-    return {k: v.clone() for k, v in model.merge_and_unload().state_dict().items()}
+from tests.lora_adapters import ADAPTERS, ALL, write_adapter
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +22,7 @@ def adapters(hf_checkpoints, tmp_path_factory):
 
     base_dir = hf_checkpoints["gqa2_untied"]
     root = tmp_path_factory.mktemp("lora")
-    merged = [_write(base_dir, root / f"a{i}", i, **kw) for i, kw in enumerate(ADAPTERS)]
+    merged = [write_adapter(base_dir, root / f"a{i}", i, **kw) for i, kw in enumerate(ADAPTERS)]
     base = Qwen3ForCausalLM.from_pretrained(base_dir, dtype=torch.float32).state_dict()
     return base_dir, [root / f"a{i}" for i in range(len(ADAPTERS))], base, merged
 
@@ -66,10 +47,10 @@ def test_what_cannot_be_served_is_refused_with_its_reason(adapters, tmp_path):
     base_dir, dirs, _, _ = adapters
     with pytest.raises(LoraError, match="rank 8; this server allows 4 .--max-lora-rank"):
         LoraAdapter.from_dir("a1", dirs[1], max_rank=4)
-    _write(base_dir, tmp_path / "head", 5, r=4, target_modules=["q_proj", "lm_head"])
+    write_adapter(base_dir, tmp_path / "head", 5, r=4, target_modules=["q_proj", "lm_head"])
     with pytest.raises(LoraError, match="lm_head"):
         LoraAdapter.from_dir("head", tmp_path / "head", max_rank=16)
-    _write(base_dir, tmp_path / "dora", 6, r=4, target_modules=["q_proj"], use_dora=True)
+    write_adapter(base_dir, tmp_path / "dora", 6, r=4, target_modules=["q_proj"], use_dora=True)
     with pytest.raises(LoraError, match="DoRA"):
         LoraAdapter.from_dir("dora", tmp_path / "dora", max_rank=16)
     with pytest.raises(LoraError, match="no readable adapter_config.json"):

@@ -19,7 +19,7 @@ from fusedserve.shared_memory.slots import step_table
 ROOT = Path(__file__).resolve().parents[2]
 DIMS = {"B": 4, "B1": 5, "W": 3, "T": 16, "NL": 4, "N": 2, "TL": 16, "NP": 2, "V": 32, "G": 4, "VW": 1,
         "PR": 4, "PT": 16, "PB": 4, "LB": 8, "S": 4, "K1": 5, "BD": 4, "RS": 4, "SR": 4, "SRS": 4, "SSV": 4,
-        "PL": 4, "H": 8}
+        "PL": 4, "H": 8, "LT": 16}
 TABLE = step_table()
 
 

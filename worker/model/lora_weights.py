@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from fusedserve.kernels.model_description.config import Qwen3Config
-from fusedserve.kernels.model_description.lora import TENSOR, WEIGHTS, LoraAdapter, LoraError
+from fusedserve.kernels.model_description.lora import TENSOR, WEIGHTS, LoraAdapter, check_fits
 from fusedserve.worker.model.tensor_parallel import SINGLE, TensorParallel
 
 # Each fused projection's parts, in the order of its output rows.
@@ -61,9 +61,7 @@ class LoraWeights:
 def load_lora(adapter: LoraAdapter, c: Qwen3Config, dtype: torch.dtype, device: torch.device,
               tp: TensorParallel = SINGLE) -> LoraWeights:
     """``adapter``'s weights for a model of config ``c`` (this rank's share under ``tp``)."""
-    if c.hybrid or c.num_experts:
-        raise LoraError(f"adapter {adapter.name!r}: LoRA is served on dense Qwen3 models; this one is "
-                        f"{'a hybrid' if c.hybrid else 'a mixture of experts'}")
+    check_fits(adapter, c)
     tensors: dict[tuple[int, str, str], torch.Tensor] = {}
     with safe_open(adapter.path + "/" + WEIGHTS, framework="pt") as f:
         for key in f.keys():
