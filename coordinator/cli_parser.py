@@ -20,6 +20,7 @@ from fusedserve.shared_memory.engine_config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    LoraConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -42,7 +43,7 @@ AUTH_HELP = (f"a file holding the shared auth token (or set ${TOKEN_ENV}); requi
 LONG_MAX_MODEL_LEN_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
 ENGINE = [Section(ModelConfig, title="the model"), Section(CacheConfig, title="the KV cache"),
           Section(SchedulerConfig, title="the scheduler"), Section(DeviceConfig, title="the device"),
-          Section(ParallelConfig, title="parallelism")]
+          Section(ParallelConfig, title="parallelism"), Section(LoraConfig, title="LoRA adapters")]
 SERVER = [Section(ServerConfig, title="the ZeroMQ front end and the coordinator"),
           Section(Limits, title="request limits"), Section(RoutingConfig, "routing_", "routing"),
           Section(GrammarLimits, "grammar_", "structured outputs' limits (llguidance's LLParserLimits): a "
@@ -183,7 +184,8 @@ VLLM_HONOURED = (
     "--num-gpu-blocks-override", "--kv-cache-memory-bytes", "--gpu-memory-utilization",
     "--enable-prefix-caching", "--no-enable-prefix-caching", "--kv-cache-dtype", "--max-num-seqs",
     "--max-num-batched-tokens", "--async-scheduling", "--tensor-parallel-size", "--data-parallel-size",
-    "--enable-expert-parallel", "--speculative-config", "--enforce-eager", "--host", "--port",
+    "--enable-expert-parallel", "--speculative-config", "--enforce-eager", "--enable-lora", "--lora-modules",
+    "--max-loras", "--max-lora-rank", "--max-cpu-loras", "--host", "--port",
     "--ssl-keyfile", "--ssl-certfile", "--api-key", "--allowed-origins", "--allowed-methods",
     "--allowed-headers",
     "--allow-credentials", "--uvicorn-log-level", "--enable-log-requests", "--disable-log-requests",

@@ -30,7 +30,7 @@ class ServerError(RuntimeError):
 
 
 # Frames that change or reveal the deployment: they carry the admin token ("admin"), not just "auth".
-ADMIN_TYPES = ("scale", "workers")
+ADMIN_TYPES = ("scale", "workers", "load_lora", "unload_lora")
 # The longest end-client name or session id a generate frame may carry.
 MAX_CLIENT_CHARS = 128
 
@@ -138,6 +138,18 @@ class Client:
     def workers(self) -> list[dict]:
         return self._call({"type": "workers", "id": self._next_id()})["workers"]
 
+    def loras(self) -> list[dict]:
+        """The LoRA adapters requests may name (``lora=``), each with its parent model."""
+        return self._call({"type": "loras", "id": self._next_id()})["adapters"]
+
+    def load_lora(self, name: str, path: str) -> list[dict]:
+        """Serve the PEFT adapter in ``path`` (on the workers' filesystem) as ``name`` (admin)."""
+        msg = {"type": "load_lora", "id": self._next_id(), "name": name, "path": path}
+        return self._call(msg)["adapters"]
+
+    def unload_lora(self, name: str) -> list[dict]:
+        return self._call({"type": "unload_lora", "id": self._next_id(), "name": name})["adapters"]
+
     def close(self) -> None:
         self.sock.close(0)
 
@@ -152,8 +164,9 @@ class AsyncClient:
     """Many concurrent requests over one socket; a reader task routes replies by id."""
 
     def __init__(self, address: str = DEFAULT_ADDRESS, token: str | None = None,
-                 curve_server_key: str | bytes | None = None):
+                 curve_server_key: str | bytes | None = None, admin_token: str | None = None):
         self.token = _token(token)
+        self.admin_token = admin_token  # sent on admin frames (``ADMIN_TYPES``)
         self._ctx = zmq.asyncio.Context.instance()
         self.sock = self._ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -204,6 +217,8 @@ class AsyncClient:
     async def _send(self, msg: dict) -> None:
         if self.token is not None:
             msg = {**msg, "auth": self.token}
+        if self.admin_token is not None and msg.get("type") in ADMIN_TYPES:
+            msg = {**msg, "admin": self.admin_token}
         await self.sock.send(msgpack.packb(msg, use_bin_type=True))
 
     def new_id(self) -> str:
@@ -240,6 +255,11 @@ class AsyncClient:
     async def health(self) -> dict:
         rid = self.new_id()
         return await self._call(rid, {"type": "health", "id": rid})
+
+    async def control(self, kind: str, **fields: Any) -> dict:
+        """A control frame of type ``kind`` (``loras``, ``load_lora``, ...) and its reply."""
+        rid = self.new_id()
+        return await self._call(rid, {"type": kind, "id": rid, **fields})
 
     async def _call(self, rid: str, msg: dict) -> dict:
         q = await self._open(rid, msg)

@@ -38,7 +38,6 @@ def _r(flag: str, why: str, takes_value: bool = True) -> VllmFlag:
     return VllmFlag(flag, REFUSED, why, takes_value)
 
 
-LORA = "LoRA adapters are not served yet"
 POOLING = ("serve a pooling model with --runner pooling and --pooling-task embed (embeddings) or score (a "
            "reranker or classifier)")
 DP_REMOTE = "Ray places the workers across nodes: join a cluster with --ray-address"
@@ -136,13 +135,10 @@ FLAGS: tuple[VllmFlag, ...] = (
     _n("--guided-decoding-backend", "llguidance compiles every grammar"),
     _n("--structured-outputs-config", "llguidance compiles every grammar"),
     # LoRA
-    _r("--enable-lora", LORA, False),
-    _r("--lora-modules", LORA),
-    _r("--max-loras", LORA),
-    _r("--max-lora-rank", LORA),
-    _r("--max-cpu-loras", LORA),
-    _r("--fully-sharded-loras", LORA, False),
-    _r("--lora-dtype", LORA),
+    # LoRA (--enable-lora, --lora-modules, --max-loras, --max-lora-rank, --max-cpu-loras are fusedserve's own)
+    _n("--fully-sharded-loras", "each tensor-parallel rank holds its share of every adapter already", False),
+    _n("--lora-dtype", "adapters run in the model's dtype", values=("auto",),
+       why_not="adapters run in the model's dtype (auto)"),
     # The HTTP front end
     _n("--disable-uvicorn-access-log", "access lines are off unless --uvicorn-log-level info", False),
     _n("--disable-frontend-multiprocessing", "the HTTP API runs on a thread of the serve process", False),

@@ -43,6 +43,7 @@ class LoraPool:
         self.host: OrderedDict[str, LoraWeights] = OrderedDict()  # read adapters, least recent first
         for slot in range(n):
             model.set_lora(slot, None)
+        log.info("LoRA: %d adapter slots of rank %d, %.1f MiB", n, r, self.nbytes / (1 << 20))
 
     @property
     def nbytes(self) -> int:

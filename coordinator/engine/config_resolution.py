@@ -18,6 +18,7 @@ from fusedserve.coordinator.engine.pooling_resolution import resolve_pooling
 from fusedserve.coordinator.model_files.default_model import resolve_model
 from fusedserve.kernels.model_description.checkpoint_format import checkpoint_format, parameter_count
 from fusedserve.kernels.model_description.config import Qwen3Config, parse_dtype, resolve_dtype
+from fusedserve.kernels.model_description.lora import slot_bytes
 from fusedserve.kernels.model_description.quantization import check_quantization
 from fusedserve.shared_memory.engine_config import EngineConfig
 
@@ -61,8 +62,10 @@ def resolve_config(cfg: EngineConfig, device_kind: str, ranks_on_node: int = 1) 
     if c.kv_cache_dtype == "int8" and device_kind != "cpu":
         raise ValueError(f"kv_cache_dtype int8 runs on the native CPU kernels; this engine's device is "
                          f"{device_kind}: use kv_cache_dtype auto there")
+    lo = cfg.lora  # the adapter slots are allocated beside the weights
+    loras = lo.max_loras * slot_bytes(model, lo.max_lora_rank, dtype.itemsize) if lo.enable_lora else 0
     kv = kv_sizing.plan(model, dtype, cfg.cache, device_kind=device_kind, max_batch=cfg.scheduler.max_batch,
-                        max_model_len=max_len, weight_bytes=kv_sizing.weight_bytes(model_dir),
+                        max_model_len=max_len, weight_bytes=kv_sizing.weight_bytes(model_dir) + loras,
                         ranks_on_node=ranks_on_node, tp=p.tensor_parallel_size)
     resolved = cfg.replace(model=model_dir, max_model_len=kv.max_model_len, quantization=quantization,
                            dtype=dtype_name(dtype), num_blocks=kv.num_blocks,

@@ -26,7 +26,7 @@ MAX_NAME_CHARS = 256
 class ServedAdapter:
     adapter: LoraAdapter
     key: str  # this registration: name and a number never reused
-    parent: str  # the base model's served name
+    parent: str | None  # the base model's name it was given with (None: the served base model's)
 
     @property
     def name(self) -> str:
@@ -78,7 +78,7 @@ class LoraRegistry:
             raise LoraError(f"an adapter named {name!r} is already loaded (unload it first)")
         adapter = LoraAdapter.from_dir(name, path, self.lora.max_lora_rank, self.config.num_hidden_layers)
         check_fits(adapter, self.config)
-        served = ServedAdapter(adapter, f"{name}#{next(self._keys)}", parent or self.base_names[0])
+        served = ServedAdapter(adapter, f"{name}#{next(self._keys)}", parent)
         self.adapters[name] = served
         return served
 

@@ -25,6 +25,7 @@ from fusedserve.coordinator.openai import chat_output, event_stream
 from fusedserve.coordinator.openai import protocol as oa
 from fusedserve.coordinator.openai import response_fields as rf
 from fusedserve.coordinator.openai.gateway import HEALTH_STALE_S, Gateway
+from fusedserve.coordinator.openai.lora_api import adapters, add_lora_routes
 from fusedserve.coordinator.openai.pooling_api import add_pooling_routes
 from fusedserve.coordinator.openai.responses_api import add_responses_routes
 from fusedserve.coordinator.sampling_params import is_kind
@@ -164,9 +165,13 @@ def build_app(gw: Gateway) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         gw.check_auth(request)
+        try:
+            loras = await adapters(gw)
+        except ServerError as exc:
+            raise oa.ApiError.from_reply(exc.reply) from None
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "fusedserve", "root": gw.model_name,
-             "max_model_len": gw.max_model_len} for name in gw.model_names]}
+             "max_model_len": gw.max_model_len} for name in gw.model_names] + loras}
 
     async def as_completion(request: Request, body: dict) -> Response:
         gw.need_task(None, "/v1/completions")
@@ -213,6 +218,7 @@ def build_app(gw: Gateway) -> FastAPI:
                           "completion)", code="bad_field")
 
     add_pooling_routes(app, gw, _read_body)
+    add_lora_routes(app, gw, _read_body)
     add_responses_routes(app, gw, _read_body, prepare_chat,
                          lambda request, prep: _complete(gw, request, prep, True))
     return app

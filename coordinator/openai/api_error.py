@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 # Coordinator error codes that are not a 400 (a bad request).
-STATUS = {"unauthorized": 401, "prompt_too_long": 413, "too_many_requests": 429, "server_busy": 429,
+STATUS = {"unauthorized": 401, "model_not_found": 404, "prompt_too_long": 413, "too_many_requests": 429,
+          "server_busy": 429,
           "no_workers": 503, "shutdown": 503, "internal": 500, "sampling_error": 500, "worker_error": 500,
           "slow_client": 500}
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",

@@ -54,6 +54,10 @@ class GatewayConfig:
     # what would pass them at once, before tokenizing, instead of after a round trip.
     max_inflight: int = 4096
     max_requests_per_client: int = 256
+    # LoRA: a ``model`` other than the base's names an adapter (the coordinator knows which exist);
+    # the coordinator's admin token, which /v1/load_lora_adapter and /v1/unload_lora_adapter need.
+    lora: bool = False
+    admin_token: str | None = None
 
     @classmethod
     def for_server(cls, server: Server, http: HttpConfig | None = None, **settings: object) -> GatewayConfig:
@@ -70,6 +74,8 @@ class GatewayConfig:
         settings.setdefault("token", server.server_config.auth_token)
         settings.setdefault("max_inflight", server.server_config.limits.max_queued_requests)
         settings.setdefault("max_requests_per_client", server.server_config.limits.max_requests_per_client)
+        settings.setdefault("lora", server.engine_config.lora.enable_lora)
+        settings.setdefault("admin_token", server.server_config.admin_token)
         engine = server.engine_config
         if engine.pooling:
             settings.setdefault("pooling_task", engine.model.pooling_task)
@@ -171,11 +177,14 @@ class Gateway:
     def admit(self, prepared: oa.Prepared, request: Request) -> oa.Prepared:
         """The request for this server's model, named for its end client (whom the coordinator's
         per-client limits count it for)."""
-        if prepared.model and prepared.model not in self.model_names:
+        if prepared.model and prepared.model not in self.model_names and self.config.lora:
+            prepared.params["lora"] = prepared.model  # an adapter: the coordinator 404s an unknown one
+        elif prepared.model and prepared.model not in self.model_names:
             raise oa.ApiError(404, f"model {prepared.model!r} does not exist; this server has "
                               f"{', '.join(map(repr, self.model_names))}", param="model",
                               code="model_not_found")
-        prepared.model = self.model_name
+        else:
+            prepared.model = self.model_name
         prepared.params["client"] = end_client(request)
         self.metrics.admitted(prepared.n, prepared.params["max_tokens"])
         session = request.headers.get("x-session-id") or prepared.user

@@ -38,7 +38,8 @@ class HttpServer:
 
     async def _serve(self) -> None:
         self.gw.client = AsyncClient(self.gw.coordinator, token=self.gw.token,
-                                     curve_server_key=self.gw.curve_server_key)
+                                     curve_server_key=self.gw.curve_server_key,
+                                     admin_token=self.gw.config.admin_token)
         health = asyncio.get_running_loop().create_task(self.gw.watch_health())
         try:
             await self.server.serve()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 from fusedserve.coordinator.engine.input_processor import InputProcessor
+from fusedserve.coordinator.engine.lora_registry import LoraRegistry, parse_module
 from fusedserve.coordinator.engine.request_limits import RequestLimits
 from fusedserve.coordinator.engine.sequence import Sequence
 from fusedserve.coordinator.errors import RequestError
@@ -35,6 +36,10 @@ class Admission:
         # Every worker has the same shape: one check answers "can this be served?".
         self.input = InputProcessor.for_model(config, tokenizer, RequestLimits.for_worker(
             engine, config.vocab_size, limits.max_prompt_tokens), grammar_limits, pooling=engine.pooling)
+        # The LoRA adapters requests may name: --lora-modules now, load_lora frames later.
+        self.loras = LoraRegistry(config, engine.lora, (engine.model.model,))
+        for spec in engine.lora.lora_modules:
+            self.loras.add(*parse_module(spec))
 
     def check_limits(self, identity: bytes, req: GenerateRequest, requests: RequestTable) -> None:
         lim = self.limits
@@ -67,8 +72,10 @@ class Admission:
         if self.seeds is not None and not req.seeded:
             req.params.seed = self.seeds.getrandbits(63)
         try:
+            lora = None if req.lora is None else self.loras.get(req.lora)
             prompt = req.prompt if req.prompt is not None else req.prompt_ids
             seq = self.input.process(seq_id, arrival, prompt, req.params, compile_grammar=False)
+            seq.lora = lora
         except RequestError as exc:
             exc.request_id = req.id
             raise

@@ -25,7 +25,8 @@ from fusedserve.coordinator.sampling_params import ZMQ, SamplingError, SamplingP
 from fusedserve.coordinator.structured.structured_spec import StructuredError, StructuredSpec
 
 MAX_FRAME_BYTES = 4 << 20
-REQUEST_TYPES = ("generate", "abort", "stats", "health", "workers", "scale")
+REQUEST_TYPES = ("generate", "abort", "stats", "health", "workers", "scale", "loras", "load_lora",
+                 "unload_lora")
 # The generate frame's sampling fields, each as SamplingParams declares it.
 SAMPLING_FIELDS = SamplingParams.front_end_fields(ZMQ)
 
@@ -41,13 +42,14 @@ class GenerateRequest:
     client: str | None = None
     session: str | None = None  # the client's session: routing may keep it on one worker
     seeded: bool = True  # the request named its seed (else the server's --seed may give it one)
+    lora: str | None = None  # the LoRA adapter it runs under (None: the base model)
 
 
 @dataclass
 class ControlRequest:
-    type: str  # abort | stats | health | workers | scale
+    type: str  # abort | stats | health | workers | scale | loras | load_lora | unload_lora
     id: Any
-    target: Any = None  # abort: the generate id to stop; scale: the worker count
+    target: Any = None  # abort: the generate id to stop; scale: the worker count; load_lora: (name, path)
 
 
 def unpack(frame: bytes) -> Any:
@@ -111,6 +113,12 @@ def parse(frame: bytes, token: str | None = None,
         if not is_kind(n, int) or n < 1:
             raise RequestError("bad_field", "field 'workers' must be an integer >= 1", rid)
         return ControlRequest("scale", rid, n)
+    if kind in ("load_lora", "unload_lora"):
+        name, path = msg.get("name"), msg.get("path")
+        if not isinstance(name, str) or (kind == "load_lora" and not isinstance(path, str)):
+            what = "'name' and 'path' must be strings" if kind == "load_lora" else "'name' must be a string"
+            raise RequestError("bad_field", f"{kind}: {what}", rid)
+        return ControlRequest(kind, rid, (name, path))
     return ControlRequest(kind, rid)
 
 
@@ -134,8 +142,8 @@ def _parse_generate(msg: dict, rid: Any) -> GenerateRequest:
     stream = msg.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError("bad_field", "field 'stream' must be a boolean", rid)
-    client, session = msg.get("client"), msg.get("session_id")
-    for key, value in (("client", client), ("session_id", session)):
+    client, session, lora = msg.get("client"), msg.get("session_id"), msg.get("lora")
+    for key, value in (("client", client), ("session_id", session), ("lora", lora)):
         if value is not None and (not isinstance(value, str) or not 0 < len(value) <= MAX_CLIENT_CHARS):
             raise RequestError("bad_field",
                                f"field {key!r} must be a string of 1-{MAX_CLIENT_CHARS} characters", rid)
@@ -148,7 +156,7 @@ def _parse_generate(msg: dict, rid: Any) -> GenerateRequest:
         params = SamplingParams(**kwargs)
     except SamplingError as exc:
         raise RequestError("bad_param", str(exc), rid) from None
-    return GenerateRequest(rid, prompt, prompt_ids, params, stream, client, session, "seed" in kwargs)
+    return GenerateRequest(rid, prompt, prompt_ids, params, stream, client, session, "seed" in kwargs, lora)
 
 
 def pack(msg: dict) -> bytes:

@@ -11,7 +11,9 @@ Equal loads are told apart by the tokens each worker has been given so far (``to
 the first of equals would otherwise take every tie, and one-off prompts, heavier than a cached
 follow-up, would pile onto it.
 A worker past that bound is not chosen for its cache: a hot prefix cannot pile every request on
-one worker. ``session`` first prefers the worker that served the request's session last, while
+one worker. A request under a LoRA adapter with no cached prefix goes, within the same bound, to
+the least loaded worker with that adapter in a slot (loading it elsewhere would evict another
+adapter and cost a copy). ``session`` first prefers the worker that served the request's session last, while
 it is active (not draining, not lost), then the same rule. ``least-loaded`` ignores both.
 
 The choice costs O(blocks x workers) dictionary lookups, each worker's walk stopping at its
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
     from fusedserve.coordinator.server.worker_pool import WorkerHandle
 
 POLICIES = ("cache-aware", "session", "least-loaded")
-REASONS = ("session", "prefix_hit", "least_loaded", "load_bound")
+REASONS = ("session", "prefix_hit", "lora_resident", "least_loaded", "load_bound")
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,11 @@ class RoutingPolicy:
                 best, best_hits = w, hits
         if best_hits:
             return Choice(best, "prefix_hit", best_hits)
+        if seq.lora is not None:  # no cached prefix: a worker that has its adapter in a slot
+            held = [w for w in active if w.scheduler.load <= bound and w.core.loras is not None
+                    and w.core.loras.holds(seq.lora.key)]
+            if held:
+                return Choice(min(held, key=_busy), "lora_resident", 0)
         return Choice(least, "load_bound" if over else "least_loaded", 0)
 
     @staticmethod

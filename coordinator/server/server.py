@@ -41,6 +41,7 @@ from fusedserve.coordinator.server.routing_policy import RoutingPolicy
 from fusedserve.coordinator.server.stats import FaultCounters, ServerCounters, server_stats
 from fusedserve.coordinator.server.worker_pool import PoolConfig, WorkerHandle, WorkerPool, probe_device
 from fusedserve.coordinator.structured.compile_queue import CompileQueue
+from fusedserve.kernels.model_description.lora import LoraError
 from fusedserve.shared_memory.arena import HostArena, remove_stale
 
 log = logging.getLogger(__name__)
@@ -278,9 +279,27 @@ class Server:
         elif req.type == "health":
             reply = {"type": "health", "ok": bool(self.pool.active), "workers": len(self.workers),
                      "starting": len(self.pool.starting)}
+        elif req.type in ("loras", "load_lora", "unload_lora"):
+            reply = self._loras(req)
         else:  # workers
             reply = {"type": "workers", "workers": [{"id": w.worker_id, **w.info} for w in self.workers]}
         self._send(identity, {**reply, "id": req.id})
+
+    def _loras(self, req: ControlRequest) -> dict:
+        """List, load or unload LoRA adapters. Unloading refuses new requests for the name at once;
+        requests already running under it finish under it."""
+        registry = self.admission.loras
+        if req.type == "load_lora":
+            name, path = req.target
+            try:
+                served = registry.add(name, path)
+            except LoraError as exc:
+                raise RequestError("bad_lora", str(exc), req.id) from None
+            log.info("LoRA adapter %r loaded from %s (rank %d)", name, path, served.adapter.rank)
+        elif req.type == "unload_lora":
+            registry.remove(req.target[0])
+            log.info("LoRA adapter %r unloaded", req.target[0])
+        return {"type": "loras", "enabled": registry.lora.enable_lora, "adapters": registry.listing()}
 
     # -------------------------------------------------------------------- replies
 

@@ -152,3 +152,11 @@ def check_fits(adapter: LoraAdapter, c) -> None:
             if shape != want:
                 raise LoraError(f"adapter {adapter.name!r}: {key} has shape {shape}; this model's "
                                 f"{module} needs {want} (an adapter of another base model?)")
+
+
+def slot_bytes(c, rank: int, itemsize: int) -> int:
+    """One adapter slot of a model of config ``c`` at ``rank`` (a worker holds ``--max-loras`` of
+    them; the KV budget leaves them out): every layer's A and B of its seven projections."""
+    h, q, kv, i = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
+    per_layer = rank * (3 * h + (q + 2 * kv) + q + h + 2 * h + 2 * i + i + h)
+    return per_layer * c.num_hidden_layers * itemsize

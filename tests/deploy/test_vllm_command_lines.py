@@ -58,6 +58,11 @@ HONOURED = [
     (["Qwen/Qwen3-Coder-30B-A3B-Instruct", "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder"],
      lambda s, h: h.tool_call_parser == "qwen3_coder" and h.enable_auto_tool_choice),
     (["Qwen/Qwen3-8B", "--max-logprobs", "5"], lambda s, h: s.limits.max_logprobs == 5),
+    (["Qwen/Qwen3-8B", "--enable-lora", "--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat",
+      "--max-loras", "4", "--max-lora-rank", "64", "--max-cpu-loras", "8"],
+     lambda s, h: (s.engine.lora.enable_lora, s.engine.lora.lora_modules, s.engine.lora.max_loras,
+                   s.engine.lora.max_lora_rank, s.engine.lora.max_cpu_loras)
+     == (True, ("sql=/adapters/sql", "chat=/adapters/chat"), 4, 64, 8)),
     (["Qwen/Qwen3-Embedding-0.6B", "--runner", "pooling"], lambda s, h: s.engine.model.runner == "pooling"),
     (["Qwen/Qwen3-Reranker-0.6B", "--runner", "pooling", "--convert", "classify"],
      lambda s, h: (s.engine.model.runner, s.engine.model.pooling_task) == ("pooling", "classify")),
@@ -90,7 +95,7 @@ NOOPS = [
     (["Qwen/Qwen3-8B", "--pipeline-parallel-size", "1"], "--pipeline-parallel-size 1"),
 ]
 REFUSED = [
-    (["Qwen/Qwen3-8B", "--enable-lora", "--lora-modules", "sql=/adapters/sql"], "--enable-lora"),
+    (["Qwen/Qwen3-8B", "--lora-modules", "sql=/adapters/sql"], "enable_lora"),
     (["Qwen/Qwen3-8B", "--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2"),
     (["Qwen/Qwen3-8B", "--tool-call-parser", "mistral"], "--tool-call-parser mistral"),
     (["Qwen/Qwen3-8B", "--task", "embed"], "--task embed"),

@@ -121,3 +121,11 @@ def test_what_cannot_be_served_is_refused_by_name(lora_setup, tmp_path):
     with LLMEngine(base, dtype="float32", num_blocks=16) as eng:
         with pytest.raises(LoraError, match="--enable-lora"):
             eng.add_lora("a0", dirs["a0"])
+
+
+def test_the_slots_allocated_are_the_bytes_the_kv_budget_leaves_out(lora_setup):
+    from fusedserve.kernels.model_description.lora import slot_bytes
+
+    base, dirs, _ = lora_setup
+    with _engine(base, dirs, max_loras=3, max_lora_rank=8) as eng:
+        assert eng.runner.loras.nbytes == 3 * slot_bytes(eng.model.config, 8, 4)

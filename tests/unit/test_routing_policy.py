@@ -4,11 +4,13 @@ load bound. The served half is tests/server/test_routing.py."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
 from fusedserve.coordinator.engine.block_manager import BlockManager, prefix_hashes
+from fusedserve.coordinator.engine.lora_registry import ServedAdapter
+from fusedserve.coordinator.engine.lora_slots import LoraSlots
 from fusedserve.coordinator.engine.sequence import Sequence
 from fusedserve.coordinator.sampling_params import SamplingParams
 from fusedserve.coordinator.server.routing_policy import RoutingConfig, RoutingPolicy
@@ -24,9 +26,15 @@ class _Scheduler:  # what the policy reads of a worker's scheduler: its load and
 
 
 @dataclass
+class _Core:  # what the policy reads of a worker's engine core: its LoRA slots
+    loras: LoraSlots | None = None
+
+
+@dataclass
 class _Worker:
     worker_id: str
     scheduler: _Scheduler
+    core: _Core = field(default_factory=_Core)
 
 
 def _workers(n: int, num_blocks: int = 64) -> list[_Worker]:
@@ -84,8 +92,26 @@ def test_the_worker_holding_the_prefix_wins_within_the_load_bound():
     ws[1].scheduler.load = 5
     c = policy.choose(_seq(PROMPT), ws)
     assert (c.worker.worker_id, c.reason) == ("w0", "load_bound")
-    assert policy.snapshot()["decisions"] == {"session": 0, "prefix_hit": 2, "least_loaded": 0,
-                                              "load_bound": 1}
+    assert policy.snapshot()["decisions"] == {"session": 0, "prefix_hit": 2, "lora_resident": 0,
+                                              "least_loaded": 0, "load_bound": 1}
+
+
+def test_an_adapters_request_goes_where_the_adapter_is_resident_within_the_bound():
+    ws = _workers(3)
+    adapter = ServedAdapter(None, "a0#1", None)
+    for w in ws:
+        w.core.loras = LoraSlots(2)
+    ws[2].core.loras.resident["a0#1"] = 0
+    seq = _seq(PROMPT)
+    seq.lora = adapter
+    policy = RoutingPolicy(RoutingConfig(balance_abs=4))
+    ws[2].scheduler.load = 4
+    c = policy.choose(seq, ws)
+    assert (c.worker.worker_id, c.reason) == ("w2", "lora_resident")
+    ws[2].scheduler.load = 5  # past the bound: the least loaded loads it
+    assert (policy.choose(seq, ws).worker.worker_id, policy.choose(seq, ws).reason) == ("w0", "least_loaded")
+    _cache(ws[1], PROMPT)  # the base model's blocks are no hit for the adapter's request
+    assert policy.choose(seq, ws).worker.worker_id == "w0"
 
 
 def test_the_bound_grows_with_load():
