@@ -18,11 +18,13 @@ from collections import OrderedDict
 import torch
 
 from fusedserve.kernels.model_description.lora import LoraAdapter
+from fusedserve.kernels.native import build as native_build
 from fusedserve.shared_memory.engine_config import LoraConfig
 from fusedserve.worker.model.lora_weights import FUSED, LoraPart, LoraProjection, LoraWeights, load_lora
 from fusedserve.worker.model.qwen3 import Qwen3Model
 
 log = logging.getLogger(__name__)
+NATIVE_MAX_RANK = 64  # the native kernel keeps a block of B (rank x vector lanes) on its stack
 
 
 class LoraPool:
@@ -31,23 +33,40 @@ class LoraPool:
         self.rank = lora.max_lora_rank
         self.max_cpu = lora.max_cpu_loras or lora.max_loras
         c, n, r = model.config, lora.max_loras, lora.max_lora_rank
-        layers = c.num_hidden_layers
-        self.a: dict[str, torch.Tensor] = {}  # fused projection -> [layers, slots, parts * rank, in]
-        self.b: dict[str, torch.Tensor] = {}  # fused projection -> [layers, slots, out, rank]
+        layers, kw = c.num_hidden_layers, {"dtype": model.dtype, "device": model.device}
+        # Per fused projection: part j's A in rows j * rank.. of a slot's A; B transposed (one rank row
+        # of every output column), so that a slot's update streams B in memory order; whether a slot's
+        # adapter changes the projection in each layer.
+        self.a: dict[str, torch.Tensor] = {}  # [layers, slots, parts * rank, in]
+        self.bt: dict[str, torch.Tensor] = {}  # [layers, slots, rank, out]
+        self.active: dict[str, torch.Tensor] = {}  # [layers, slots] uint8
+        self.parts: dict[str, list[int]] = {}  # each part's first output column, then the width
         for fused, modules in FUSED.items():
-            fan_in, fan_out = _local_dims(model, fused)
-            kw = {"dtype": model.dtype, "device": model.device}
+            fan_in, widths = _local_dims(model, fused)
             self.a[fused] = torch.zeros(layers, n, len(modules) * r, fan_in, **kw)
-            self.b[fused] = torch.zeros(layers, n, fan_out, r, **kw)
+            self.bt[fused] = torch.zeros(layers, n, r, sum(widths), **kw)
+            self.active[fused] = torch.zeros(layers, n, dtype=torch.uint8)
+            self.parts[fused] = [sum(widths[:j]) for j in range(len(widths) + 1)]
         self.keys: list[str | None] = [None] * n  # what each slot holds
         self.host: OrderedDict[str, LoraWeights] = OrderedDict()  # read adapters, least recent first
         for slot in range(n):
             model.set_lora(slot, None)
+        # The native CPU kernel applies every slot of a projection in one call; elsewhere the torch
+        # path (kernels/lora.py) over the slots' views.
+        native = native_build.kernels() if model.kernels.name == "native" else None
+        if native is not None and hasattr(native, "lora_apply") and r <= NATIVE_MAX_RANK:
+            self._native = native
+            model.lora_apply = self.apply
         log.info("LoRA: %d adapter slots of rank %d, %.1f MiB", n, r, self.nbytes / (1 << 20))
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (*self.a.values(), *self.b.values()))
+        return sum(t.nbytes for t in (*self.a.values(), *self.bt.values()))
+
+    def apply(self, layer: int, fused: str, slots: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
+        """``y[t] += B A x[t]`` with token ``t``'s slot's adapter (native: one call for every slot)."""
+        self._native.lora_apply(x, y, slots, self.a[fused][layer], self.bt[fused][layer], self.parts[fused],
+                                self.active[fused][layer])
 
     def load(self, loads: list[list]) -> int:
         """Read each ``[slot, key, path]`` into its slot; the bytes copied to the device."""
@@ -77,32 +96,33 @@ class LoraPool:
         r, moved = self.rank, 0
         for fused in FUSED:
             self.a[fused][:, slot].zero_()
-            self.b[fused][:, slot].zero_()
+            self.bt[fused][:, slot].zero_()
+            self.active[fused][:, slot] = 0
         layers: list[dict[str, LoraProjection]] = []
         for i, layer in enumerate(weights.layers):
             views = {}
             for fused, proj in layer.items():
-                a, b = self.a[fused][i, slot], self.b[fused][i, slot]
+                a, bt = self.a[fused][i, slot], self.bt[fused][i, slot]
+                starts = self.parts[fused]
                 parts = []
-                for k, part in enumerate(proj.parts):
-                    rank = part.b.shape[1]
-                    a[k * r : k * r + rank].copy_(proj.a[part.cols])
-                    b[part.rows, :rank].copy_(part.b)
+                for part in proj.parts:
+                    j, rank = starts.index(part.rows.start), part.b.shape[1]
+                    a[j * r : j * r + rank].copy_(proj.a[part.cols])
+                    bt[:rank, part.rows].copy_(part.b.T)
                     moved += proj.a[part.cols].nbytes + part.b.nbytes
-                    parts.append(LoraPart(part.rows, slice(k * r, k * r + rank), b[part.rows, :rank]))
-                views[fused] = LoraProjection(a[: len(parts) * r], parts)
+                    parts.append(LoraPart(part.rows, slice(j * r, j * r + rank), bt[:rank, part.rows].T))
+                self.active[fused][i, slot] = 1
+                views[fused] = LoraProjection(a, parts)
             layers.append(views)
         self.model.set_lora(slot, LoraWeights(weights.adapter, layers))
         return moved
 
 
-def _local_dims(model: Qwen3Model, fused: str) -> tuple[int, int]:
-    """(in, out) of this rank's share of fused projection ``fused``."""
+def _local_dims(model: Qwen3Model, fused: str) -> tuple[int, list[int]]:
+    """(in, each part's out) of this rank's share of fused projection ``fused``."""
     c, tp = model.config, model.tp
-    hd = c.head_dim
-    q = len(tp.heads(c)) * hd
-    kv = len(tp.kv_heads(c)) * hd
+    q = len(tp.heads(c)) * c.head_dim
+    kv = len(tp.kv_heads(c)) * c.head_dim
     inter = len(tp.split(c.intermediate_size))
-    dims = {"qkv": (c.hidden_size, q + 2 * kv), "o_proj": (q, c.hidden_size),
-            "gate_up": (c.hidden_size, 2 * inter), "down": (inter, c.hidden_size)}
-    return dims[fused]
+    return {"qkv": (c.hidden_size, [q, kv, kv]), "o_proj": (q, [c.hidden_size]),
+            "gate_up": (c.hidden_size, [inter, inter]), "down": (inter, [c.hidden_size])}[fused]

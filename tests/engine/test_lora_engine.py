@@ -45,9 +45,18 @@ def _engine(base, dirs, **kw) -> LLMEngine:
     return eng
 
 
-def test_a_batch_mixing_base_and_two_adapters_equals_peft_per_row(lora_setup):
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_a_batch_mixing_base_and_two_adapters_equals_peft_per_row(lora_setup, path):
+    """Both ways of applying the adapters: the native CPU kernel (one call per projection for every
+    slot) and the torch path over the slots' views (other devices)."""
     base, dirs, want = lora_setup
     with _engine(base, dirs) as eng:
+        if path == "native":
+            if eng.model.kernels.name != "native":
+                pytest.skip("the native CPU kernels are not built here")
+            assert eng.model.lora_apply is not None
+        else:
+            eng.model.lora_apply = None
         eng.runtime.keep_history = 1000
         outs = eng.generate(PROMPTS, SamplingParams(max_tokens=N, ignore_eos=True), lora=NAMES)
         history = list(eng.runtime.history)

@@ -9,6 +9,7 @@ call (``kernels/forward_batch.py``). Which kernels run was chosen at load
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -68,6 +69,9 @@ class Qwen3Model:
         native = native_build.kernels() if self.kernels.name == "native" else None
         self.norms = HybridNorms(self.local, native) if config.hybrid else self.kernels.ops
         self.loras: list[LoraWeights | None] = []  # the adapter slots (set_lora)
+        # A kernel applying every slot's update of one projection in one call (the worker's LoRA pool
+        # sets it where the native CPU kernels run): (layer, projection, token slots, x, y).
+        self.lora_apply: Callable[[int, str, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
         self.delta_ops = DeltaNetOps(native)
         self.cos, self.sin = self.cos.to(self.device), self.sin.to(self.device)
 
@@ -147,9 +151,9 @@ class Qwen3Model:
             if batch.state_restores is not None and batch.state_restores.numel():
                 kv.restore(batch.state_restores)
         pending = None  # the previous layer's MLP output, added to the residual by the next norm
-        lora = None  # each adapter slot's rows, for every layer's updates
+        lora = None  # the tokens' slots (a LoRA kernel's), or each slot's rows, for every layer's updates
         if batch.lora_slots is not None and self.loras:
-            lora = lora_groups(batch.lora_slots, len(self.loras))
+            lora = batch.lora_slots if self.lora_apply else lora_groups(batch.lora_slots, len(self.loras))
         for i, lw in enumerate(self.w.layers):
             pending = self._layer(i, lw, x, pending, buf, cos, sin, batch, kv, ws, lora)
         if pending is not None:
@@ -213,10 +217,16 @@ class Qwen3Model:
             self.loras.append(None)
         self.loras[slot] = weights
 
-    def _lora(self, i: int, name: str, lora: list | None, x: torch.Tensor, y: torch.Tensor) -> None:
+    def _lora(self, i: int, name: str, lora: list | torch.Tensor | None, x: torch.Tensor,
+              y: torch.Tensor) -> None:
         """The adapters' updates of projection ``name`` of layer ``i`` for the launch's rows of each
-        (``lora``: ``lora_groups``; partial sums under tensor parallelism, before the all-reduce)."""
-        if lora:
+        (``lora``: the tokens' slots for ``lora_apply``, else ``lora_groups``; partial sums under
+        tensor parallelism, before the all-reduce)."""
+        if lora is None:
+            return
+        if self.lora_apply is not None:
+            self.lora_apply(i, name, lora, x, y)
+        elif lora:
             add_lora(x, y, lora, [None if w is None else w.layers[i].get(name) for w in self.loras])
 
     def _shared_expert(self, lw, h: torch.Tensor, out: torch.Tensor, hb: HybridBuffers) -> None:

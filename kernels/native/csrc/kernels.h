@@ -351,6 +351,9 @@ void gated_delta_prompt(const at::Tensor& conv, const at::Tensor& b, const at::T
 void conv_prompt(const at::Tensor& x, at::Tensor state, const at::Tensor& slots, int64_t row, const at::Tensor& weight,
                  at::Tensor out);
 void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask);
+// lora.cpp
+void lora_apply(const at::Tensor& x, at::Tensor y, const at::Tensor& slots, const at::Tensor& a,
+                const at::Tensor& bt, const std::vector<int64_t>& parts, const at::Tensor& active);
 bool group_arrive_wait(at::Tensor flags, int64_t rank, int64_t seq, int64_t wait_us);
 
 }  // namespace fusedserve

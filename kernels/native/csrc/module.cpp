@@ -76,6 +76,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qkv"), py::arg("q_w"), py::arg("k_w"), py::arg("cos"), py::arg("sin"), py::arg("eps"),
         py::arg("q_out"), py::arg("heads"), py::arg("kv_heads"), py::arg("k_cache") = py::none(),
         py::arg("v_cache") = py::none(), py::arg("slot_mapping") = py::none());
+  m.def("lora_apply", &lora_apply,
+        "y[t] += B_s A_s x[t] for each token t of slot s = slots[t] (active slots), part j of y's columns "
+        "expanded from u's columns j * rank ..", py::arg("x"), py::arg("y"), py::arg("slots"), py::arg("a"),
+        py::arg("bt"), py::arg("parts"), py::arg("active"));
   m.def("silu_mul", &silu_mul, "out = silu(gate) * up for gate_up = [gate, up]", py::arg("gate_up"),
         py::arg("out"));
   m.def("gated_delta_step", &gated_delta_step,
