@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fusedserve.kernels.lora import add_lora, lora_groups
-from fusedserve.kernels.model_description.config import Qwen3Config
+from fusedserve.kernels.model_description.config import ConfigError, Qwen3Config
 from fusedserve.kernels.model_description.lora import LoraAdapter, LoraError
 from fusedserve.worker.model.lora_weights import FUSED, ROW_PARALLEL, load_lora
 from fusedserve.worker.model.tensor_parallel import TensorParallel
@@ -148,3 +148,47 @@ def test_a_batch_mixing_base_and_two_adapters_equals_peft_per_row(adapters):
         for r, p in enumerate(prompts):
             torch.testing.assert_close(logits[r], want[r][len(p) + step], atol=2e-4, rtol=1e-4,
                                        msg=f"decode step {step} row {r}")
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_adapters_over_quantized_base_weights_add_their_full_update(adapters, quantization):
+    """int8 / int4 base weights with 16-bit adapters: the logits' error against transformers + peft
+    is the quantization's own (as large as the base model's without an adapter), not the adapter's
+    update, which is many times larger: the adapter is applied in full over the quantized layers."""
+    from peft import PeftModel
+    from transformers import Qwen3ForCausalLM
+
+    from fusedserve.shared_memory.engine_config import LoraConfig
+    from fusedserve.worker.lora_pool import LoraPool
+    from fusedserve.worker.model.qwen3 import Qwen3Model
+    from tests.model_batches import prompt_batch
+
+    base_dir, dirs, _, _ = adapters
+    prompt = [5, 17, 42, 99, 3, 8, 250, 1]
+    hf = Qwen3ForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        want_base = hf(torch.tensor([prompt])).logits[0, -1]
+        want = PeftModel.from_pretrained(hf, dirs[0]).eval()(torch.tensor([prompt])).logits[0, -1]
+    try:
+        model = Qwen3Model.from_pretrained(base_dir, dtype="bfloat16", quantization=quantization)
+    except ConfigError as exc:  # int4 needs the native CPU kernels
+        pytest.skip(str(exc))
+    pool = LoraPool(model, LoraConfig(enable_lora=True, max_loras=2))
+    pool.load([[1, "a0#1", str(dirs[0])]])
+    got = {}
+    for slot in (-1, 1):
+        kv, ws = model.new_kv_cache(num_blocks=8, block_size=4), model.new_workspace(max_rows=1, block_size=4)
+        logits = torch.empty(1, model.config.vocab_size)
+        batch = prompt_batch([prompt], [[0, 1]], 4)
+        batch.lora_slots = torch.full((len(prompt),), slot, dtype=torch.int32)
+        model.forward(batch, kv, ws, logits)
+        got[slot] = logits[0]
+    base_err = (got[-1] - want_base).abs().max().item()
+    lora_err = (got[1] - want).abs().max().item()
+    effect = want - want_base  # the adapter's change of the logits, and as the quantized model makes it
+    made = got[1] - got[-1]
+    cos = torch.nn.functional.cosine_similarity(made, effect, dim=0).item()
+    print(f"{quantization}: base error {base_err:.3f}, with adapter {lora_err:.3f}; the adapter's change "
+          f"made with cosine {cos:.3f}, norm {made.norm() / effect.norm():.3f} of its own")
+    assert lora_err <= 2 * base_err + 0.02, (lora_err, base_err)
+    assert cos > 0.9 and 0.8 < made.norm() / effect.norm() < 1.2

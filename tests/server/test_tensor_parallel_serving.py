@@ -29,9 +29,12 @@ PARAMS = [{"max_tokens": TOKENS, "ignore_eos": True} if i % 2 == 0 else
           for i in range(len(PROMPTS))]
 
 
-def _offline(path) -> list[list[int]]:
-    with LLMEngine(path, dtype="float32", **RC) as eng:
-        return [eng.generate([p], SamplingParams(**kw))[0].token_ids for p, kw in zip(PROMPTS, PARAMS)]
+def _offline(path, loras: list[str | None] | None = None, **kw) -> list[list[int]]:
+    """Each prompt's output from one device (``loras``: each request's adapter, registered by ``kw``)."""
+    loras = loras or [None] * len(PROMPTS)
+    with LLMEngine(path, dtype="float32", **RC, **kw) as eng:
+        return [eng.generate([p], SamplingParams(**params), lora=lo)[0].token_ids
+                for p, params, lo in zip(PROMPTS, PARAMS, loras)]
 
 
 def _serve(path, **kw):
@@ -39,15 +42,18 @@ def _serve(path, **kw):
                           **kw)
 
 
-def _streams(coord: Server, progressed: threading.Semaphore | None = None):
-    """Every prompt streamed at once; returns (frames per request, errors)."""
+def _streams(coord: Server, progressed: threading.Semaphore | None = None,
+             loras: list[str | None] | None = None):
+    """Every prompt streamed at once (``loras``: each one's adapter); returns (frames per request,
+    errors)."""
     frames: dict[int, list[dict]] = {i: [] for i in range(len(PROMPTS))}
     errors: dict[int, BaseException] = {}
 
     def one(i: int) -> None:
         try:
             with Client(coord.address, timeout_s=300) as c:
-                for f in c.stream(PROMPTS[i], **PARAMS[i]):
+                extra = {} if loras is None or loras[i] is None else {"lora": loras[i]}
+                for f in c.stream(PROMPTS[i], **PARAMS[i], **extra):
                     frames[i].append(f)
                     if progressed is not None and f.get("index") == 3:
                         progressed.release()
@@ -116,6 +122,34 @@ def test_a_rank_killed_mid_stream_replaces_its_group(ray_session, hf_checkpoints
         wait_for(lambda: len(coord.pool.active) == 1, 120, "the replacement group")
         assert coord.workers[0].worker_id != victim.worker_id
         wait_for(lambda: not any(pid_alive(p) for p in pids), 30, "every rank of the lost group to be gone")
+
+
+def test_adapters_served_by_a_group_survive_a_rank_killed_mid_stream(ray_session, hf_checkpoints, tmp_path):
+    """Each rank holds its share of every adapter (A whole and B's rows for q/k/v and gate/up, A's
+    columns for o and down, summed by the layer's all-reduce): TP=2 equals one device, and after a
+    rank is killed the replacement group reads the adapters again and every stream ends exactly."""
+    from tests.lora_adapters import ADAPTERS, write_adapter
+
+    path = hf_checkpoints["gqa2_untied"]
+    for i in range(2):
+        write_adapter(path, tmp_path / f"a{i}", i, **ADAPTERS[i])
+    modules = tuple(f"a{i}={tmp_path / f'a{i}'}" for i in range(2))
+    loras = [None, "a0", "a1", "a0", "a1", None]
+    lora = dict(enable_lora=True, max_loras=2, lora_modules=modules)
+    want = _offline(path, loras, **lora)
+    assert want != _offline(path)
+    with _serve(path, step_timeout_s=60, **lora) as coord:
+        progressed = threading.Semaphore(0)
+        frames, errors, threads = _streams(coord, progressed, loras)
+        for _ in PROMPTS:
+            assert progressed.acquire(timeout=120), "every stream has 4 tokens before the fault"
+        victim = coord.workers[0]
+        os.kill(victim.info["ranks"][1]["pid"], signal.SIGKILL)
+        wait_for(lambda: coord.pool.failures, 60, "the coordinator to notice")
+        for t in threads:
+            t.join(timeout=300)
+        _check_exact(frames, errors, want)
+        assert coord.workers[0].worker_id != victim.worker_id and coord.workers[0].core.loras.loads >= 1
 
 
 def _break_first_layer(actor) -> None:
