@@ -28,7 +28,8 @@ NATIVE_MAX_RANK = 64  # the native kernel keeps a block of B (rank x vector lane
 
 
 class LoraPool:
-    def __init__(self, model: Qwen3Model, lora: LoraConfig):
+    def __init__(self, model: Qwen3Model, lora: LoraConfig, max_tokens: int = 0):
+        """``max_tokens``: the most tokens a launch carries (the Triton kernels' scratch)."""
         self.model = model
         self.rank = lora.max_lora_rank
         self.max_cpu = lora.max_cpu_loras or lora.max_loras
@@ -45,18 +46,24 @@ class LoraPool:
             fan_in, widths = _local_dims(model, fused)
             self.a[fused] = torch.zeros(layers, n, len(modules) * r, fan_in, **kw)
             self.bt[fused] = torch.zeros(layers, n, r, sum(widths), **kw)
-            self.active[fused] = torch.zeros(layers, n, dtype=torch.uint8)
+            self.active[fused] = torch.zeros(layers, n, dtype=torch.uint8, device=model.device)
             self.parts[fused] = [sum(widths[:j]) for j in range(len(widths) + 1)]
         self.keys: list[str | None] = [None] * n  # what each slot holds
         self.host: OrderedDict[str, LoraWeights] = OrderedDict()  # read adapters, least recent first
         for slot in range(n):
             model.set_lora(slot, None)
-        # The native CPU kernel applies every slot of a projection in one call; elsewhere the torch
-        # path (kernels/lora.py) over the slots' views.
-        native = native_build.kernels() if model.kernels.name == "native" else None
-        if native is not None and hasattr(native, "lora_apply") and r <= NATIVE_MAX_RANK:
-            self._native = native
+        # The native CPU kernel applies every slot of a projection in one call, the Triton kernels
+        # (CUDA) every token's in two launches; elsewhere the torch path (kernels/lora.py) over the
+        # slots' views.
+        self._native = native_build.kernels() if model.kernels.name == "native" else None
+        if self._native is not None and hasattr(self._native, "lora_apply") and r <= NATIVE_MAX_RANK:
             model.lora_apply = self.apply
+        elif model.kernels.name == "triton" and max_tokens:
+            from fusedserve.kernels.triton.lora import lora_apply as triton_lora
+
+            self._triton = triton_lora
+            self._u = torch.empty(max_tokens, 3 * r, dtype=torch.float32, device=model.device)
+            model.lora_apply = self.apply_triton
         log.info("LoRA: %d adapter slots of rank %d, %.1f MiB", n, r, self.nbytes / (1 << 20))
 
     @property
@@ -67,6 +74,11 @@ class LoraPool:
         """``y[t] += B A x[t]`` with token ``t``'s slot's adapter (native: one call for every slot)."""
         self._native.lora_apply(x, y, slots, self.a[fused][layer], self.bt[fused][layer], self.parts[fused],
                                 self.active[fused][layer])
+
+    def apply_triton(self, layer: int, fused: str, slots: torch.Tensor, x: torch.Tensor,
+                     y: torch.Tensor) -> None:
+        self._triton(x, y, slots, self.a[fused][layer], self.bt[fused][layer], self.parts[fused],
+                     self.active[fused][layer], self._u)
 
     def load(self, loads: list[list]) -> int:
         """Read each ``[slot, key, path]`` into its slot; the bytes copied to the device."""

@@ -69,7 +69,8 @@ class ModelRunner:
         # A pooling runner: prompts in, each finished prompt's pooled row out; nothing is sampled.
         self.pooling, self.score_tokens = cfg.pooling, cfg.model.score_tokens
         # LoRA adapters' slots (--max-loras), filled as launches name them.
-        self.loras = LoraPool(model, cfg.lora) if cfg.lora.enable_lora else None
+        self.loras = (LoraPool(model, cfg.lora, cfg.scheduler.max_num_batched_tokens) if cfg.lora.enable_lora
+                      else None)
         self.graphs: DecodeGraphs | None = None
         # A Qwen3-MoE layer reads its routing back to the host: no device graph can capture it.
         # Tensor-parallel ranks run eagerly too (collectives in a captured graph: not yet checked).

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from fusedserve.kernels.triton import decode_attention as attn
 from fusedserve.kernels.triton import layer_kernels as k
+from fusedserve.kernels.triton import lora
 from fusedserve.kernels.triton import prompt_attention as prompt
 from fusedserve.kernels.triton import sampler as samp
 
@@ -85,7 +86,24 @@ def jobs() -> dict[str, tuple]:
     out["prompt_attention_16x16_bf16"] = _prompt(16, False)  # the runtime's tiles
     out["prompt_attention_16x16_fp32_ieee"] = _prompt(16, True)
     out.update(_sampler())
+    out.update(_lora())
     return out
+
+
+def _lora() -> dict[str, tuple]:
+    """The LoRA kernels at rank 16 (bf16, Qwen3-0.6B's widest projection: K 3072, N 6144)."""
+    ranks = {"R": 16, "R_P": 16}
+    return {
+        "lora_shrink": (lora._shrink_kernel,
+                        dict(x_ptr=P16, a_ptr=P16, u_ptr="*fp32", slots_ptr="*i32", active_ptr="*u8", K=I32,
+                             stride_x=I32, stride_as=I32, stride_u=I32, R=C, R_P=C, BLOCK_K=C),
+                        {**ranks, "BLOCK_K": lora.BLOCK_K}),
+        "lora_expand": (lora._expand_kernel,
+                        dict(y_ptr=P16, bt_ptr=P16, u_ptr="*fp32", slots_ptr="*i32", active_ptr="*u8",
+                             N=I32, P1=I32, P2=I32, stride_y=I32, stride_bs=I32, stride_u=I32, R=C, R_P=C,
+                             BLOCK_N=C),
+                        {**ranks, "BLOCK_N": lora.BLOCK_N}),
+    }
 
 
 def _sampler() -> dict[str, tuple]:
