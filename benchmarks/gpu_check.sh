@@ -54,10 +54,11 @@ gpu_flag=""
 "$py" -m fusedserve.benchmarks.gpu_preflight $gpu_flag --json "$out/preflight.json" 2>&1 | tee "$out/preflight.log"
 
 GPU_TESTS=(tests/kernels/test_cuda.py tests/kernels/test_graphs.py tests/model/test_quantization.py)
+TRITON_TESTS=(tests/kernels/test_triton_kernels.py tests/kernels/test_triton_lora.py)
 if [ "$mode" = dry ]; then
-  "$py" -m pytest --collect-only -q -p no:cacheprovider "${GPU_TESTS[@]}" tests/kernels/test_triton_kernels.py \
+  "$py" -m pytest --collect-only -q -p no:cacheprovider "${GPU_TESTS[@]}" "${TRITON_TESTS[@]}" \
     2>&1 | tee "$out/collect.log"
-  for f in "${GPU_TESTS[@]}" tests/kernels/test_triton_kernels.py; do  # a module skipped at collection lists nothing
+  for f in "${GPU_TESTS[@]}" "${TRITON_TESTS[@]}"; do  # a module skipped at collection lists nothing
     grep -q "^$f::" "$out/collect.log" || { echo "gpu_check --dry-run: no test of $f was collected" >&2; exit 1; }
   done
   "$py" -c "import fusedserve.benchmarks.cuda_peers, fusedserve.benchmarks.cuda_profile"
@@ -79,13 +80,13 @@ step() {  # step NAME SECONDS CMD...: its log in $out/NAME.log; a failure is lis
 if [ "$mode" = quick ]; then  # 80 + 50 + 70 + 70 s
   step tests 80 "$py" -m pytest -q -p no:cacheprovider -rs tests/kernels/test_cuda.py -k "cuda or aten"
   step triton_tests 50 env FUSEDSERVE_TRITON_COMPILED=1 "$py" -m pytest -q -p no:cacheprovider -rs \
-    tests/kernels/test_triton_kernels.py
+    "${TRITON_TESTS[@]}"
   step bench 70 "$py" -m fusedserve.benchmarks.cuda_peers --batches 1,16 --new-tokens 32 --json "$out/cuda_peers.json"
   step profile 70 "$py" -m fusedserve.benchmarks.cuda_profile --models 0.6b --calls 10 --json "$out/cuda_profile.json"
 else  # 140 + 70 + 140 + 110 s
   step tests 140 "$py" -m pytest -q -p no:cacheprovider -rs "${GPU_TESTS[@]}" -k "cuda or aten"
   step triton_tests 70 env FUSEDSERVE_TRITON_COMPILED=1 "$py" -m pytest -q -p no:cacheprovider -rs \
-    tests/kernels/test_triton_kernels.py
+    "${TRITON_TESTS[@]}"
   step bench 140 "$py" -m fusedserve.benchmarks.cuda_peers --json "$out/cuda_peers.json"
   step profile 110 "$py" -m fusedserve.benchmarks.cuda_profile --json "$out/cuda_profile.json"
 fi
