@@ -124,3 +124,24 @@ def test_zeromq_requests_name_the_adapter_in_lora(served, expected):
         # The loop lost nothing: the next request is served.
         done = client.generate(PROMPTS[2], max_tokens=N, temperature=0.0)
         assert done["text"] == expected[PROMPTS[2], "default"]
+
+
+def test_loading_needs_the_admin_token_where_the_server_has_one(adapters, ray_session):
+    admin = "admin-token-" + "x" * 20
+    with running_server(dtype="float32", enable_lora=True, admin_token=admin) as coord, \
+            serving_http(coord) as http:
+        body = {"lora_name": "a0", "lora_path": str(adapters["a0"])}
+        r = httpx.post(f"{http.url}/v1/load_lora_adapter", json=body)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
+        url = f"{http.url}/v1/load_lora_adapter"
+        r = httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        assert [m["id"] for m in httpx.get(f"{http.url}/v1/models").json()["data"]] == ["default"]
+        r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {admin}"})
+        assert r.status_code == 200, r.text
+        with Client(coord.address) as client:  # over ZeroMQ too: an admin frame without the token
+            with pytest.raises(ServerError) as err:
+                client.unload_lora("a0")
+            assert err.value.code == "unauthorized"
+        with Client(coord.address, admin_token=admin) as client:
+            assert client.unload_lora("a0") == []
