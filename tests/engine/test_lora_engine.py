@@ -92,9 +92,12 @@ def test_more_adapters_than_slots_evict_and_reload_exactly(lora_setup, max_cpu_l
 
 def test_ngram_speculation_with_adapters_equals_it_off(lora_setup):
     base, dirs, want = lora_setup
-    with _engine(base, dirs, speculative_method="ngram", num_speculative_tokens=3) as eng:
+    with _engine(base, dirs, speculative_method="ngram", num_speculative_tokens=3,
+                 speculative_max_batch=8) as eng:
         outs = eng.generate(PROMPTS, SamplingParams(max_tokens=N, ignore_eos=True), lora=NAMES)
+        stats = eng.core.scheduler.speculation.stats
     assert [o.token_ids for o in outs] == want
+    assert stats.accepted > 0  # proposals verified under each row's adapter
 
 
 def test_the_prefix_cache_never_serves_one_adapters_blocks_to_another(lora_setup):
@@ -138,3 +141,30 @@ def test_the_slots_allocated_are_the_bytes_the_kv_budget_leaves_out(lora_setup):
     base, dirs, _ = lora_setup
     with _engine(base, dirs, max_loras=3, max_lora_rank=8) as eng:
         assert eng.runner.loras.nbytes == 3 * slot_bytes(eng.model.config, 8, 4)
+
+
+def test_a_draft_model_ignores_the_adapters_and_the_target_applies_them(lora_setup, tmp_path):
+    """The draft (the base's first layer) proposes without adapters; the target verifies each row
+    under its own: the output is transformers + peft's, and some proposals were accepted."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    base, dirs, want = lora_setup
+    src = load_file(str(base / "model.safetensors"))
+    save_file({k: v for k, v in src.items() if not k.startswith("model.layers.") or k.split(".")[2] == "0"},
+              str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((base / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    config.pop("layer_types", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for f in base.glob("*.json"):
+        if f.name != "config.json":
+            shutil.copy(f, tmp_path / f.name)
+    with _engine(base, dirs, speculative_method="draft", speculative_model=str(tmp_path),
+                 num_speculative_tokens=3, speculative_max_batch=8) as eng:
+        outs = eng.generate(PROMPTS, SamplingParams(max_tokens=N, ignore_eos=True), lora=NAMES)
+        stats = eng.core.scheduler.speculation.stats
+    assert [o.token_ids for o in outs] == want
+    assert stats.proposed > 0
