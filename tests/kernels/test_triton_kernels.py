@@ -8,7 +8,6 @@ On a GPU machine, ``FUSEDSERVE_TRITON_COMPILED=1`` runs the same tests compiled,
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import subprocess
@@ -17,14 +16,9 @@ import sys
 import pytest
 import torch
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
-COMPILED = os.environ.get("FUSEDSERVE_TRITON_COMPILED") == "1" and torch.cuda.is_available()
-if not COMPILED:
-    if "triton" not in sys.modules:  # the interpreter is chosen when triton is imported
-        os.environ["TRITON_INTERPRET"] = "1"
-    elif os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported before the interpreter could be chosen", allow_module_level=True)
+from tests.kernels.triton_mode import choose
+
+COMPILED = choose()
 
 from fusedserve.kernels import sampler  # noqa: E402
 from fusedserve.kernels.aten.backend import TorchLayerOps  # noqa: E402

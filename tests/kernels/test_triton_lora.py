@@ -7,21 +7,12 @@ transformers + peft."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import pytest
 import torch
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
-COMPILED = os.environ.get("FUSEDSERVE_TRITON_COMPILED") == "1" and torch.cuda.is_available()
-if not COMPILED:
-    if "triton" not in sys.modules:  # the interpreter is chosen when triton is imported
-        os.environ["TRITON_INTERPRET"] = "1"
-    elif os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported before the interpreter could be chosen", allow_module_level=True)
+from tests.kernels.triton_mode import choose
+
+COMPILED = choose()
 
 from fusedserve.kernels.triton.lora import lora_apply  # noqa: E402
 from tests.kernels.test_lora_kernel import SHAPES, _reference  # noqa: E402
