@@ -13,6 +13,7 @@ errors) carry the same prefix and label.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -91,6 +92,17 @@ class _StatsCollector:
                       sum(x["proposed"] for x in spec))
         yield counter("spec_decode_num_accepted_tokens", "Proposed tokens accepted",
                       sum(x["accepted"] for x in spec))
+        loras = [w["lora"] for w in workers if w.get("lora")]
+        if loras:  # vLLM's: the adapters in use, as labels; the value is when they were read
+            labels = ["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"]
+            doc = "LoRA adapters of running and waiting requests"
+            g = GaugeMetricFamily(PREFIX + "lora_requests_info", doc, labels=labels)
+            running = ",".join(sorted({n for x in loras for n in x["running"]}))
+            waiting = ",".join(sorted({n for x in loras for n in x["waiting"]}))
+            g.add_metric([self.model_name, str(loras[0]["max_loras"]), running, waiting], time.time())
+            yield g
+            yield counter("lora_loads", "LoRA adapters read into a worker's slot",
+                          sum(x["loads"] for x in loras))
         yield gauge("workers", "Workers up (draining ones included)", len(workers))
         yield gauge("kv_blocks_used", "KV cache blocks in use, all workers", used)
         yield gauge("kv_blocks_free", "KV cache blocks free (cached ones included), all workers", free)

@@ -48,6 +48,20 @@ def speculative_stats(spec: Speculation | None) -> dict | None:
             "mean_accepted_per_draft": st.accepted / st.drafts if st.drafts else 0.0}
 
 
+def lora_stats(w: WorkerHandle) -> dict | None:
+    """The worker's adapter slots: what is resident, what its requests use, reads into slots."""
+    slots = w.core.loras
+    if slots is None:
+        return None
+
+    def names(seqs) -> list[str]:
+        return sorted({s.lora.name for s in seqs if s.lora is not None})
+
+    return {"max_loras": slots.max_loras, "resident": [k.rpartition("#")[0] for k in slots.resident],
+            "loads": slots.loads, "running": names(w.scheduler.running),
+            "waiting": names(w.scheduler.waiting)}
+
+
 def worker_stats(w: WorkerHandle) -> dict:
     s, b = w.core.stats, w.scheduler.blocks
     hit_rate = b.stats.hit_tokens / b.stats.query_tokens if b.stats.query_tokens else 0.0
@@ -66,6 +80,7 @@ def worker_stats(w: WorkerHandle) -> dict:
         "async_scheduling": w.core.async_scheduling, "launches_ahead": s.ahead, "fed_rows": s.fed_rows,
         "max_launch_tokens": s.max_launch_tokens,
         "speculative": speculative_stats(w.scheduler.speculation),
+        "lora": lora_stats(w),
         "transport": "serial" if w.serial else "shm", "wire_bytes": w.executor.wire_bytes,
         "kernels": w.info.get("kernels", {}),
     }

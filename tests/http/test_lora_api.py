@@ -6,6 +6,7 @@ evicts and reloads; what cannot be served is refused with the reason, and nothin
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -84,6 +85,10 @@ def test_models_lists_adapters_with_their_parent_and_they_load_and_unload(served
     assert got == [expected[p, m] for m, p in jobs]
     assert _complete(client, "a0", PROMPTS[3]) == expected[PROMPTS[3], "a0"]
     assert coord.pool.workers[0].core.loras.loads >= 3  # a0, a1 over it, a0 back over a1
+    lora = httpx.get(f"{url}/metrics").text
+    assert 'fusedserve:lora_requests_info{max_lora="1",model_name="default"' in lora
+    loads = float(re.search(r'^fusedserve:lora_loads_total\{[^}]*\} (\S+)$', lora, re.M).group(1))
+    assert loads >= 3
     chat = client.chat.completions.create(model="a1", messages=[{"role": "user", "content": "hi"}],
                                           max_tokens=4, temperature=0)
     assert chat.model == "a1" and chat.choices[0].message.content is not None
