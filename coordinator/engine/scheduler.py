@@ -225,8 +225,9 @@ class Scheduler:
         full = (len(ids) - 1) // bs
         if not full or hit_blocks == full:
             return False
-        return any(r.num_tokens > full * bs and r.all_ids[: full * bs] == ids[: full * bs]
-                   and self.blocks.committed(r.seq_id) < full for r in self.running)
+        return any(r.num_tokens > full * bs and r.cache_root == seq.cache_root  # another adapter's: no hit
+                   and r.all_ids[: full * bs] == ids[: full * bs] and self.blocks.committed(r.seq_id) < full
+                   for r in self.running)
 
     def _input(self, seq: Sequence) -> tuple[int, int]:
         """A decode row's input token and feed row: the token itself once read, else the

@@ -168,3 +168,18 @@ def test_a_draft_model_ignores_the_adapters_and_the_target_applies_them(lora_set
         stats = eng.core.scheduler.speculation.stats
     assert [o.token_ids for o in outs] == want
     assert stats.proposed > 0
+
+
+def test_the_same_prompt_under_another_adapter_does_not_wait_for_a_sibling(lora_setup):
+    """Requests with one prompt share its blocks, the later waiting for the first to compute them;
+    under another adapter there is nothing to share: all three start in the first launch."""
+    base, dirs, _ = lora_setup
+    prompt = list(range(3, 20))
+    with _engine(base, dirs) as eng:
+        for lora in ("a0", "a1", None):
+            eng.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True), lora=lora)
+        eng.core.step()
+        assert len(eng.core.scheduler.running) == 3
+        eng.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True), lora="a0")
+        while eng.core.has_work():
+            eng.core.step()
