@@ -717,6 +717,38 @@ def lora_section(args: argparse.Namespace, t: list) -> list[str]:
             "vdpbf16ps on AVX-512 BF16 hosts):", "", *lora.table(res), ""]
 
 
+SERVER_PEER_HEADING = "## Served over HTTP: fusedserve vs llama-server"
+SERVER_PEER_RESULTS = RESULTS / "llama_server.json"
+
+
+def llama_server_section(args: argparse.Namespace, t: list) -> list[str]:
+    """``fusedserve serve`` against ``llama-server`` (``llama_server.py``), or its stored run where
+    no llama.cpp build is given."""
+    from fusedserve.benchmarks import llama_server
+
+    if args.llama_cpp:
+        res = llama_server.main(["--llama-cpp", args.llama_cpp, "--threads", str(args.threads),
+                                 "--json", str(SERVER_PEER_RESULTS),
+                                 *(["--llama-python", args.llama_python] if args.llama_python else [])])
+        when = "this run"
+    else:
+        res = json.loads(SERVER_PEER_RESULTS.read_text())
+        when = f"the stored run (`{SERVER_PEER_RESULTS.relative_to(ROOT)}`)"
+    for c, r in res["results"].items():
+        t.append((f"served: >= {llama_server.TARGET}x llama-server at {c} concurrent requests",
+                  median(r["ratio"]) >= llama_server.TARGET, f"{fmt(r['ratio'], '.2f')}x"))
+    return [SERVER_PEER_HEADING, "", f"Host: {res['machine']}; {res['isa']}. Figures from {when}.", "",
+            f"`python -m fusedserve.benchmarks.llama_server --llama-cpp DIR`: `fusedserve serve` and llama.cpp's "
+            f"`llama-server` ({res['llama_cpp']}, built as the CPU peers' llama.cpp, GGML_NATIVE=ON) on the same "
+            f"Qwen3-0.6B-shaped checkpoint (bf16; llama.cpp's own converter), {res['threads']} threads each, "
+            "both up at once, runs alternating. The same client (`fusedserve bench serve`'s): streamed "
+            "completions, 32 random words in, 64 tokens out (`ignore_eos`, greedy), 2 x C requests a run (at "
+            "least 8) with at most C in flight, another prompt seed each run. fusedserve as `serve` runs by "
+            "default (n-gram speculation under its policy, async scheduling); llama-server with a slot per "
+            "concurrent request (`-np 64`), continuous batching. Output tokens a second over the run:", "",
+            *llama_server.table(res), ""]
+
+
 CORE_HEADING = "## Decode step (one worker, in-process launch path, greedy, context 128)"
 PEERS_HEADING = "## CPU peers on a Qwen3-0.6B-shaped checkpoint"
 SECTIONS = {"core": (CORE_HEADING, core_section),
@@ -732,7 +764,8 @@ SECTIONS = {"core": (CORE_HEADING, core_section),
             "embeddings": (EMBED_HEADING, embeddings_section),
             "soak": (SOAK_HEADING, soak_section),
             "overload": (OVERLOAD_HEADING, overload_section),
-            "lora": (LORA_HEADING, lora_section)}
+            "lora": (LORA_HEADING, lora_section),
+            "llama_server": (SERVER_PEER_HEADING, llama_server_section)}
 
 
 def splice(path: Path, heading: str, section: list[str], targets: list) -> None:
@@ -896,6 +929,7 @@ def main(argv: list[str] | None = None) -> None:
     lines += soak_section(args, t)
     lines += overload_section(args, t)
     lines += lora_section(args, t)
+    lines += llama_server_section(args, t)
     lines += cuda_section(t)
     lines += ["", "## Targets", "", "| target | met | figure |", "|---|---|---|"]
     lines += [f"| {name} | {'yes' if ok else 'no'} | {fig} |" for name, ok, fig in t]

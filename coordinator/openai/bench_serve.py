@@ -43,6 +43,9 @@ class BenchConfig:
     seed: int = 0
     api_key: str | None = None
     progress: bool = True
+    # False: a connection per request (llama-server's HTTP closes a kept-alive connection after 5
+    # requests, and the request sent on it then fails).
+    keepalive: bool = True
 
 
 @dataclass
@@ -69,6 +72,7 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: i
     t0 = time.perf_counter()
     res = RequestResult(ok=False)
     last = None
+    chunks = 0  # token chunks: the output's length where a server streams no usage
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -87,6 +91,7 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: i
                 choice = (chunk.get("choices") or [{}])[0]
                 if choice and choice.get("finish_reason") is None:  # a token's chunk
                     now = time.perf_counter()
+                    chunks += 1
                     if last is None:
                         res.ttft = now - t0
                     else:
@@ -96,6 +101,7 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: i
         res.error = f"{type(exc).__name__}: {exc}"
         return res
     res.latency = time.perf_counter() - t0
+    res.output_tokens = res.output_tokens or chunks
     res.ok = True
     return res
 
@@ -138,7 +144,8 @@ async def run(cfg: BenchConfig) -> dict:
     work = [(" ".join(rng.choice(WORDS) for _ in range(_lengths(rng, cfg.input_len, cfg.range_ratio))),
              _lengths(rng, cfg.output_len, cfg.range_ratio)) for _ in range(cfg.num_prompts)]
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    limits = httpx.Limits(max_connections=cfg.max_concurrency or cfg.num_prompts)
+    limits = httpx.Limits(max_connections=cfg.max_concurrency or cfg.num_prompts,
+                          max_keepalive_connections=None if cfg.keepalive else 0)
     # The server's root, or its OpenAI base URL as `serve` prints it and OpenAI clients take it.
     base_url = cfg.base_url.rstrip("/").removesuffix("/v1")
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=600,
