@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
@@ -109,3 +110,12 @@ def fmt(s: dict[str, float] | float, spec: str = ".1f") -> str:
 
 def median(s: dict[str, float] | float) -> float:
     return s["median"] if isinstance(s, dict) else s
+
+
+def emit(res: dict, table: list[str], path: Path | None) -> dict:
+    """Print a benchmark's table and keep its results as JSON in ``path`` (if given)."""
+    for line in table:
+        print(line)
+    if path is not None:
+        path.write_text(json.dumps(res, indent=1))
+    return res

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import signal
 import socket
@@ -34,7 +33,7 @@ from pathlib import Path
 import httpx
 
 from fusedserve.benchmarks import llama_cpp
-from fusedserve.benchmarks.common import RUNS, fmt, isa_line, machine, median, spread
+from fusedserve.benchmarks.common import RUNS, emit, fmt, isa_line, machine, median, spread
 from fusedserve.benchmarks.serving import HTTP
 from fusedserve.coordinator.model_files.default_model import cache_root, default_model_dir
 from fusedserve.coordinator.openai.bench_serve import BenchConfig, run
@@ -140,11 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
                            "ratio": spread(ratios)}
     res = {"machine": machine(), "isa": isa_line(), "threads": args.threads, "runs": args.runs,
            "llama_cpp": llama_dir.parent.name, "results": results}
-    for line in table(res):
-        print(line)
-    if args.json:
-        args.json.write_text(json.dumps(res, indent=1))
-    return res
+    return emit(res, table(res), args.json)
 
 
 def table(res: dict) -> list[str]:

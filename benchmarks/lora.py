@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from fusedserve.benchmarks.common import RUNS, fmt, isa_line, machine, median, spread
+from fusedserve.benchmarks.common import RUNS, emit, fmt, isa_line, machine, median, spread
 from fusedserve.coordinator.engine.llm_engine import LLMEngine, load_model
 from fusedserve.coordinator.model_files.default_model import cache_root
 from fusedserve.coordinator.sampling_params import SamplingParams
@@ -104,11 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     lora.close()
     res = {"machine": machine(), "isa": isa_line(), "threads": args.threads, "rank": RANK, "runs": args.runs,
            "results": results}
-    for line in table(res):
-        print(line)
-    if args.json:
-        args.json.write_text(json.dumps(res, indent=1))
-    return res
+    return emit(res, table(res), args.json)
 
 
 def table(res: dict) -> list[str]:

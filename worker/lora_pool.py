@@ -48,7 +48,6 @@ class LoraPool:
             self.bt[fused] = torch.zeros(layers, n, r, sum(widths), **kw)
             self.active[fused] = torch.zeros(layers, n, dtype=torch.uint8, device=model.device)
             self.parts[fused] = [sum(widths[:j]) for j in range(len(widths) + 1)]
-        self.keys: list[str | None] = [None] * n  # what each slot holds
         self.host: OrderedDict[str, LoraWeights] = OrderedDict()  # read adapters, least recent first
         for slot in range(n):
             model.set_lora(slot, None)
@@ -86,7 +85,6 @@ class LoraPool:
         for slot, key, path in loads:
             weights = self._read(key, path)
             moved += self._fill(slot, weights)
-            self.keys[slot] = key
             log.info("LoRA adapter %s read into slot %d", key, slot)
         return moved
 

@@ -106,11 +106,13 @@ class Scheduler:
                 chunks.append((seq, take))
                 budget -= take
         skipped: list[Sequence] = []  # waiting for an adapter slot: later ones may still start
+        # The running requests' adapters: one more may start while they use fewer than the slots.
+        adapters = {s.lora.key for s in self.running if s.lora is not None} if self.max_loras else set()
         while budget > 0 and self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
             if seq.num_pending:  # preempted with its newest token still on the device
                 break
-            if seq.lora is not None and not self._lora_room(seq):
+            if seq.lora is not None and seq.lora.key not in adapters and len(adapters) >= self.max_loras:
                 skipped.append(self.waiting.popleft())
                 continue
             # Prompt logprobs and penalties need every token through the device: no cached prefix.
@@ -133,6 +135,8 @@ class Scheduler:
                 seq.t_scheduled = time.perf_counter()
             self.waiting.popleft()
             self.running.append(seq)
+            if seq.lora is not None:
+                adapters.add(seq.lora.key)
             seq.feed_row = -1
             take = min(budget, seq.num_tokens - seq.num_computed)
             chunks.append((seq, take))
@@ -145,12 +149,6 @@ class Scheduler:
         self._advance(batch)
         self.steps += 1
         return batch
-
-    def _lora_room(self, seq: Sequence) -> bool:
-        """Whether ``seq``'s adapter can run now: the running requests use it already, or they use
-        fewer adapters than the worker has slots."""
-        active = {s.lora.key for s in self.running if s.lora is not None}
-        return seq.lora.key in active or len(active) < self.max_loras
 
     def _build(self, decoding: list[Sequence], chunks: list[tuple[Sequence, int]],
                drafts: dict[int, list[int]]) -> ScheduledBatch:
