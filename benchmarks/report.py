@@ -617,8 +617,9 @@ def soak_lines(res: dict, png: str) -> list[str]:
     """A stored ``fusedserve.benchmarks.soak`` run as the section."""
     from fusedserve.benchmarks import soak
 
-    n = len(res["samples"])
-    q2, q4 = res["samples"][n // 4 : n // 2], res["samples"][3 * n // 4 :]
+    judged = [r for r in res["samples"] if not r.get("warmup")]  # after the warm-up
+    n = len(judged)
+    q2, q4 = judged[n // 4 : n // 2], judged[3 * n // 4 :]
 
     def med(rows: list[dict], key: str) -> float:
         vals = [r[key] for r in rows if r[key] is not None]
@@ -631,7 +632,8 @@ def soak_lines(res: dict, png: str) -> list[str]:
              f"of 10 to ~{1.45 * res.get('prompt_max_words', 1200):,.0f} tokens, 5% of requests dropped "
              "mid-stream, 5% bad), sampled every "
              f"{res['interval_s']:g} s; {res['requests']} requests ({', '.join(f'{k} {v}' for k, v in sorted(res['by_kind'].items()))}). "
-             "Each series: its median over the second quarter and over the last, and the change "
+             (f"After {res['warmup_s']:g} s of warm-up load, each" if res.get("warmup_s") else "Each")
+             + " series: its median over the second quarter and over the last, and the change "
              f"(bound: {100 * soak.GROWTH:.0f}%, counts with a slack of {soak.SLACK}):", "",
              "| series | 2nd quarter | last quarter | change |", "|---|---|---|---|"]
     for key in (*soak.BYTES, *soak.COUNTS, "kv_blocks_used", "requests", "ttft_p50", "ttft_p99", "tpot_p50",
