@@ -112,3 +112,29 @@ def test_native_prompt_chunk_equals_torch(dtype, length):
     assert torch.equal(rp1[untouched], rec_pool[untouched])
     assert torch.equal(cp1[untouched], conv_pool[untouched])
     assert not torch.equal(rp1[3], rec_pool[3])
+
+
+@pytest.mark.skipif(native_build.require() is None, reason="no native CPU kernels here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("channels", [37, 200])
+def test_native_conv_decode_and_prompt_agree_on_any_channel_count(dtype, channels):
+    """The conv's SiLU runs VL channels at a time with a padded tail: a channel count that is no
+    multiple of the vector (37, 200) gives torch's conv, and a prompt's tokens fed as decode rows
+    one at a time give the prompt path's outputs and states bit for bit (one SiLU arithmetic)."""
+    native = native_build.require()
+    gen = torch.Generator().manual_seed(channels)
+    x = torch.randn(5, channels, generator=gen).to(dtype)
+    weight = torch.randn(channels, 4, generator=gen).to(dtype)
+    pool = torch.randn(3, channels, 3, generator=gen).to(dtype)
+    slot = torch.tensor([2])
+    prompt_pool, prompt_out = pool.clone(), torch.empty(5, channels, dtype=dtype)
+    native.conv_prompt(x, prompt_pool, slot, 0, weight, prompt_out)
+    decode_pool, rows = pool.clone(), []
+    for t in range(5):
+        out = torch.empty(1, channels, dtype=dtype)
+        native.conv_decode(x[t : t + 1], decode_pool, slot, weight, out)
+        rows.append(out)
+    assert torch.equal(torch.cat(rows), prompt_out) and torch.equal(decode_pool, prompt_pool)
+    want = gated_delta.conv_prompt(x, pool[2].clone(), weight)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(prompt_out, want.to(dtype), **tol)

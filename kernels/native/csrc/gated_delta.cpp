@@ -107,6 +107,20 @@ void gated_delta_step(const at::Tensor& conv, const at::Tensor& b, const at::Ten
   }
 }
 
+// One channel's conv over its K - 1 saved inputs and the new one (fp32 sum, in tap order), the
+// state shifted to take the new input.
+template <typename T>
+inline float conv_channel(T* s, const T* wc, T xin, int64_t W) {
+  float acc = 0.f;
+  for (int64_t i = 0; i < W; ++i) acc += to_f(wc[i]) * to_f(s[i]);
+  acc += to_f(wc[W]) * to_f(xin);
+  for (int64_t i = 0; i + 1 < W; ++i) s[i] = s[i + 1];
+  s[W - 1] = xin;
+  return acc;
+}
+
+// A work item is one row's block of VL channels: the taps per channel, then SiLU over the block
+// (conv_silu: rounded as the conv's output and then SiLU's are, each to T).
 template <typename T>
 void conv_decode_impl(const at::Tensor& x, at::Tensor state, const at::Tensor& slots, const at::Tensor& w,
                       at::Tensor out) {
@@ -114,21 +128,16 @@ void conv_decode_impl(const at::Tensor& x, at::Tensor state, const at::Tensor& s
   const T *xp = x.data_ptr<T>(), *wp = w.data_ptr<T>();
   T *st = state.data_ptr<T>(), *op = out.data_ptr<T>();
   const int64_t* sp = slots.data_ptr<int64_t>();
-  const int64_t ldx = x.stride(0), ldo = out.stride(0);
-  at::parallel_for(0, n * C, 256, [&](int64_t a, int64_t b) {
+  const int64_t ldx = x.stride(0), ldo = out.stride(0), blocks = (C + VL - 1) / VL;
+  at::parallel_for(0, n * blocks, 16, [&](int64_t a, int64_t b) {
+    alignas(64) float acc[VL];
     for (int64_t e = a; e < b; ++e) {
-      const int64_t r = e / C, c = e % C;
-      T* s = st + (sp[r] * C + c) * W;
-      const T* wc = wp + c * K;
-      const T xin = xp[r * ldx + c];
-      float acc = 0.f;
-      for (int64_t i = 0; i < W; ++i) acc += to_f(wc[i]) * to_f(s[i]);
-      acc += to_f(wc[W]) * to_f(xin);
-      // Rounded as the conv's output and then SiLU's are (each to T).
-      const float y = to_f(static_cast<T>(acc));
-      op[r * ldo + c] = static_cast<T>(y / (1.f + std::exp(-y)));
-      for (int64_t i = 0; i + 1 < W; ++i) s[i] = s[i + 1];
-      s[W - 1] = xin;
+      const int64_t r = e / blocks, c0 = (e % blocks) * VL, m = std::min<int64_t>(VL, C - c0);
+      T* s = st + (sp[r] * C + c0) * W;
+      const T* xr = xp + r * ldx + c0;
+      T* o = op + r * ldo + c0;
+      for (int64_t j = 0; j < m; ++j) acc[j] = conv_channel(s + j * W, wp + (c0 + j) * K, xr[j], W);
+      conv_silu(acc, o, m);
     }
   });
 }

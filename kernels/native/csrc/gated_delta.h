@@ -6,6 +6,32 @@
 
 namespace fusedserve {
 
+// SiLU(x) = x / (1 + e^-x), VL lanes at a time with vexp (silu_mul's arithmetic): a vector's body
+// and its tail compute it alike, so no token's result depends on where its channel falls.
+inline vf vsilu(vf x) { return _div(x, _add(vset(1.f), vexp(_sub(vzero(), x)))); }
+
+// A tail of fewer than VL lanes through the vector op f: padded with zeros, the lanes kept.
+template <typename F>
+inline void tail_lanes(const float* x, float* y, int64_t m, F f) {
+  alignas(64) float t[VL] = {}, r[VL];
+  for (int64_t i = 0; i < m; ++i) t[i] = x[i];
+  vstore(r, f(vload(t)));
+  for (int64_t i = 0; i < m; ++i) y[i] = r[i];
+}
+
+// dst[0, m) = SiLU(acc rounded to T), rounded to T: the conv's output rounded, then SiLU's.
+template <typename T>
+inline void conv_silu(const float* acc, T* dst, int64_t m) {
+  const auto f = [](vf a) { return vsilu(vround<T>(a)); };
+  int64_t j = 0;
+  for (; j + VL <= m; j += VL) vstore(dst + j, f(vload(acc + j)));
+  if (j < m) {
+    float r[VL];
+    tail_lanes(acc + j, r, m - j, f);
+    for (int64_t i = 0; i < m - j; ++i) dst[j + i] = static_cast<T>(r[i]);
+  }
+}
+
 // One row's q and k of key head kh from the conv's output, L2-normalised as transformers' l2norm
 // (x / sqrt(sum x^2 + 1e-6)), q scaled by 1 / sqrt(dk); and v of value head h.
 template <typename T>
@@ -48,11 +74,15 @@ inline void gated_norm_row(float* o, const T* z, const T* w, float eps, int64_t 
     ss += o[j] * o[j];
   }
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(dv) + eps);
-  for (int64_t j = 0; j < dv; ++j) {
+  float zf[MAX_HEAD_DIM], gate[MAX_HEAD_DIM];
+  for (int64_t j = 0; j < dv; ++j) zf[j] = to_f(z[j]);
+  int64_t j = 0;
+  for (; j + VL <= dv; j += VL) vstore(gate + j, vsilu(vload(zf + j)));
+  if (j < dv) tail_lanes(zf + j, gate + j, dv - j, vsilu);
+  for (j = 0; j < dv; ++j) {
     const float normed = to_f(static_cast<T>(o[j] * inv));
     const float weighted = to_f(static_cast<T>(to_f(w[j]) * normed));
-    const float zf = to_f(z[j]);
-    dst[j] = static_cast<T>(weighted * (zf / (1.f + std::exp(-zf))));
+    dst[j] = static_cast<T>(weighted * gate[j]);
   }
 }
 

@@ -159,7 +159,7 @@ void conv_prompt_impl(const at::Tensor& x, at::Tensor state, int64_t slot, const
   T *st = state.data_ptr<T>() + slot * C * W, *op = out.data_ptr<T>();
   const int64_t ldx = x.stride(0), ldo = out.stride(0);
   at::parallel_for(0, (C + CB - 1) / CB, 1, [&](int64_t b0, int64_t b1) {
-    float hist[MAXW][CB], wt[MAXW + 1][CB];
+    float hist[MAXW][CB], wt[MAXW + 1][CB], acc[CB];
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t c0 = blk * CB, cn = std::min(CB, C - c0);
       for (int64_t c = 0; c < cn; ++c) {
@@ -171,14 +171,14 @@ void conv_prompt_impl(const at::Tensor& x, at::Tensor state, int64_t slot, const
         T* orow = op + t * ldo + c0;
         for (int64_t c = 0; c < cn; ++c) {
           const float xin = to_f(xr[c]);
-          float acc = 0.f;
-          for (int64_t i = 0; i < W; ++i) acc += wt[i][c] * hist[i][c];
-          acc += wt[W][c] * xin;
+          float a = 0.f;
+          for (int64_t i = 0; i < W; ++i) a += wt[i][c] * hist[i][c];
+          a += wt[W][c] * xin;
           for (int64_t i = 0; i + 1 < W; ++i) hist[i][c] = hist[i + 1][c];
           hist[W - 1][c] = xin;
-          const float y = to_f(static_cast<T>(acc));  // rounded as conv_decode rounds
-          orow[c] = static_cast<T>(y / (1.f + std::exp(-y)));
+          acc[c] = a;
         }
+        conv_silu(acc, orow, cn);  // as conv_decode: rounded, then SiLU
       }
       for (int64_t c = 0; c < cn; ++c)
         for (int64_t i = 0; i < W; ++i) st[(c0 + c) * W + i] = static_cast<T>(hist[i][c]);
