@@ -92,16 +92,19 @@ struct QuantRows {  // activations quantized per row, for one call
 };
 
 // pf: the next tile's weights (or null), fetched a group's share (pf_step bytes) at each group
-// of this tile, so they are in the caches when it starts (see int4_gemm).
+// of this tile, so they are in the caches when it starts (see int4_gemm); pfs: its scales, a
+// group's share (NV x V4 halves) at each group likewise.
 template <int M, int NV, bool ZP>
 inline void int4_tile(const QuantRows& xr, int64_t m0, int64_t G, const uint8_t* const* w, const f16* const* d,
-                      const uint8_t* const* z, f4* res, const uint8_t* pf, int64_t pf_step) {
+                      const uint8_t* const* z, f4* res, const uint8_t* pf, int64_t pf_step, const uint8_t* pfs) {
   f4 facc[M][NV];
   for (int i = 0; i < M; ++i)
     for (int v = 0; v < NV; ++v) facc[i][v] = fz4();
   for (int64_t g = 0; g < G; ++g) {
-    if (pf)
+    if (pf) {
       for (int64_t o = 0; o < pf_step; o += 64) __builtin_prefetch(pf + g * pf_step + o, 0, 2);
+      for (int64_t o = 0; o < NV * V4 * 2; o += 64) __builtin_prefetch(pfs + g * NV * V4 * 2 + o, 0, 2);
+    }
     v4 acc[M][NV], acc2[M][NV];  // low and high nibbles apart: two dependency chains
     for (int i = 0; i < M; ++i)
       for (int v = 0; v < NV; ++v) acc[i][v] = acc2[i][v] = z4();
@@ -159,14 +162,14 @@ inline void int4_tile(const QuantRows& xr, int64_t m0, int64_t G, const uint8_t*
 
 template <int NV, bool ZP>
 inline void int4_rows(int m, const QuantRows& xr, int64_t m0, int64_t G, const uint8_t* const* w,
-                      const f16* const* d, const uint8_t* const* z, f4* res, const uint8_t* pf, int64_t pf_step) {
+                      const f16* const* d, const uint8_t* const* z, f4* res, const uint8_t* pf, int64_t pf_step, const uint8_t* pfs) {
   switch (m) {
 #if defined(__AVX512F__)
-    case 4: int4_tile<4, NV, ZP>(xr, m0, G, w, d, z, res, pf, pf_step); break;
-    case 3: int4_tile<3, NV, ZP>(xr, m0, G, w, d, z, res, pf, pf_step); break;
+    case 4: int4_tile<4, NV, ZP>(xr, m0, G, w, d, z, res, pf, pf_step, pfs); break;
+    case 3: int4_tile<3, NV, ZP>(xr, m0, G, w, d, z, res, pf, pf_step, pfs); break;
 #endif
-    case 2: int4_tile<2, NV, ZP>(xr, m0, G, w, d, z, res, pf, pf_step); break;
-    default: int4_tile<1, NV, ZP>(xr, m0, G, w, d, z, res, pf, pf_step); break;
+    case 2: int4_tile<2, NV, ZP>(xr, m0, G, w, d, z, res, pf, pf_step, pfs); break;
+    default: int4_tile<1, NV, ZP>(xr, m0, G, w, d, z, res, pf, pf_step, pfs); break;
   }
 }
 
@@ -180,12 +183,12 @@ constexpr int WIDE_ROWS = 1;
 
 template <bool ZP>
 inline void int4_nv(int nv, int m, const QuantRows& xr, int64_t m0, int64_t G, const uint8_t* const* w,
-                    const f16* const* d, const uint8_t* const* z, f4* res, const uint8_t* pf, int64_t pf_step) {
+                    const f16* const* d, const uint8_t* const* z, f4* res, const uint8_t* pf, int64_t pf_step, const uint8_t* pfs) {
   switch (nv) {
-    case 4: int4_rows<4, ZP>(m, xr, m0, G, w, d, z, res, pf, pf_step); break;
-    case 3: int4_rows<3, ZP>(m, xr, m0, G, w, d, z, res, pf, pf_step); break;
-    case 2: int4_rows<2, ZP>(m, xr, m0, G, w, d, z, res, pf, pf_step); break;
-    default: int4_rows<1, ZP>(m, xr, m0, G, w, d, z, res, pf, pf_step); break;
+    case 4: int4_rows<4, ZP>(m, xr, m0, G, w, d, z, res, pf, pf_step, pfs); break;
+    case 3: int4_rows<3, ZP>(m, xr, m0, G, w, d, z, res, pf, pf_step, pfs); break;
+    case 2: int4_rows<2, ZP>(m, xr, m0, G, w, d, z, res, pf, pf_step, pfs); break;
+    default: int4_rows<1, ZP>(m, xr, m0, G, w, d, z, res, pf, pf_step, pfs); break;
   }
 }
 
@@ -236,10 +239,11 @@ void int4_gemm(const QuantRows& xr, int64_t M, int64_t G, const uint8_t* packed,
       for (int64_t m0 = 0; m0 < M; m0 += tile_m) {
         const int m = static_cast<int>(std::min<int64_t>(tile_m, M - m0));
         const uint8_t* pf = m0 == 0 && blk + 1 < b1 ? packed + (blk + 1) * tile_bytes : nullptr;
+        const uint8_t* pfs = reinterpret_cast<const uint8_t*>(scales + (blk + 1) * tile_v * G * V4);
         if (zeros)
-          int4_nv<true>(nv, m, xr, m0, G, w, d, z, res, pf, pf_step);
+          int4_nv<true>(nv, m, xr, m0, G, w, d, z, res, pf, pf_step, pfs);
         else
-          int4_nv<false>(nv, m, xr, m0, G, w, d, z, res, pf, pf_step);
+          int4_nv<false>(nv, m, xr, m0, G, w, d, z, res, pf, pf_step, pfs);
         for (int v = 0; v < nv; ++v) {
           const int64_t n0 = (v0 + v) * V4;
           const int valid = static_cast<int>(std::min<int64_t>(V4, N - n0));
