@@ -625,6 +625,7 @@ def soak_lines(res: dict, png: str) -> list[str]:
         vals = [r[key] for r in rows if r[key] is not None]
         return sorted(vals)[len(vals) // 2] if vals else float("nan")
 
+    lead = f"After {res['warmup_s']:g} s of warm-up load, each" if res.get("warmup_s") else "Each"
     lines = [SOAK_HEADING, "", f"Host: {res['machine']}.", "",
              f"`python -m fusedserve.benchmarks.soak --minutes {res['minutes']:g}`: `fusedserve serve` on the "
              f"`{res['model']}` model, {res['workers']} workers, {res['clients']} concurrent clients of the mixed "
@@ -632,8 +633,7 @@ def soak_lines(res: dict, png: str) -> list[str]:
              f"of 10 to ~{1.45 * res.get('prompt_max_words', 1200):,.0f} tokens, 5% of requests dropped "
              "mid-stream, 5% bad), sampled every "
              f"{res['interval_s']:g} s; {res['requests']} requests ({', '.join(f'{k} {v}' for k, v in sorted(res['by_kind'].items()))}). "
-             (f"After {res['warmup_s']:g} s of warm-up load, each" if res.get("warmup_s") else "Each")
-             + " series: its median over the second quarter and over the last, and the change "
+             f"{lead} series: its median over the second quarter and over the last, and the change "
              f"(bound: {100 * soak.GROWTH:.0f}%, counts with a slack of {soak.SLACK}):", "",
              "| series | 2nd quarter | last quarter | change |", "|---|---|---|---|"]
     for key in (*soak.BYTES, *soak.COUNTS, "kv_blocks_used", "requests", "ttft_p50", "ttft_p99", "tpot_p50",
