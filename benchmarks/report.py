@@ -531,6 +531,7 @@ def hybrid_lines(res: dict, prefill: dict | None, t: list) -> list[str]:
     from fusedserve.benchmarks import hybrid_decode
 
     r = res["results"]
+    runs = max(cell["runs"] for row in r.values() for cell in row.values())
     for engine, peer in hybrid_decode.PEER.items():
         if engine in r and peer in r:
             ratios = {b: r[engine][b]["median"] / r[peer][b]["median"] for b in r[engine] if b in r[peer]}
@@ -543,7 +544,7 @@ def hybrid_lines(res: dict, prefill: dict | None, t: list) -> list[str]:
              "248,320, tied embeddings, bf16), and llama.cpp on the same checkpoint converted by its own converter "
              "(`--no-mtp`) and quantized by `llama-quantize`; "
              f"{res['input_len']} tokens in, {res['new_tokens']} out per request, prefill included, "
-             f"{res['threads']} threads, output tokens/s, {RUNS} runs round robin. llama.cpp builds: "
+             f"{res['threads']} threads, output tokens/s, {runs} runs round robin (median, min-max). llama.cpp builds: "
              + ", ".join(f"{e}: {b}" for e, b in res.get("llama_builds", {}).items()) + ".", "",
              *hybrid_decode.table(res, False)]
     if prefill:
