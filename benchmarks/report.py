@@ -618,9 +618,7 @@ def soak_lines(res: dict, png: str) -> list[str]:
     """A stored ``fusedserve.benchmarks.soak`` run as the section."""
     from fusedserve.benchmarks import soak
 
-    judged = [r for r in res["samples"] if not r.get("warmup")]  # after the warm-up
-    n = len(judged)
-    q2, q4 = judged[n // 4 : n // 2], judged[3 * n // 4 :]
+    q2, q4 = soak.quarters(res["samples"])
 
     def med(rows: list[dict], key: str) -> float:
         vals = [r[key] for r in rows if r[key] is not None]

@@ -105,11 +105,16 @@ def sample(client: Client, pid: int, log: LoadLog, t0: float, t1: float) -> dict
     }
 
 
-def _medians(samples: list[dict], key: str) -> tuple[float, float]:
-    """A series' medians over the second and the last quarter of the samples after warm-up."""
+def quarters(samples: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The second and the last quarter of the samples after warm-up: what growth compares."""
     judged = [s for s in samples if not s.get("warmup")]
     n = len(judged)
-    q2, q4 = judged[n // 4 : n // 2], judged[3 * n // 4 :]
+    return judged[n // 4 : n // 2], judged[3 * n // 4 :]
+
+
+def _medians(samples: list[dict], key: str) -> tuple[float, float]:
+    """A series' medians over the second and the last quarter after warm-up."""
+    q2, q4 = quarters(samples)
     return statistics.median(s[key] for s in q2), statistics.median(s[key] for s in q4)
 
 
