@@ -14,7 +14,10 @@ import pytest
 from tests.agent_model import TOOLS, write_agent_model
 from tests.serve_proc import ServeProcess
 
-CAT = {"type": "object", "properties": {"name": {"type": "string"}, "legs": {"type": "integer"}},
+# Bounded, so the grammar closes the object whatever text the tiny model would ramble on with
+# (its float32 greedy path differs between the hosts' kernels).
+CAT = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                       "legs": {"type": "integer", "minimum": 0, "maximum": 99}},
        "required": ["name", "legs"], "additionalProperties": False}
 
 

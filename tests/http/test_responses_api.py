@@ -17,7 +17,10 @@ from tests.agent_model import WEATHER, write_agent_model
 from tests.support import running_server, serving_http
 
 TOOL = {"type": "function", **WEATHER["function"]}  # the Responses shape: no "function" wrapper
-CAT = {"type": "object", "properties": {"name": {"type": "string"}, "legs": {"type": "integer"}},
+# Bounded, so the grammar closes the object whatever text the tiny model would ramble on with
+# (its float32 greedy path differs between the hosts' kernels).
+CAT = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                       "legs": {"type": "integer", "minimum": 0, "maximum": 99}},
        "required": ["name", "legs"], "additionalProperties": False}
 
 
