@@ -182,13 +182,14 @@ def sample(logits: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, out:
     come with their refused tokens already at -inf (``apply_token_bitmask``).
     """
     token = torch.argmax(logits, dim=-1)
-    t, k = params[:, TEMPERATURE], params[:, TOP_K]
-    n = min(candidates, logits.shape[1])
-    in_candidates, in_full = row_paths(t, k, n)
-    if plan.candidates:
-        token = torch.where(in_candidates, _candidate_draw(logits, params, seeds, n), token)
-    if plan.full:
-        token = torch.where(in_full, _full_draw(logits, params, seeds, plan), token)
+    if plan.random:  # else every row is greedy: the row masks' few small ops are skipped
+        t, k = params[:, TEMPERATURE], params[:, TOP_K]
+        n = min(candidates, logits.shape[1])
+        in_candidates, in_full = row_paths(t, k, n)
+        if plan.candidates:
+            token = torch.where(in_candidates, _candidate_draw(logits, params, seeds, n), token)
+        if plan.full:
+            token = torch.where(in_full, _full_draw(logits, params, seeds, plan), token)
     out.copy_(token)
     return out
 

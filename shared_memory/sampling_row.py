@@ -55,6 +55,8 @@ class SamplingPlan:
     def for_rows(cls, params: np.ndarray, candidates: int, vocab: int) -> SamplingPlan:
         """The plan of rows whose ``params`` [B, 4] are laid out as ``COLUMNS``."""
         t, top_p, min_p, k = (params[:, c] for c in (TEMPERATURE, TOP_P, MIN_P, TOP_K))
+        if not (t > 0).any():  # greedy rows only (the common launch): no stage to plan
+            return cls()
         n = min(candidates, vocab)
         cand, full = row_paths(t, k, n)
         return cls(candidates=bool(cand.any()), full=bool(full.any()),

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from fusedserve.coordinator.engine.scheduled_batch import PromptSpan, ScheduledBatch
 from fusedserve.coordinator.engine.step_outputs import StepOutputs
@@ -38,7 +37,7 @@ class OutputPlan:
 
 
 def _put(arena: HostArena, name: str, values: np.ndarray) -> None:
-    arena.view(name, values.shape).copy_(torch.from_numpy(np.ascontiguousarray(values)))
+    arena.array(name, values.shape)[...] = values
 
 
 def write_batch(arena: HostArena, batch: ScheduledBatch, step: int, bank: int, candidates: int,
@@ -123,7 +122,7 @@ def _write_bitmask(arena: HostArena, batch: ScheduledBatch, dims: dict[str, int]
     dims["G"], dims["VW"] = (batch.batch_size if rows or ruled else 0), words
     if not rows and not ruled:
         return
-    mask = arena.view("token_bitmask", (batch.batch_size, words)).numpy()
+    mask = arena.array("token_bitmask", (batch.batch_size, words))
     mask.fill(-1)
     speculating = {first: n for first, n in batch.spec_groups if batch.seqs[first].grammar is not None}
     _fill_grammars(batch, [i for i in rows if i not in speculating and not batch.follows(i)], mask, invalid)
@@ -257,18 +256,18 @@ def read_outputs(arena: HostArena, desc: LaunchDescriptor, plan: OutputPlan) -> 
     nl, n, tl, np_ = d["NL"], d["N"], d["TL"], d["NP"]
     return StepOutputs(
         step=desc.step,
-        sampled_ids=arena.view("sampled_ids", (d["B"],)).numpy(),
+        sampled_ids=arena.array("sampled_ids", (d["B"],)),
         spec_firsts=list(plan.spec_firsts),
-        spec_accepted=arena.view("spec_accepted", (d["S"],)).numpy(),
+        spec_accepted=arena.array("spec_accepted", (d["S"],)),
         logprob_rows=list(plan.logprob_rows),
-        sampled_logprobs=arena.view("sampled_logprobs", (nl,)).numpy(),
-        top_logprob_ids=arena.view("top_logprob_ids", (nl, n)).numpy(),
-        top_logprob_values=arena.view("top_logprob_values", (nl, n)).numpy(),
+        sampled_logprobs=arena.array("sampled_logprobs", (nl,)),
+        top_logprob_ids=arena.array("top_logprob_ids", (nl, n)),
+        top_logprob_values=arena.array("top_logprob_values", (nl, n)),
         prompt_spans=list(plan.prompt_spans),
-        prompt_logprobs=arena.view("prompt_logprobs", (tl,)).numpy(),
-        prompt_top_ids=arena.view("prompt_top_ids", (tl, np_)).numpy(),
-        prompt_top_values=arena.view("prompt_top_values", (tl, np_)).numpy(),
+        prompt_logprobs=arena.array("prompt_logprobs", (tl,)),
+        prompt_top_ids=arena.array("prompt_top_ids", (tl, np_)),
+        prompt_top_values=arena.array("prompt_top_values", (tl, np_)),
         invalid=plan.invalid,
         pool_rows=list(plan.pool_rows),
-        pooled=arena.view("pooled", (d["PL"], d["H"])).numpy(),
+        pooled=arena.array("pooled", (d["PL"], d["H"])),
     )

@@ -97,6 +97,7 @@ class NativeAttention:
         self._block_size = 0
         self._chunks: list[PromptChunk] = []
         self._flash_chunks: torch.Tensor | None = None
+        self._decode_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def sdpa_from(self) -> int | None:
@@ -109,6 +110,8 @@ class NativeAttention:
     def begin(self, batch: ForwardBatch, block_size: int) -> None:
         self._batch, self._block_size = batch, block_size
         self._chunks, self._flash_chunks = [], None
+        nd = batch.num_decode  # the decode rows' tables, sliced once a launch rather than per layer
+        self._decode_tables = (batch.block_tables[:nd], batch.seq_lens[:nd]) if nd else None
         if not batch.prompt_query_lens:
             return
         flash, start = [], batch.num_decode  # (block-table row, first query, queries, context)
@@ -124,9 +127,11 @@ class NativeAttention:
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                out: torch.Tensor) -> None:
         b, nd = self._batch, self._batch.num_decode
-        if nd:
-            self.native.decode_attention(q[:nd], k_cache, v_cache, b.block_tables[:nd], b.seq_lens[:nd],
-                                         self._block_size, self.scale, out[:nd])
+        if self._decode_tables is not None:
+            tables, lens = self._decode_tables
+            whole = q.shape[0] == nd  # else prompt rows follow the decode rows
+            self.native.decode_attention(q if whole else q[:nd], k_cache, v_cache, tables, lens,
+                                         self._block_size, self.scale, out if whole else out[:nd])
         if self._flash_chunks is not None:
             self.native.prompt_attention(q, k_cache, v_cache, b.block_tables, self._flash_chunks,
                                          self._block_size, self.scale, out)

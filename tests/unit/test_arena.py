@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fusedserve.shared_memory.arena import SHM_DIR, HostArena, list_segments, remove_stale
-from fusedserve.shared_memory.slots import step_table
+from fusedserve.shared_memory.slots import SlotError, step_table
 
 ROOT = Path(__file__).resolve().parents[2]
 DIMS = {"B": 4, "B1": 5, "W": 3, "T": 16, "NL": 4, "N": 2, "TL": 16, "NP": 2, "V": 32, "G": 4, "VW": 1,
@@ -35,7 +35,7 @@ def test_second_process_attaches_writes_and_reads_without_copies():
         child = _python(f"""
             import ctypes, torch
             from fusedserve.shared_memory.arena import HostArena
-            from fusedserve.shared_memory.slots import step_table
+            from fusedserve.shared_memory.slots import SlotError, step_table
             a = HostArena.attach({arena.name!r}, step_table(), {DIMS!r})
             ids = a.view("sampled_ids", (4,))
             print("read", ids.tolist())
@@ -56,11 +56,29 @@ def test_second_process_attaches_writes_and_reads_without_copies():
     assert not (SHM_DIR / name).exists()
 
 
+def test_views_kept_per_shape_map_the_slot_front_whichever_shape_came_last():
+    """The arena keeps each slot's last view (tensor and numpy): a shape asked again after another
+    is the same memory, numpy writes land in the tensors, and an oversized shape is still refused."""
+    with HostArena.create(TABLE, DIMS, tag="t") as arena:
+        arena.array("block_tables", (2, 3))[...] = [[1, 2, 3], [4, 5, 6]]
+        assert arena.view("block_tables", (2, 3)).tolist() == [[1, 2, 3], [4, 5, 6]]
+        wide = arena.view("block_tables", (1, 3))
+        wide[0, 0] = 9
+        again = arena.array("block_tables", (2, 3))
+        assert again.tolist() == [[9, 2, 3], [4, 5, 6]]
+        assert again.ctypes.data == arena.full("block_tables").data_ptr()
+        arena.array("block_tables", (3, 1))[...] = 0  # the first 3 elements, whatever the shape
+        assert arena.view("block_tables", (2, 3)).tolist() == [[0, 0, 0], [4, 5, 6]]
+        with pytest.raises(SlotError):
+            arena.view("block_tables", (DIMS["B"] + 1, DIMS["W"]))
+        del wide, again
+
+
 def _creator(extra: str = "") -> tuple[subprocess.Popen, str]:
     proc = _python(f"""
         import sys, time
         from fusedserve.shared_memory.arena import HostArena
-        from fusedserve.shared_memory.slots import step_table
+        from fusedserve.shared_memory.slots import SlotError, step_table
         a = HostArena.create(step_table(), {DIMS!r}, tag="kill")
         print(a.name, flush=True)
         {extra}

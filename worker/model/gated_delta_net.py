@@ -38,6 +38,11 @@ def delta_net_forward(c: Qwen3Config, linear: LinearOp, w: LinearAttnWeights, h:
     mixed, z = proj[:, :cd], proj[:, cd : cd + vd]
     b, a = proj[:, cd + vd : cd + vd + nv], proj[:, cd + vd + nv :]
     slots, eps = batch.state_slots, c.rms_norm_eps
+    if batch.decode_only and not batch.spec_groups:  # decode rows alone: nothing to slice
+        ops.conv(mixed, state.conv, slots, w.conv, conv)
+        ops.step(la, w, eps, conv, b, a, z, state.recurrent, slots, normed)
+        linear(normed, w.out_proj, out)
+        return
     window = kv_window(len(batch.spec_groups), max(n for _, n in batch.spec_groups)) \
         if batch.spec_groups else None
     for grp, (s, e) in _decode_runs(batch):
