@@ -750,6 +750,45 @@ def llama_server_section(args: argparse.Namespace, t: list) -> list[str]:
             *llama_server.table(res), ""]
 
 
+AVX2_HOST_HEADING = "## CPU peers on an AVX2-only host"
+AVX2_HOST_RESULTS = RESULTS / "cpu_peers_avx2_host.json"
+
+
+def avx2_host_section(args: argparse.Namespace, t: list) -> list[str]:
+    """The CPU peers run natively on an AVX2-only CPU, with long-context decode (``avx2_host.py``):
+    measured where this host is one and llama.cpp is given, else the stored run."""
+    from fusedserve.benchmarks import avx2_host
+    from fusedserve.kernels.native import build as native
+
+    if args.llama_cpp and native.chosen_isa() == "avx2":
+        res = avx2_host.main(["--llama-cpp", args.llama_cpp, "--threads", str(args.threads),
+                              "--json", str(AVX2_HOST_RESULTS),
+                              *(["--openvino-python", args.openvino_python] if args.openvino_python else []),
+                              *(["--llama-python", args.llama_python] if args.llama_python else [])])
+        when = "this run"
+    elif AVX2_HOST_RESULTS.is_file():
+        res = json.loads(AVX2_HOST_RESULTS.read_text())
+        when = f"the stored run (`{AVX2_HOST_RESULTS.relative_to(ROOT)}`)"
+    else:
+        return []
+    peers, prefix = res["peers"], "AVX2-only host: "
+    class_targets(cpu_peers.medians(peers), t, prefix)
+    t += avx2_host.targets(res, prefix)
+    kernels = res["long_context"][0]["kernels"]
+    return [AVX2_HOST_HEADING, "", f"Host: {peers['machine']}; {res['isa_line']}. Figures from {when}.", "",
+            "`python -m fusedserve.benchmarks.avx2_host --openvino-python PY --llama-cpp DIR`: the CPU-peers run "
+            f"natively on a CPU without AVX-512 or AVX-VNNI ({peers['model']}, 32 prompt / 64 new tokens, greedy, "
+            f"{peers['threads']} threads, a fresh process per engine and batch, runs round robin, "
+            f"{next(iter(next(iter(peers['results'].values())).values()))['runs']} runs). fusedserve's "
+            f"kernels: `{kernels['linear']}`, attention `{kernels['attention']}`; OpenVINO and llama.cpp pick "
+            f"their own (llama.cpp's builds: {cpu_peers.llama_builds(peers) or 'none given'}). Read bandwidth in "
+            f"this run: {peers['read_bw_gbps']:.1f} GB/s. Output tokens/s, prefill included:", "",
+            *cpu_peers.table(peers), "",
+            "Batch-1 decode steps at long contexts (`decode_step --context N`, bf16 weights; bytes read: the "
+            "weights and the K/V of every layer a step reads; the bandwidth probed in the same process):", "",
+            *avx2_host.long_table(res["long_context"]), ""]
+
+
 CORE_HEADING = "## Decode step (one worker, in-process launch path, greedy, context 128)"
 PEERS_HEADING = "## CPU peers on a Qwen3-0.6B-shaped checkpoint"
 SECTIONS = {"core": (CORE_HEADING, core_section),
@@ -766,7 +805,8 @@ SECTIONS = {"core": (CORE_HEADING, core_section),
             "soak": (SOAK_HEADING, soak_section),
             "overload": (OVERLOAD_HEADING, overload_section),
             "lora": (LORA_HEADING, lora_section),
-            "llama_server": (SERVER_PEER_HEADING, llama_server_section)}
+            "llama_server": (SERVER_PEER_HEADING, llama_server_section),
+            "avx2_host": (AVX2_HOST_HEADING, avx2_host_section)}
 
 
 def splice(path: Path, heading: str, section: list[str], targets: list) -> None:
@@ -917,6 +957,8 @@ def main(argv: list[str] | None = None) -> None:
     lines += peer_section(args, t)
     if args.avx2_peers:
         lines += avx2_peer_section(args, t)
+    avx2_host = avx2_host_section(args, t)
+    lines += ["", *avx2_host] if avx2_host else []
     lines += engine_section(args, t)
     lines += structured_section(args, t)
     lines += parallel_section(args, t)
