@@ -48,12 +48,15 @@ def run(openvino_python: str | None, llama_cpp: str | None, llama_python: str | 
     return {"peers": peers, "isa_line": isa_line(), "long_context": long_context()}
 
 
+def _kv(row: dict) -> str:
+    return "bf16" if row["kv_cache_dtype"] == "auto" else "int8"
+
+
 def long_table(rows: list[dict]) -> list[str]:
     lines = ["| KV cache | context | ms/step | bytes read (weights + K/V) | GB/s | % of read bw | target |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
-        kv = "bf16" if r["kv_cache_dtype"] == "auto" else "int8"
-        lines.append(f"| {kv} | {r['context']} | {fmt(r['step_ms'])} | {r['bytes_read'] / 1e6:.0f} MB "
+        lines.append(f"| {_kv(r)} | {r['context']} | {fmt(r['step_ms'])} | {r['bytes_read'] / 1e6:.0f} MB "
                      f"| {r['achieved_gbps']:.1f} | {100 * r['fraction_of_read_bw']:.0f}% "
                      f"| {100 * LONG_TARGETS.get(r['context'], 0):.0f}% |")
     return lines
@@ -66,10 +69,9 @@ def targets(res: dict, prefix: str) -> list[tuple[str, bool, str]]:
         want = LONG_TARGETS.get(r["context"])
         if want is None:
             continue
-        kv = "bf16" if r["kv_cache_dtype"] == "auto" else "int8"
         got = r["fraction_of_read_bw"]
         out.append((f"{prefix}batch-1 decode at context {r['context']} >= {100 * want:.0f}% of read "
-                    f"bandwidth ({kv} KV cache)", got >= want, f"{100 * got:.0f}%"))
+                    f"bandwidth ({_kv(r)} KV cache)", got >= want, f"{100 * got:.0f}%"))
     return out
 
 
